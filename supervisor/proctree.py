@@ -1,0 +1,247 @@
+"""Finding, signalling and reaping every process of one instance's tree, from /proc.
+
+An instance's processes are found by four marks, because any one of them can be lost:
+- process group and session == the leader's pid (start_new_session=True; vLLM's EngineCore and
+  Worker stay in them, and they outlive a SIGKILLed leader: the ids do not go away while in use);
+- `VSUP_TREE=<token>` in /proc/<pid>/environ (inherited by every descendant, even one that called
+  setsid() and was then orphaned to init);
+- pids seen in an earlier look (pid + start time, so a reused pid is never mistaken);
+- parent links: the descendants of all of the above.
+
+Signals go through pidfds where the kernel has them, so a pid reused between looking and killing
+is never hit. Nothing here calls waitpid(-1): asyncio's child watcher owns the leader's status.
+
+Subreaper: init in containers and sandboxes often does not reap orphans (they stay zombies), and
+the parent of an orphaned EngineCore is init, out of our reach. `become_subreaper()` makes vsup the
+parent of its instances' orphans instead; `reap_zombies()` then reaps those (by pid, WNOHANG).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import errno
+import os
+import signal
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+TOKEN_VAR = "VSUP_TREE"
+POLL = 0.05  # seconds between looks while waiting for processes to go
+
+_PR_SET_CHILD_SUBREAPER = 36
+_PR_GET_CHILD_SUBREAPER = 37
+
+
+@dataclass(frozen=True)
+class ProcStat:
+    """The fields of /proc/<pid>/stat this module needs."""
+
+    pid: int
+    comm: str
+    state: str  # R, S, D, Z (zombie), ...
+    ppid: int
+    pgid: int
+    sid: int
+    start: int  # start time in clock ticks since boot: with pid, the process's identity
+
+    @property
+    def zombie(self) -> bool:
+        return self.state in ("Z", "X")
+
+
+def read_stat(pid: int) -> ProcStat | None:
+    """None when the process does not exist (any more)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read().decode("utf-8", "replace")
+    except OSError:
+        return None
+    # comm may contain spaces and parentheses: it runs from the first "(" to the last ")".
+    head, _, rest = raw.rpartition(")")
+    comm = head.partition("(")[2]
+    fields = rest.split()
+    try:
+        return ProcStat(pid, comm, fields[0], int(fields[1]), int(fields[2]), int(fields[3]), int(fields[19]))
+    except (IndexError, ValueError):
+        return None
+
+
+def scan() -> dict[int, ProcStat]:
+    """Every process on the machine (zombies included)."""
+    found = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            st = read_stat(int(name))
+            if st is not None:
+                found[st.pid] = st
+    return found
+
+
+def _carries_token(pid: int, needle: bytes) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            environ = f.read()
+    except OSError:
+        return False
+    return needle in environ or environ.startswith(needle[1:])  # needle is "\0VAR=token\0"
+
+
+def find_tree(leader: int, *, token: str | None = None, known: Mapping[int, int] | None = None) -> dict[int, ProcStat]:
+    """Live (not zombie) processes of the instance whose leader pid / group / session is `leader`.
+
+    known: pid -> start time of processes seen before; they count while the same process lives.
+    """
+    everything = scan()
+    me = os.getpid()
+    uid = os.getuid()
+    needle = f"\0{TOKEN_VAR}={token}\0".encode() if token else None
+    roots: set[int] = set()
+    for pid, st in everything.items():
+        if pid in (1, me) or st.zombie:
+            continue
+        if pid == leader or st.pgid == leader or st.sid == leader:
+            roots.add(pid)
+        elif known and known.get(pid) == st.start:
+            roots.add(pid)
+        elif needle is not None and _owned_by(pid, uid) and _carries_token(pid, needle):
+            roots.add(pid)
+    children: dict[int, list[int]] = {}
+    for pid, st in everything.items():
+        children.setdefault(st.ppid, []).append(pid)
+    tree: dict[int, ProcStat] = {}
+    todo = list(roots)
+    while todo:
+        pid = todo.pop()
+        st = everything.get(pid)
+        if pid in tree or st is None or st.zombie or pid in (1, me):
+            continue
+        tree[pid] = st
+        todo.extend(children.get(pid, ()))
+    return tree
+
+
+def _owned_by(pid: int, uid: int) -> bool:
+    # Only our own processes can carry our token (root reads every environ: skip the others, fast).
+    try:
+        return os.stat(f"/proc/{pid}").st_uid == uid
+    except OSError:
+        return False
+
+
+def alive(st: ProcStat) -> bool:
+    """True while this very process (same start time) exists and is not a zombie."""
+    now = read_stat(st.pid)
+    return now is not None and now.start == st.start and not now.zombie
+
+
+def signal_group(pgid: int, sig: int) -> bool:
+    """Signal a whole process group; False when the group has no member left."""
+    try:
+        os.killpg(pgid, sig)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return False
+
+
+def signal_exact(st: ProcStat, sig: int) -> bool:
+    """Signal this process only if it is still the one in `st` (no reused pid is ever hit)."""
+    try:
+        fd = os.pidfd_open(st.pid)
+    except (AttributeError, OSError) as exc:
+        if isinstance(exc, ProcessLookupError):
+            return False
+        return _signal_checked(st, sig)  # no pidfd support: the (tiny) check-then-kill window remains
+    try:
+        now = read_stat(st.pid)  # the pidfd now pins the process: if it is ours here, it stays ours
+        if now is None or now.start != st.start:
+            return False
+        signal.pidfd_send_signal(fd, sig)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _signal_checked(st: ProcStat, sig: int) -> bool:
+    now = read_stat(st.pid)
+    if now is None or now.start != st.start:
+        return False
+    try:
+        os.kill(st.pid, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+async def wait_gone(procs: Iterable[ProcStat], timeout: float) -> list[ProcStat]:
+    """Wait up to `timeout` s for the processes to exit (zombie counts as exited); returns those left."""
+    left = [st for st in procs if alive(st)]
+    deadline = time.monotonic() + timeout
+    while left and time.monotonic() < deadline:
+        await asyncio.sleep(min(POLL, max(0.0, deadline - time.monotonic())))
+        left = [st for st in left if alive(st)]
+    return left
+
+
+# -- subreaper and reaping ---------------------------------------------------------------------
+
+def _prctl():
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.prctl
+
+
+def become_subreaper() -> bool:
+    """Make this process the parent of its descendants' orphans (PR_SET_CHILD_SUBREAPER).
+    False where the kernel refuses (not Linux); the caller then relies on init reaping them."""
+    try:
+        return _prctl()(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def stop_being_subreaper() -> None:
+    try:
+        _prctl()(_PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def is_subreaper() -> bool:
+    value = ctypes.c_int(0)
+    try:
+        if _prctl()(_PR_GET_CHILD_SUBREAPER, ctypes.byref(value), 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    return bool(value.value)
+
+
+def reap_zombies(candidates: Iterable[int], exclude: Iterable[int] = ()) -> list[int]:
+    """Reap those of `candidates` that are zombie children of this process (orphans handed to us as
+    subreaper or init), by pid with WNOHANG. `exclude`: pids whose status belongs to someone else
+    (the leaders asyncio's child watcher waits for)."""
+    me = os.getpid()
+    skip = set(exclude)
+    reaped = []
+    for pid in set(candidates) - skip:
+        st = read_stat(pid)
+        if st is None or st.ppid != me or not st.zombie:
+            continue
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            continue
+        except OSError as exc:
+            if exc.errno == errno.EINTR:
+                continue
+            raise
+        if done == pid:
+            reaped.append(pid)
+    return sorted(reaped)
