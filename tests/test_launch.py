@@ -1,0 +1,95 @@
+"""From a planned instance and the config to the argv and environment that are exec'd."""
+
+from __future__ import annotations
+
+import pytest
+
+from supervisor.config import parse_config
+from supervisor.errors import ConfigError
+from supervisor.launch import build_command, child_environment
+from tests.machines import GiB, make_machine
+from topology.plan_model import PlanSettings
+from topology.planner import plan
+
+
+def instance(kvcache_gib=2.0, **kw):
+    machine = make_machine(sockets=2, cores_per_node=4, smt=2)
+    settings = PlanSettings(instances=2, model_size_bytes=GiB, kvcache_gib=kvcache_gib, **kw)
+    return plan(machine, settings).instances[1]
+
+
+def config(extra: str = ""):
+    return parse_config("model: /models/tiny\nvllm:\n  command: [vllm, serve]\n" + extra)
+
+
+def test_argv_is_prefix_command_model_host_port_then_args():
+    cfg = parse_config(
+        "model: /models/tiny\nserved_model_name: tiny\n"
+        "vllm:\n  command: [vllm, serve]\n  args: [--dtype, float32]\n"
+    )
+    argv, _ = build_command(instance(), cfg, {})
+    assert argv == [
+        "numactl", "--physcpubind=4-7,12-15", "--membind=1",
+        "vllm", "serve", "/models/tiny", "--host", "127.0.0.1", "--port", "8101",
+        "--served-model-name", "tiny", "--dtype", "float32",
+    ]
+
+
+def test_api_server_module_gets_the_model_as_an_option():
+    cfg = parse_config("model: m\nvllm:\n  command: [python3, -m, vllm.entrypoints.openai.api_server]\n")
+    argv, _ = build_command(instance(launcher="none"), cfg, {})
+    assert argv[:7] == ["python3", "-m", "vllm.entrypoints.openai.api_server", "--model", "m", "--host", "127.0.0.1"]
+
+
+def test_sub_gib_kv_cache_goes_to_argv_and_a_stale_env_value_is_dropped():
+    argv, env = build_command(instance(kvcache_gib=0.5), config(), {"VLLM_CPU_KVCACHE_SPACE": "40", "PATH": "/bin"})
+    assert argv[-2:] == ["--kv-cache-memory-bytes", str(GiB // 2)]
+    assert "VLLM_CPU_KVCACHE_SPACE" not in env
+    assert env["PATH"] == "/bin"
+
+
+def test_environment_is_the_plan_over_the_inherited_one_without_systemd_variables():
+    base = {
+        "PATH": "/usr/bin", "HOME": "/root", "OMP_NUM_THREADS": "64",
+        "NOTIFY_SOCKET": "@/run/x", "WATCHDOG_USEC": "3000000", "WATCHDOG_PID": "1",
+        "LISTEN_FDS": "1", "LISTEN_PID": "1", "LISTEN_FDNAMES": "a", "LISTEN_OTHER": "z",
+    }
+    _, env = build_command(instance(), config("  env:\n    LD_PRELOAD: libtcmalloc.so\n"), base)
+    assert env == {
+        "PATH": "/usr/bin", "HOME": "/root",
+        "OMP_NUM_THREADS": "4", "VLLM_CPU_OMP_THREADS_BIND": "4-7", "CPU_VISIBLE_MEMORY_NODES": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "2", "LD_PRELOAD": "libtcmalloc.so",
+    }
+    assert child_environment(base).keys() == {"PATH", "HOME", "OMP_NUM_THREADS"}
+
+
+def test_user_env_may_repeat_a_placement_value():
+    _, env = build_command(instance(), config("  env:\n    OMP_NUM_THREADS: '4'\n"), {})
+    assert env["OMP_NUM_THREADS"] == "4"
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ("  env:\n    OMP_NUM_THREADS: '8'\n", r"vllm.env.OMP_NUM_THREADS: '8' contradicts the placement of instance 1 \(the plan sets '4'\); remove it and set placement.cores_per_instance"),
+        ("  env:\n    VLLM_CPU_OMP_THREADS_BIND: auto\n", r"vllm.env.VLLM_CPU_OMP_THREADS_BIND: 'auto' contradicts"),
+        ("  args: ['--port=9000']\n", r"vllm.args: '--port=9000' is not allowed"),
+        ("  args: [--host, 0.0.0.0]\n", r"vllm.args: '--host' is not allowed: .*proxy.host"),
+    ],
+)
+def test_contradicting_the_plan_is_a_config_error(extra, message):
+    with pytest.raises(ConfigError, match=message):
+        build_command(instance(), config(extra), {})
+
+
+def test_kv_env_from_the_user_when_the_plan_uses_the_option_is_refused():
+    with pytest.raises(ConfigError, match=r"VLLM_CPU_KVCACHE_SPACE: '1' contradicts .*leaves it unset"):
+        build_command(instance(kvcache_gib=0.5), config("  env:\n    VLLM_CPU_KVCACHE_SPACE: '1'\n"), {})
+
+
+def test_default_command_puts_the_model_right_after_it():
+    cfg = parse_config("model: /models/tiny\n")
+    argv, _ = build_command(instance(launcher="none"), cfg, {"PATH": "/nonexistent"})
+    model_at = argv.index("/models/tiny")
+    assert argv[model_at - 1] in ("serve", "--model")
+    assert argv[model_at + 1 :][:4] == ["--host", "127.0.0.1", "--port", "8101"]

@@ -1,0 +1,312 @@
+"""The planner's rules on hand-built machines whose right answer can be worked out by hand."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from tests.machines import GiB, make_machine
+from topology.errors import PlanError
+from topology.plan_model import PlanSettings
+from topology.planner import plan
+
+
+def settings(**kw) -> PlanSettings:
+    kw.setdefault("model_size_bytes", 4 * GiB)
+    return PlanSettings(**kw)
+
+
+def two_socket():
+    # 2 sockets x 8 cores x SMT2: node 0 = CPUs 0-7 + 16-23, node 1 = 8-15 + 24-31
+    return make_machine(sockets=2, cores_per_node=8, smt=2, node_memory=64 * GiB)
+
+
+def test_two_socket_two_instances_one_per_node_with_core_zero_reserved():
+    p = plan(two_socket(), settings(instances=2))
+    a, b = p.instances
+    assert p.reserved_cpus == (0, 16)  # core 0 and its sibling, on node 0 where the split is even
+    assert a.nodes == (0,) and b.nodes == (1,)
+    assert a.cpus == tuple(range(1, 8)) + tuple(range(17, 24))
+    assert a.omp_cpus == tuple(range(1, 8))  # one OpenMP thread per physical core
+    assert b.omp_cpus == tuple(range(8, 16))
+    assert a.env_dict() == {
+        "OMP_NUM_THREADS": "7",
+        "VLLM_CPU_OMP_THREADS_BIND": "1-7",
+        "CPU_VISIBLE_MEMORY_NODES": "0",
+        "VLLM_CPU_KVCACHE_SPACE": str(a.kvcache_bytes // GiB),
+    }
+    assert a.argv == ("numactl", "--physcpubind=1-7,17-23", "--membind=0")
+    assert b.argv == ("numactl", "--physcpubind=8-15,24-31", "--membind=1")
+    assert (a.port, b.port) == (8100, 8101)
+    assert p.unused_cpus == ()
+
+
+def test_kv_cache_default_is_the_largest_whole_gib_share_that_fits():
+    p = plan(two_socket(), settings(instances=4))  # 2 per node: (64 - 2) / 2 - 4 - 1.5 = 25.5
+    assert {i.kvcache_bytes for i in p.instances} == {25 * GiB}
+    for node in p.memory:
+        assert node.demand_bytes <= node.budget_bytes
+        assert node.budget_bytes == 62 * GiB
+        assert "MemTotal" in node.figure
+
+
+def test_reserve_zero_uses_every_core():
+    p = plan(two_socket(), settings(instances=2, reserve_cores=0))
+    assert p.reserved_cpus == ()
+    assert [len(i.omp_cpus) for i in p.instances] == [8, 8]
+
+
+def test_uneven_sub_numa_nodes_are_split_proportionally():
+    m = make_machine(sockets=1, nodes_per_socket=3, cores_per_node=[43, 43, 42])
+    p = plan(m, settings(instances=3, reserve_cores=0))
+    assert [len(i.omp_cpus) for i in p.instances] == [43, 43, 42]
+    p6 = plan(m, settings(instances=6, reserve_cores=0))
+    assert [len(i.omp_cpus) for i in p6.instances] == [22, 21, 22, 21, 21, 21]
+    assert [i.nodes for i in p6.instances] == [(0,), (0,), (1,), (1,), (2,), (2,)]
+
+
+def test_reserved_core_goes_where_the_split_is_uneven():
+    m = make_machine(sockets=1, nodes_per_socket=3, cores_per_node=[42, 43, 42])
+    p = plan(m, settings(instances=3, reserve_cores=1))
+    # node 1 has the spare 43rd core: taking it costs nobody a thread that the others have
+    assert [len(i.omp_cpus) for i in p.instances] == [42, 42, 42]
+    assert len(p.reserved_cpus) == 1 and m.node(1).cpus.count(p.reserved_cpus[0]) == 1
+
+
+def test_fewer_instances_than_nodes_spans_nodes_with_a_warning():
+    m = make_machine(sockets=2, nodes_per_socket=2, cores_per_node=4)
+    p = plan(m, settings(instances=2, reserve_cores=0))
+    assert [i.cpu_nodes for i in p.instances] == [(0, 1), (2, 3)]  # neighbours, one socket each
+    assert p.instances[0].argv[-1] == "--membind=0,1"
+    assert any("span" in w for w in p.warnings)
+
+
+def test_cores_per_instance_keeps_instances_on_separate_nodes_and_lists_spare_cpus():
+    m = make_machine(sockets=2, cores_per_node=8)
+    p = plan(m, settings(instances=2, cores_per_instance=4))
+    assert [i.nodes for i in p.instances] == [(0,), (1,)]
+    assert [len(i.omp_cpus) for i in p.instances] == [4, 4]
+    assert len(p.reserved_cpus) == 1
+    assert len(p.unused_cpus) == 16 - 8 - 1
+    assert all(reason.startswith("spare") for _, reason in p.unused_cpus)
+    assert not any("span" in w for w in p.warnings)
+
+
+def test_cores_per_instance_larger_than_a_node_spans_with_a_warning():
+    m = make_machine(sockets=2, cores_per_node=4)
+    p = plan(m, settings(instances=1, cores_per_instance=6, reserve_cores=0))
+    assert p.instances[0].cpu_nodes == (0, 1)
+    assert any("do not fit inside NUMA nodes" in w for w in p.warnings)
+
+
+def test_instances_stay_inside_l3_domains():
+    # AMD-like: 4 nodes x 32 cores, 8-core CCX (4 L3 per node), SMT2
+    m = make_machine(sockets=1, nodes_per_socket=4, cores_per_node=32, smt=2, l3_per_node=4)
+    p = plan(m, settings(instances=16, cores_per_instance=7))
+    for inst in p.instances:
+        assert len(inst.l3_domains) == 1, inst
+    p = plan(m, settings(instances=4, cores_per_instance=8, reserve_cores=0))
+    assert all(len(i.l3_domains) == 1 for i in p.instances)
+
+
+def test_housekeeping_core_is_in_cpus_but_not_in_omp_cpus():
+    p = plan(two_socket(), settings(instances=2, housekeeping_core=True))
+    a = p.instances[0]
+    assert a.housekeeping_cpus == (7, 23)
+    assert set(a.housekeeping_cpus) <= set(a.cpus)
+    assert not set(a.housekeeping_cpus) & set(a.omp_cpus)
+    assert a.env_dict()["OMP_NUM_THREADS"] == "6"
+
+
+def test_smt_puts_openmp_on_every_hardware_thread():
+    p = plan(two_socket(), settings(instances=2, smt=True))
+    a = p.instances[0]
+    assert a.omp_cpus == a.cpus
+    assert a.env_dict()["OMP_NUM_THREADS"] == str(len(a.cpus))
+    assert a.env_dict()["VLLM_CPU_OMP_THREADS_BIND"] == "1-7,17-23"
+
+
+def test_unusable_cpus_are_listed_with_their_reason():
+    m = make_machine(sockets=1, cores_per_node=8, offline=[7], cpuset=range(0, 6), isolated=[5])
+    p = plan(m, settings(instances=2))
+    reasons = dict(p.unused_cpus)
+    assert reasons == {5: "isolated", 6: "outside cpuset", 7: "offline"}
+    cpus = [c for i in p.instances for c in i.cpus]
+    assert sorted(cpus + list(p.reserved_cpus)) == [0, 1, 2, 3, 4]
+
+
+def test_partly_usable_core_is_never_shared():
+    # cpuset keeps only the first sibling of core 1 (CPU 1, not 9)
+    m = make_machine(sockets=1, cores_per_node=8, smt=2, cpuset=[c for c in range(16) if c != 9])
+    p = plan(m, settings(instances=7))
+    owners = {}
+    for inst in p.instances:
+        for cpu in inst.cpus:
+            core = cpu % 8
+            assert owners.setdefault(core, inst.index) == inst.index
+
+
+def test_auto_is_one_instance_per_node_with_usable_cpus():
+    m = make_machine(sockets=2, nodes_per_socket=2, cores_per_node=4, cpuset=range(0, 12))
+    p = plan(m, settings(instances="auto"))
+    assert [i.nodes for i in p.instances] == [(0,), (1,), (2,)]
+
+
+def test_memory_that_does_not_fit_names_the_numbers():
+    m = make_machine(sockets=2, cores_per_node=8, node_memory=47 * GiB)
+    with pytest.raises(PlanError) as err:
+        plan(m, settings(instances=4, model_size_bytes=int(14.2 * GiB), kvcache_gib=8))
+    assert str(err.value) == (
+        "node 0: 2 × (14.2 GiB weights + 8 GiB KV + 1.5 GiB) = 47.4 GiB > 45 GiB available "
+        "(MemTotal - 2 GiB reserve); try --instances 2 or --kvcache-gib 6"
+    )
+
+
+def test_model_too_big_for_any_kv_cache():
+    m = make_machine(sockets=1, cores_per_node=8, node_memory=16 * GiB)
+    with pytest.raises(PlanError, match=r"node 0: 1 × \(20 GiB weights \+ 1.5 GiB\) = 21.5 GiB .* 14 GiB available.*does not fit"):
+        plan(m, settings(instances=1, model_size_bytes=20 * GiB))
+
+
+def test_kv_cache_below_one_gib_goes_to_the_command_line():
+    p = plan(two_socket(), settings(instances=2, kvcache_gib=0.5))
+    a = p.instances[0]
+    assert "VLLM_CPU_KVCACHE_SPACE" not in a.env_dict()
+    assert a.vllm_args == ("--kv-cache-memory-bytes", str(GiB // 2))
+
+
+def test_whole_gib_kv_cache_goes_to_the_environment():
+    p = plan(two_socket(), settings(instances=2, kvcache_gib=3))
+    assert p.instances[0].env_dict()["VLLM_CPU_KVCACHE_SPACE"] == "3"
+    assert p.instances[0].vllm_args == ()
+
+
+def test_fractional_kv_cache_above_one_gib_is_refused():
+    with pytest.raises(PlanError, match=r"--kvcache-gib 2.5: .*whole GiB; use 2 or 3"):
+        plan(two_socket(), settings(instances=2, kvcache_gib=2.5))
+
+
+def test_unknown_model_size_still_sets_an_explicit_kv_cache_and_warns():
+    p = plan(two_socket(), PlanSettings(instances=2))
+    assert all(i.env_dict()["VLLM_CPU_KVCACHE_SPACE"] == "30" for i in p.instances)  # (62 - 1.5) / 2
+    assert any("model size unknown" in w for w in p.warnings)
+
+
+def test_unknown_node_memory_falls_back_with_a_warning():
+    m = make_machine(sockets=1, cores_per_node=4, node_memory=0)
+    p = plan(m, settings(instances=1))
+    assert p.instances[0].env_dict()["VLLM_CPU_KVCACHE_SPACE"] == "4"
+    assert any("memory size unknown" in w for w in p.warnings)
+
+
+def test_less_available_than_needed_is_a_warning_not_a_refusal():
+    m = make_machine(sockets=1, cores_per_node=4, node_memory=64 * GiB, node_available=10 * GiB)
+    p = plan(m, settings(instances=1, kvcache_gib=16))
+    assert any("only 10 GiB is available now" in w for w in p.warnings)
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"instances": 9, "reserve_cores": 1}, r"9 instance\(s\) need 10 physical cores \(9 × 1 \+ 1 reserved\) but only 8 are usable; try --instances 7 or --reserve-cores 0"),
+        ({"instances": 0}, r"--instances 0: must be a whole number"),
+        ({"instances": 9}, r"9 instance\(s\) need 9 physical cores \(9 × 1\) but only 8 are usable; try --instances 8$"),
+        ({"instances": 2, "cores_per_instance": 4, "reserve_cores": 1}, r"need 9 physical cores.*try --instances 1 or --reserve-cores 0 or --cores-per-instance 3"),
+        ({"instances": 2, "nodes": (5,)}, r"--nodes: unknown node 5; this machine's nodes with usable CPUs are 0"),
+        ({"instances": 2, "base_port": 65535}, r"--base-port 65535: 2 instances need ports up to 65536"),
+        ({"instances": 1, "reserve_cores": -1}, r"--reserve-cores -1"),
+    ],
+)
+def test_infeasible_requests_say_why_and_what_would_work(kw, message):
+    m = make_machine(sockets=1, cores_per_node=8)
+    with pytest.raises(PlanError, match=message):
+        plan(m, settings(**kw))
+
+
+def test_auto_reserve_yields_when_the_instances_need_every_core():
+    m = make_machine(sockets=1, cores_per_node=2)  # like the 2-CPU box of DESIGN.md's measurements
+    p = plan(m, settings(instances=2))
+    assert p.reserved_cpus == ()
+    assert [i.omp_cpus for i in p.instances] == [(0,), (1,)]
+    assert any("no core reserved" in w for w in p.warnings)
+    assert plan(m, settings(instances=1)).reserved_cpus == (0,)
+
+
+def test_no_usable_cpus():
+    m = make_machine(sockets=1, cores_per_node=4, cpuset=[])
+    with pytest.raises(PlanError, match=r"no usable CPUs.*outside cpuset"):
+        plan(m, settings(instances=1))
+
+
+def test_node_without_usable_cpus_is_refused_in_nodes():
+    m = make_machine(sockets=1, cores_per_node=4, memory_only_nodes=1)
+    with pytest.raises(PlanError, match=r"--nodes: node 1 has no usable CPUs"):
+        plan(m, settings(instances=1, nodes=(1,)))
+
+
+def test_nodes_restricts_placement():
+    m = make_machine(sockets=2, cores_per_node=4)
+    p = plan(m, settings(instances=1, nodes=(1,)))
+    assert p.instances[0].nodes == (1,)
+    assert dict(p.unused_cpus)[0] == "node 0 is not in --nodes 1"
+
+
+def test_memory_only_nodes_are_not_cpu_nodes_and_are_mentioned():
+    m = make_machine(sockets=2, cores_per_node=4, memory_only_nodes=2)
+    p = plan(m, settings(instances="auto"))
+    assert len(p.instances) == 2
+    assert any("memory-only node(s) 2,3" in w for w in p.warnings)
+
+
+def test_hybrid_cpu_keeps_openmp_on_performance_cores():
+    m = make_machine(sockets=1, cores_per_node=6, efficiency_cores=[4, 5])
+    p = plan(m, settings(instances=2))
+    assert p.reserved_cpus == (4,)  # an efficiency core is the cheapest one to give away
+    assert [i.omp_cpus for i in p.instances] == [(0, 1), (2, 3)]
+    assert dict(p.unused_cpus)[5].startswith("efficiency core")
+    assert any("hybrid CPU" in w for w in p.warnings)
+
+
+def test_hybrid_cpu_with_too_few_performance_cores_uses_all_and_warns():
+    m = make_machine(sockets=1, cores_per_node=5, efficiency_cores=[1, 2, 3, 4])  # Lakefield
+    p = plan(m, settings(instances=2))
+    assert len(p.instances) == 2
+    assert any("only 1 performance cores" in w for w in p.warnings)
+
+
+def test_node_memory_outside_the_cpuset_binds_to_the_nearest_allowed():
+    m = make_machine(sockets=2, nodes_per_socket=2, cores_per_node=2, mems_allowed=[1, 2, 3])
+    p = plan(m, settings(instances=4, reserve_cores=0, model_size_bytes=GiB))
+    assert p.instances[0].cpu_nodes == (0,) and p.instances[0].nodes == (1,)
+    assert any("node 0's memory is outside this cpuset" in w for w in p.warnings)
+    shared = next(n for n in p.memory if n.node == 1)
+    assert shared.instances == (0, 1)
+
+
+@pytest.mark.parametrize(
+    ("launcher", "membind", "argv", "warning"),
+    [
+        ("numactl", "preferred", ("numactl", "--physcpubind=1-3", "--preferred=0"), None),
+        ("taskset", "bind", ("taskset", "-c", "1-3"), "memory is not bound"),
+        ("none", "bind", (), "roam"),
+    ],
+)
+def test_launchers(launcher, membind, argv, warning):
+    p = plan(make_machine(sockets=1, cores_per_node=4), settings(instances=1, launcher=launcher, membind=membind))
+    assert p.instances[0].argv == argv
+    if warning:
+        assert any(warning in w for w in p.warnings)
+
+
+def test_same_input_same_plan():
+    m = make_machine(sockets=2, nodes_per_socket=2, cores_per_node=[7, 9, 8, 5], smt=2, l3_per_node=2)
+    s = settings(instances=5, housekeeping_core=True)
+    assert plan(m, s) == plan(m, dataclasses.replace(s))
+
+
+def test_to_json_has_the_documented_keys():
+    data = plan(two_socket(), settings(instances=2)).to_json()
+    assert set(data) >= {"instances", "reserved_cpus", "unused_cpus", "warnings"}
+    assert set(data["instances"][0]) >= {"index", "port", "nodes", "cpus", "omp_cpus", "env", "argv"}
+    assert data["instances"][0]["env"]["OMP_NUM_THREADS"] == "7"
