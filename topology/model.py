@@ -17,10 +17,10 @@ class Core:
     """One physical core: the SMT siblings that share its execution units."""
 
     package: int  # physical_package_id
-    node: int | None  # NUMA node of its CPUs (None on machines without NUMA info)
+    node: int | None  # NUMA node of its CPUs (None when no listed node holds them: an offline node)
     cpus: tuple[int, ...]  # usable SMT siblings (online, allowed, not isolated), sorted
     all_cpus: tuple[int, ...] = ()  # every online sibling, usable or not
-    l3: int | None = None  # L3 domain id: the smallest CPU id of the L3's shared_cpu_list; None if no L3
+    l3: int | None = None  # L3 domain id: the smallest online CPU sharing that L3; None if no L3
     die: int | None = None
     cluster: int | None = None
     kind: str = UNIFORM
@@ -78,9 +78,13 @@ class Machine:
     packages: tuple[int, ...]
     isa: Isa = field(default_factory=Isa)
     mems_allowed: tuple[int, ...] = ()
-    # CPU -> why it cannot be used: "offline", "outside cpuset", "isolated"
+    # CPU -> why it cannot be used: "offline", "outside cpuset", "outside affinity" (live only),
+    # "isolated"; present CPUs only, the first reason that applies
     unusable: tuple[tuple[int, str], ...] = ()
     sources: tuple[tuple[str, str], ...] = ()  # which file each fact came from, for humans
+    # every physical core with an online CPU, usable or not (Core.cpus may be empty), same order
+    # as `cores`: what the text map shows and what "cores on this machine" counts
+    all_cores: tuple[Core, ...] = ()
 
     def node(self, node_id: int) -> Node:
         for node in self.nodes:

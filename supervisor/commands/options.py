@@ -18,7 +18,9 @@ def format_option(*choices: str, default: str | None = None):
 
 fsroot_option = click.option(
     "--fsroot",
-    type=click.Path(file_okay=False, exists=True),
+    # Existence is checked by topology.read_machine, so a bad path is one `vsup: error:` line
+    # (exit 2) like every other user error, not click's multi-line usage message.
+    type=click.Path(file_okay=False),
     envvar="VSUP_FSROOT",
     default="/",
     show_default=True,
