@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from supervisor import __version__
+from supervisor import __version__, commands
 from supervisor.errors import VsupError
 from topology.errors import PlanError, TopologyError
 
@@ -15,7 +15,32 @@ USER_ERRORS = (VsupError, TopologyError, PlanError)
 
 
 class VsupGroup(click.Group):
-    """Prints user errors as `vsup: error: ...` (exit 2) instead of a traceback."""
+    """Loads subcommands lazily (supervisor/commands) and prints user errors as
+    `vsup: error: ...` (exit 2) instead of a traceback."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return commands.command_names()
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        return commands.load_command(name)
+
+    def main(self, args=None, prog_name=None, **extra):
+        # Click's own usage errors are several lines of usage text; ours are one line, exit 2.
+        try:
+            super().main(args, prog_name, standalone_mode=False, **extra)
+        except click.UsageError as exc:
+            command = exc.ctx.command_path if exc.ctx else "vsup"
+            click.echo(f"vsup: error: {exc.format_message()} (see `{command} --help`)", err=True)
+            sys.exit(2)
+        except click.ClickException as exc:
+            exc.show()
+            sys.exit(exc.exit_code)
+        except click.exceptions.Exit as exc:
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            click.echo("vsup: aborted", err=True)
+            sys.exit(1)
+        sys.exit(0)
 
     def invoke(self, ctx: click.Context):
         try:
@@ -39,13 +64,3 @@ def main() -> None:
     vsup doctor              check this machine against what vLLM CPU needs
     vsup install-systemd     install vsup as a systemd service
     """
-
-
-def _register() -> None:
-    from supervisor.commands import COMMANDS
-
-    for command in COMMANDS:
-        main.add_command(command)
-
-
-_register()
