@@ -1,0 +1,332 @@
+#!/usr/bin/env python3
+"""Proxy overhead, measured in one run: direct to the upstreams vs through `vsup proxy` (and
+through nginx round-robin when `nginx` is installed), at a fixed client concurrency.
+
+    .venv/bin/python bench/proxy_bench.py [--concurrency 16] [--requests 4000] [--streams 200] [--chunks 100]
+
+Upstreams are minimal aiohttp apps (no delays for requests, a fixed pace between SSE chunks so
+each chunk is its own TCP segment, as from vLLM), two processes, so they are not the bottleneck.
+For each target it prints requests/s, client latency p50/p99, the latency added over direct,
+and the CPU the proxy process used (utime+stime from /proc/<pid>/stat, all its threads and, for
+nginx, master and workers) per small chat request and per streamed chunk:
+  µs/request = CPU during the request phase / requests
+  µs/chunk   = (CPU during the stream phase - streams × µs/request) / chunks relayed
+Speed is machine- and load-dependent: compare the rows of one run, not runs on different days.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+CHAT_BODY = json.dumps(
+    {"model": "bench", "messages": [{"role": "user", "content": "Say hello in one word."}], "max_tokens": 8}
+).encode()
+STREAM_BODY = json.dumps(
+    {"model": "bench", "messages": [{"role": "user", "content": "Count."}], "max_tokens": 100, "stream": True}
+).encode()
+CHAT_RESPONSE = json.dumps(
+    {
+        "id": "chatcmpl-bench", "object": "chat.completion", "created": 0, "model": "bench",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello"}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 12, "completion_tokens": 1, "total_tokens": 13},
+    }
+).encode()
+CHUNK = b'data: {"id":"chatcmpl-bench","object":"chat.completion.chunk","created":0,"model":"bench","choices":[{"index":0,"delta":{"content":" tok"},"finish_reason":null}]}\n\n'
+
+
+# ------------------------------------------------------------------------------- the upstream
+
+
+def run_upstream(port: int, chunks: int, pace: float) -> None:
+    from aiohttp import web
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        if b'"stream": true' not in body and b'"stream":true' not in body:
+            return web.Response(body=CHAT_RESPONSE, content_type="application/json")
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for _ in range(chunks):
+            await asyncio.sleep(pace)
+            await response.write(CHUNK)
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/health", health)
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+
+
+# ------------------------------------------------------------------------------- measuring
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_seconds(pids: list[int]) -> tuple[float, float]:
+    """(user, system) CPU seconds of these processes, all their threads."""
+    user = system = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        user += int(fields[11])
+        system += int(fields[12])
+    return user / CLK_TCK, system / CLK_TCK
+
+
+def children_of(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except (FileNotFoundError, ProcessLookupError):
+                pass
+    return out
+
+
+def wait_http(port: int, path: str = "/health", timeout: float = 30.0) -> None:
+    import http.client
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1)
+            conn.request("GET", path)
+            if conn.getresponse().status == 200:
+                return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise SystemExit(f"nothing answered 200 on 127.0.0.1:{port}{path} within {timeout:g} s")
+        time.sleep(0.05)
+
+
+async def load(session, urls: list[str], body: bytes, total: int, concurrency: int, streaming: bool) -> tuple[list[float], int, float]:
+    """`total` POSTs, `concurrency` at a time, cycling over `urls`; latencies, chunks read, wall."""
+    latencies: list[float] = []
+    chunks = 0
+    counter = iter(range(total))
+    headers = {"Content-Type": "application/json"}
+
+    async def worker() -> None:
+        nonlocal chunks
+        for i in counter:
+            url = urls[i % len(urls)]
+            t0 = time.perf_counter()
+            async with session.post(url, data=body, headers=headers) as response:
+                if response.status != 200:
+                    raise SystemExit(f"{url}: HTTP {response.status}: {(await response.read())[:200]!r}")
+                if streaming:
+                    async for _ in response.content.iter_any():
+                        chunks += 1
+                else:
+                    await response.read()
+            latencies.append(time.perf_counter() - t0)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return latencies, chunks, time.perf_counter() - start
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+NGINX_CONF = """
+worker_processes 1;
+pid {prefix}/nginx.pid;
+error_log {prefix}/error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+    access_log off;
+    client_body_temp_path {prefix}/body;
+    proxy_temp_path {prefix}/proxy;
+    fastcgi_temp_path {prefix}/fastcgi;
+    uwsgi_temp_path {prefix}/uwsgi;
+    scgi_temp_path {prefix}/scgi;
+    upstream vllm {{ {servers} keepalive 64; }}
+    server {{
+        listen 127.0.0.1:{port};
+        location / {{
+            proxy_pass http://vllm;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+        }}
+    }}
+}}
+"""
+
+
+def start_nginx(upstream_ports: list[int], workdir: Path) -> tuple[subprocess.Popen, int] | None:
+    nginx = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
+    if nginx is None:
+        return None
+    port = free_port()
+    servers = " ".join(f"server 127.0.0.1:{p};" for p in upstream_ports)
+    conf = workdir / "nginx.conf"
+    conf.write_text(NGINX_CONF.format(prefix=workdir, servers=servers, port=port))
+    proc = subprocess.Popen([nginx, "-p", str(workdir), "-c", str(conf), "-g", "daemon off;"], start_new_session=True)
+    wait_http(port, "/health")
+    return proc, port
+
+
+async def measure(name: str, base_urls: list[str], pids: list[int] | None, args, results: list[dict]) -> None:
+    import aiohttp
+
+    connector = aiohttp.TCPConnector(limit=args.concurrency * 2)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        chat_urls = [u + "/v1/chat/completions" for u in base_urls]
+        await load(session, chat_urls, CHAT_BODY, 200, args.concurrency, False)  # warm-up: connections, caches
+        cpu0 = cpu_seconds(pids) if pids else (0.0, 0.0)
+        lat, _, wall = await load(session, chat_urls, CHAT_BODY, args.requests, args.concurrency, False)
+        cpu1 = cpu_seconds(pids) if pids else (0.0, 0.0)
+        slat, chunks, swall = await load(session, chat_urls, STREAM_BODY, args.streams, args.concurrency, True)
+        cpu2 = cpu_seconds(pids) if pids else (0.0, 0.0)
+    row = {
+        "target": name,
+        "rps": args.requests / wall,
+        "p50_ms": pct(lat, 0.5) * 1e3,
+        "p99_ms": pct(lat, 0.99) * 1e3,
+        "stream_p50_ms": pct(slat, 0.5) * 1e3,
+        "chunks_read": chunks,
+    }
+    if pids:
+        upstream_chunks = args.streams * (args.chunks + 1)
+        for kind, i in (("user", 0), ("sys", 1)):
+            per_request = (cpu1[i] - cpu0[i]) / args.requests
+            row[f"us_per_request_{kind}"] = per_request * 1e6
+            row[f"us_per_chunk_{kind}"] = max(0.0, (cpu2[i] - cpu1[i]) - args.streams * per_request) / upstream_chunks * 1e6
+        row["us_per_request"] = row["us_per_request_user"] + row["us_per_request_sys"]
+        row["us_per_chunk"] = row["us_per_chunk_user"] + row["us_per_chunk_sys"]
+    results.append(row)
+
+
+def print_table(results: list[dict], args) -> None:
+    direct = results[0]
+    print(f"\nconcurrency {args.concurrency}; {args.requests} small chat requests; {args.streams} streams x {args.chunks + 1} chunks "
+          f"(upstream pace {args.pace * 1e3:g} ms); loadavg before: {args.loadavg}")
+    print(f"{'target':<14} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} {'+p99 ms':>8} {'CPU µs/req':>11} {'(user+sys)':>12} {'CPU µs/chunk':>13} {'(user+sys)':>12}")
+    for row in results:
+        added50 = row["p50_ms"] - direct["p50_ms"]
+        added99 = row["p99_ms"] - direct["p99_ms"]
+        req = f"{row['us_per_request']:.0f}" if "us_per_request" in row else "-"
+        req_split = f"{row['us_per_request_user']:.0f}+{row['us_per_request_sys']:.0f}" if "us_per_request" in row else ""
+        chunk = f"{row['us_per_chunk']:.1f}" if "us_per_chunk" in row else "-"
+        chunk_split = f"{row['us_per_chunk_user']:.1f}+{row['us_per_chunk_sys']:.1f}" if "us_per_chunk" in row else ""
+        extra = "" if row is direct else f"{added50:8.2f} {added99:8.2f}"
+        print(f"{row['target']:<14} {row['rps']:8.0f} {row['p50_ms']:8.2f} {row['p99_ms']:8.2f} {extra:>17} {req:>11} {req_split:>12} {chunk:>13} {chunk_split:>12}")
+
+
+async def bench(args) -> None:
+    procs: list[subprocess.Popen] = []
+    workdir = Path(tempfile.mkdtemp(prefix="vsup-proxy-bench-"))
+    results: list[dict] = []
+    try:
+        ports = [free_port() for _ in range(args.upstreams)]
+        for port in ports:
+            procs.append(subprocess.Popen(
+                [sys.executable, __file__, "upstream", "--port", str(port), "--chunks", str(args.chunks), "--pace", str(args.pace)],
+                start_new_session=True,
+            ))
+        for port in ports:
+            wait_http(port)
+        direct = [f"http://127.0.0.1:{p}" for p in ports]
+
+        proxy_port = free_port()
+        env = dict(os.environ, PYTHONPATH=str(REPO))
+        proxy = subprocess.Popen(
+            [sys.executable, "-c", "from supervisor.cli import main; main()", "proxy", "--port", str(proxy_port), *[a for u in direct for a in ("--upstream", u)]],
+            env=env, start_new_session=True, stderr=subprocess.DEVNULL,
+        )
+        procs.append(proxy)
+        wait_http(proxy_port, "/ready")
+
+        nginx = start_nginx(ports, workdir)
+        nginx_pids: list[int] = []
+        if nginx is not None:
+            procs.append(nginx[0])
+            nginx_pids = [nginx[0].pid, *children_of(nginx[0].pid)]
+
+        await measure("direct", direct, None, args, results)
+        await measure("vsup proxy", [f"http://127.0.0.1:{proxy_port}"], [proxy.pid], args, results)
+        if nginx is not None:
+            await measure("nginx", [f"http://127.0.0.1:{nginx[1]}"], nginx_pids, args, results)
+        else:
+            print("nginx is not installed: no nginx row (apt-get install -y nginx)")
+    finally:
+        for proc in procs:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        for proc in procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+        shutil.rmtree(workdir, ignore_errors=True)
+    print_table(results, args)
+    if args.json:
+        print(json.dumps(results))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("mode", nargs="?", default="bench", choices=["bench", "upstream"])
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--requests", type=int, default=4000, help="small chat requests per target")
+    parser.add_argument("--streams", type=int, default=200, help="streamed requests per target")
+    parser.add_argument("--chunks", type=int, default=100, help="SSE chunks per stream (plus [DONE])")
+    parser.add_argument("--pace", type=float, default=0.002, help="seconds between two chunks of one stream")
+    parser.add_argument("--upstreams", type=int, default=2)
+    parser.add_argument("--json", action="store_true", help="also print the rows as JSON")
+    args = parser.parse_args()
+    if args.mode == "upstream":
+        run_upstream(args.port, args.chunks, args.pace)
+        return
+    args.loadavg = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(bench(args))
+
+
+if __name__ == "__main__":
+    main()

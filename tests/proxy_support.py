@@ -1,0 +1,79 @@
+"""Shared pieces of the proxy tests: fake instances as real processes, a ProxyServer over them."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Iterable
+
+import aiohttp
+
+from supervisor.backends import Backend, BackendPool
+from supervisor.config import ProxyConfig
+from supervisor.proxy import ProxyServer
+from tests.fakevllm.fixtures import FakeVllm, start_fake
+
+# The fake's EngineCore/Worker stand-ins and shm files are irrelevant to the proxy: skip them.
+LEAN = {"FAKE_VLLM_CHILD": "0", "FAKE_VLLM_SHM": "0", "FAKE_VLLM_ACCESS_LOG": "0", "FAKE_VLLM_TOKEN_DELAY": "0.002"}
+
+
+def start_fakes(names: Iterable[str], env: dict[str, str] | None = None) -> list[FakeVllm]:
+    fakes = [start_fake(name=name, env={**LEAN, **(env or {})}) for name in names]
+    try:
+        for fake in fakes:
+            fake.wait_ready()
+    except BaseException:
+        for fake in fakes:
+            fake.cleanup()
+        raise
+    return fakes
+
+
+def ready_pool(fakes: Iterable[FakeVllm], ready: bool = True) -> BackendPool:
+    pool = BackendPool()
+    for fake in fakes:
+        pool.add(Backend(fake.name, fake.url))
+        if ready:
+            pool.set_state(fake.name, "ready", True)
+    return pool
+
+
+@contextlib.asynccontextmanager
+async def running_proxy(pool: BackendPool, api_key: str | None = None, **config):
+    proxy = ProxyServer(ProxyConfig(port=0, **config), pool, api_key=api_key)
+    await proxy.start()
+    try:
+        yield proxy
+    finally:
+        await proxy.drain_and_stop(0)
+
+
+def url(proxy: ProxyServer, path: str = "") -> str:
+    return f"http://127.0.0.1:{proxy.port}{path}"
+
+
+async def wait_for(predicate, timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+async def metrics_text(proxy: ProxyServer, api_key: str | None = None) -> str:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with aiohttp.ClientSession() as session:
+        async with session.get(url(proxy, "/metrics"), headers=headers) as response:
+            assert response.status == 200
+            return await response.text()
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """The value of one sample in Prometheus text, 0 when absent."""
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
