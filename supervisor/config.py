@@ -7,6 +7,7 @@ errors, so a typo never silently falls back to a default. `configs/vsup.yaml` do
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -27,21 +28,30 @@ class PlacementConfig(_Section):
     """How cores and memory are split among instances (see topology.planner)."""
 
     model_size_gib: float | None = Field(None, gt=0, description="weights per instance; default: size of the local model dir's weight files")
-    kvcache_gib: int | None = Field(None, ge=1, description="VLLM_CPU_KVCACHE_SPACE per instance; default: largest equal share that fits")
+    kvcache_gib: float | None = Field(None, gt=0, description="KV cache per instance: whole GiB go to VLLM_CPU_KVCACHE_SPACE, less than 1 GiB to --kv-cache-memory-bytes; default: largest equal whole-GiB share that fits")
     overhead_gib: float = Field(1.5, ge=0, description="fixed per-instance memory besides weights and KV cache")
     memory_reserve_gib: float = Field(2.0, ge=0, description="per node, left to the OS and page cache")
-    reserve_cores: int = Field(1, ge=0, description="physical cores kept for vsup, the proxy and the OS")
+    reserve_cores: int | Literal["auto"] = Field("auto", description="physical cores kept for vsup, the proxy and the OS; auto: one when the instances leave one free, else none (with a warning)")
     housekeeping_core: bool = Field(False, description="give each instance one core for its API server/EngineCore, outside OpenMP")
     smt: bool = Field(False, description="one OpenMP thread per hardware thread instead of per physical core")
     cores_per_instance: int | None = Field(None, ge=1, description="OpenMP cores per instance; default: split all usable cores")
     membind: Literal["bind", "preferred"] = "bind"
     launcher: Literal["auto", "numactl", "taskset", "none"] = Field("auto", description="auto: numactl when installed, else taskset")
+    nodes: list[int] | None = Field(None, min_length=1, description="only place instances on these NUMA nodes; default: every node with usable CPUs")
+
+    @field_validator("reserve_cores")
+    @classmethod
+    def _not_negative(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 0:
+            raise ValueError("must be 0 or more, or auto")
+        return value
 
 
 class VllmConfig(_Section):
     """The server command. vsup runs `<launcher> <command> <model> --host 127.0.0.1 --port P <args>`."""
 
     command: list[str] | None = Field(None, description="default: `vllm serve`, or vLLM's api_server module for the vllm-cpu distribution")
+    venv: Path | None = Field(None, description="virtual environment where vLLM is installed, when it is not vsup's own (scripts/vllm-env prints one; ~ is expanded); used when command is unset; default: vsup's environment, then `vllm` on PATH")
     args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
     base_port: int = Field(8100, ge=1, le=65535)
@@ -52,6 +62,11 @@ class VllmConfig(_Section):
         if value is not None and not value:
             raise ValueError("must name a program, e.g. [vllm, serve]")
         return value
+
+    @field_validator("venv")
+    @classmethod
+    def _expand_venv(cls, value: Path | None) -> Path | None:
+        return value.expanduser() if value is not None else None
 
 
 class ProxyConfig(_Section):
@@ -70,19 +85,19 @@ class ProxyConfig(_Section):
 
 class HealthConfig(_Section):
     interval: float = Field(5.0, gt=0, description="seconds between /health polls of a ready instance")
-    timeout: float = Field(5.0, gt=0)
+    timeout: float = Field(5.0, gt=0, description="seconds one /health poll may take; longer counts as a failed poll")
     failures: int = Field(3, ge=1, description="consecutive failed polls that make a ready instance unhealthy")
     startup_timeout: float = Field(600.0, gt=0, description="longest model load before the start counts as failed")
 
 
 class RestartConfig(_Section):
-    initial_delay: float = Field(1.0, ge=0)
-    max_delay: float = Field(60.0, gt=0)
-    multiplier: float = Field(2.0, ge=1)
-    jitter: float = Field(1.0, ge=0, description="random seconds added to each delay")
+    initial_delay: float = Field(1.0, ge=0, description="seconds before the first restart after a failure")
+    max_delay: float = Field(60.0, gt=0, description="cap on the delay between restarts (jitter included)")
+    multiplier: float = Field(2.0, ge=1, description="each further failure multiplies the delay by this")
+    jitter: float = Field(1.0, ge=0, description="up to this many random seconds added to each delay")
     stable_after: float = Field(300.0, ge=0, description="ready this long resets the backoff")
     crash_loop_failures: int = Field(5, ge=1, description="this many failures within crash_loop_window -> failed")
-    crash_loop_window: float = Field(600.0, gt=0)
+    crash_loop_window: float = Field(600.0, gt=0, description="seconds over which crash_loop_failures are counted")
 
 
 class StartConfig(_Section):
@@ -102,11 +117,11 @@ class LogConfig(_Section):
 
 
 class ControlConfig(_Section):
-    socket: Path | None = Field(None, description="unix socket for vsup status/restart; default: $RUNTIME_DIRECTORY or /tmp")
+    socket: Path | None = Field(None, description="unix socket (mode 0600) for vsup status/restart; default: $RUNTIME_DIRECTORY/control.sock under systemd, else /tmp/vsup-<uid>/control-<proxy.port>.sock")
 
 
 class NotifyConfig(_Section):
-    ready_when: Literal["all", "any"] = Field("all", description="sd_notify READY=1 once all / at least one instance is ready")
+    ready_when: Literal["all", "any"] = Field("all", description="sd_notify READY=1 once all instances are ready (those in a crash loop aside) / at least one is")
 
 
 class VsupConfig(_Section):
@@ -124,6 +139,12 @@ class VsupConfig(_Section):
     control: ControlConfig = Field(default_factory=ControlConfig)
     notify: NotifyConfig = Field(default_factory=NotifyConfig)
 
+    @field_validator("model")
+    @classmethod
+    def _expand_home(cls, value: str) -> str:
+        # a local directory under the home folder; vLLM would take "~/..." for a hub name
+        return os.path.expanduser(value) if value.startswith("~") else value
+
     @field_validator("instances")
     @classmethod
     def _positive(cls, value: int | str) -> int | str:
@@ -132,16 +153,17 @@ class VsupConfig(_Section):
         return value
 
 
-def load_config(path: str | Path) -> VsupConfig:
+def load_config(path: str | Path, *, require_model: bool = True) -> VsupConfig:
+    """require_model=False: for commands that read only other sections (`vsup proxy --config`)."""
     path = Path(path)
     try:
         text = path.read_text()
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read the configuration: {exc.strerror or exc}") from None
-    return parse_config(text, str(path))
+    return parse_config(text, str(path), require_model=require_model)
 
 
-def parse_config(text: str, origin: str = "<config>") -> VsupConfig:
+def parse_config(text: str, origin: str = "<config>", *, require_model: bool = True) -> VsupConfig:
     try:
         data = yaml.safe_load(text)
         root = yaml.compose(text)
@@ -151,6 +173,8 @@ def parse_config(text: str, origin: str = "<config>") -> VsupConfig:
         raise ConfigError(f"{where}: not valid YAML: {getattr(exc, 'problem', exc)}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{origin}: expected a mapping of keys (model: ..., instances: ...), got {type(data).__name__}")
+    if not require_model:
+        data.setdefault("model", "(not used)")
     try:
         return VsupConfig.model_validate(data)
     except ValidationError as exc:
