@@ -1,0 +1,111 @@
+"""The `vllm serve` / `api_server` command line, as far as the fake needs it.
+
+Both forms are accepted:
+    python -m tests.fakevllm serve MODEL --host H --port P [--served-model-name N ...] [...]
+    python -m tests.fakevllm --model MODEL --host H --port P [...]
+Flags the fake does not use (`--dtype float32`, `--enforce-eager`, ...) are accepted and ignored,
+like a real vLLM would accept them, so a supervisor's argv runs unchanged.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+USAGE = "usage: fakevllm serve MODEL [--host H] [--port P] [--served-model-name NAME ...] [--flag VALUE ...]"
+_NUMBER = re.compile(r"^-\d")
+
+
+class UsageError(Exception):
+    """A bad command line; the message is one line that names the argument."""
+
+
+@dataclass(frozen=True)
+class ServeArgs:
+    model: str
+    host: str = "127.0.0.1"  # vLLM defaults to all interfaces; the fake stays on loopback
+    port: int = 8000
+    served_model_names: tuple[str, ...] = ()
+    max_model_len: int = 2048
+    max_num_seqs: int | None = None
+    ignored: tuple[str, ...] = field(default=())
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Names clients may put in "model": the served names, else the model itself."""
+        return self.served_model_names or (self.model,)
+
+
+def _is_value(token: str) -> bool:
+    return not token.startswith("-") or bool(_NUMBER.match(token))
+
+
+def _int(flag: str, value: str, low: int, high: int) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise UsageError(f"{flag} {value!r} is not an integer ({low}..{high})") from None
+    if not low <= number <= high:
+        raise UsageError(f"{flag} {number} is out of range ({low}..{high})")
+    return number
+
+
+def parse_args(argv: list[str]) -> ServeArgs:
+    tokens = list(argv)
+    positional: list[str] = []
+    if tokens and tokens[0] == "serve":
+        tokens.pop(0)
+    options: dict[str, list[str]] = {}
+    ignored: list[str] = []
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        if token in ("-h", "--help"):
+            raise UsageError(USAGE)
+        if not token.startswith("-") or _NUMBER.match(token):
+            positional.append(token)
+            i += 1
+            continue
+        key, eq, inline = token.partition("=")
+        key = key.replace("_", "-")
+        if eq:
+            values = [inline]
+            i += 1
+        elif key == "--served-model-name":  # nargs="+" in vLLM
+            j = i + 1
+            while j < len(tokens) and _is_value(tokens[j]):
+                j += 1
+            values = tokens[i + 1 : j]
+            i = j
+        elif i + 1 < len(tokens) and _is_value(tokens[i + 1]):
+            values = [tokens[i + 1]]
+            i += 2
+        else:
+            values = []
+            i += 1
+        if key in ("--model", "--host", "--port", "--served-model-name", "--max-model-len", "--max-num-seqs"):
+            if not values:
+                raise UsageError(f"{key} needs a value")
+            options[key] = values
+        else:
+            ignored.append(key)
+    model = positional[0] if positional else (options.get("--model") or [None])[0]
+    if model is None:
+        raise UsageError("no model given: use `serve MODEL` or `--model MODEL`")
+    if len(positional) > 1:
+        raise UsageError(f"unexpected argument {positional[1]!r} (only one MODEL may be given)")
+    return ServeArgs(
+        model=model,
+        host=options.get("--host", ["127.0.0.1"])[0],
+        port=_int("--port", options["--port"][0], 1, 65535) if "--port" in options else 8000,
+        served_model_names=tuple(options.get("--served-model-name", ())),
+        max_model_len=(
+            _int("--max-model-len", options["--max-model-len"][0], 1, 1 << 24)
+            if "--max-model-len" in options
+            else 2048
+        ),
+        max_num_seqs=(
+            _int("--max-num-seqs", options["--max-num-seqs"][0], 1, 1 << 20) if "--max-num-seqs" in options else None
+        ),
+        ignored=tuple(ignored),
+    )

@@ -1,0 +1,607 @@
+"""A fake `vllm serve` (OpenAI API server of vLLM's CPU build, ~0.32) for the test suite.
+
+A real process on a real port: the supervisor, the proxy and the `openai` SDK talk to it exactly
+as to vLLM. Faults come from FAKE_VLLM_* variables (settings.py, docs/fakevllm.md). Lifecycle,
+like vLLM: spawn the EngineCore stand-in and create /dev/shm files, "load the model"
+(FAKE_VLLM_START_DELAY, port still closed), bind, serve; SIGTERM/SIGINT -> in-flight streams get a
+final error event, children stopped, shm removed, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+from aiohttp import web
+
+from . import openai_api as api
+from .cli import ServeArgs, UsageError, parse_args
+from .events import EventLog
+from .settings import Faults, SettingsError, load_faults
+from .tree import EngineCore, SharedMemoryFiles
+
+VERSION = "0.32.0"
+START_MARKER = "FAKE_VLLM_START"
+_SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
+_COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"))
+
+
+def log(level: str, where: str, message: str, stream=None) -> None:
+    """One vLLM-looking log line, flushed at once (a supervisor reads these through a pipe)."""
+    stamp = time.strftime("%m-%d %H:%M:%S")
+    print(f"{level} {stamp} [{where}] {message}", file=stream or sys.stdout, flush=True)
+
+
+def _mems_allowed() -> str | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Mems_allowed_list:"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+class _Progress:
+    """How far one generation got, for the "cancelled" event."""
+
+    __slots__ = ("phase", "tokens")
+
+    def __init__(self) -> None:
+        self.phase = "waiting_first_token"
+        self.tokens = 0
+
+
+class FakeVllm:
+    def __init__(self, args: ServeArgs, faults: Faults) -> None:
+        self.args = args
+        self.faults = faults
+        self.name = faults.name or str(args.port)
+        self.fingerprint = f"fakevllm-{self.name}"
+        self.events = EventLog(faults.events, self.name)
+        self.shm: SharedMemoryFiles | None = None
+        self.engine: EngineCore | None = None
+        self.stop_fut: asyncio.Future | None = None
+        self.stopping = False
+        self.exit_code = 0
+        self.ready_at: float | None = None
+        self.hung = False
+        self.ids = itertools.count(1)
+        self.completion_requests = 0
+        self.running = 0
+        self.waiting = 0
+        max_seqs = faults.max_num_seqs or args.max_num_seqs
+        self.slots = asyncio.Semaphore(max_seqs) if max_seqs else None
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.success_total = 0
+        self.created = int(time.time())
+        self.early_signals: list[str] = []
+
+    # ---------------------------------------------------------------- startup and shutdown
+
+    def start_processes(self) -> dict:
+        """Create shm files and the EngineCore child; return the FAKE_VLLM_START record."""
+        if self.faults.shm:
+            self.shm = SharedMemoryFiles()
+        if self.faults.child:
+            self.engine = EngineCore(
+                self.args.port, self.faults.worker, self.shm.paths if self.shm else [], self.faults.ignore_sigterm
+            )
+        env = os.environ
+        return {
+            "pid": os.getpid(),
+            "port": self.args.port,
+            "host": self.args.host,
+            "name": self.name,
+            "model": self.args.model,
+            "served_model_names": list(self.args.names),
+            "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS"),
+            "VLLM_CPU_OMP_THREADS_BIND": env.get("VLLM_CPU_OMP_THREADS_BIND"),
+            "VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE"),
+            "CPU_VISIBLE_MEMORY_NODES": env.get("CPU_VISIBLE_MEMORY_NODES"),
+            "affinity": sorted(os.sched_getaffinity(0)),
+            "mems_allowed": _mems_allowed(),
+            "engine_pid": self.engine.pid if self.engine else None,
+            "shm": self.shm.paths if self.shm else [],
+            # what a supervisor must (not) pass down: its own systemd context, vLLM/OpenMP knobs
+            "env": {
+                k: v
+                for k, v in env.items()
+                if k.startswith(("VLLM_", "OMP_", "KMP_", "WATCHDOG_", "LISTEN_", "FAKE_VLLM_"))
+                or k in ("NOTIFY_SOCKET", "LD_PRELOAD", "CPU_VISIBLE_MEMORY_NODES")
+            },
+            "argv": sys.argv,
+        }
+
+    def release(self) -> None:
+        """What a clean vLLM exit does: stop EngineCore (and its Worker), remove shm files."""
+        if self.engine is not None:
+            self.engine.terminate(timeout=1.0)
+        if self.shm is not None:
+            self.shm.remove()
+
+    def _on_signal(self, name: str) -> None:
+        if self.stopping:
+            return
+        self.stopping = True
+        self.events.emit("sigterm", signal=name)
+        log("INFO", "launcher.py", f"Received {name}, shutting down the API server.")
+        if self.stop_fut is not None and not self.stop_fut.done():
+            self.stop_fut.set_result(name)
+
+    def _crash(self, why: str) -> None:
+        """Die like a segfault/OOM kill: no cleanup, children and shm files left behind."""
+        self.events.emit("crash", reason=why, code=self.faults.crash_code)
+        log("ERROR", "api_server.py", f"fakevllm: crashing on purpose ({why}), exit {self.faults.crash_code}")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(self.faults.crash_code)
+
+    async def serve(self) -> int:
+        loop = asyncio.get_running_loop()
+        self.stop_fut = loop.create_future()
+        if self.faults.ignore_sigterm:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        else:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self._on_signal, sig.name)
+
+        for name in self.early_signals:  # arrived before the event loop ran
+            self._on_signal(name)
+
+        log("INFO", "core.py", f"Loading model {self.args.model} (fake, {self.faults.start_delay:g} s)")
+        engine_ready = loop.create_future()
+        if self.engine is not None:
+            fd = self.engine.ready_fd
+            loop.add_reader(fd, lambda: engine_ready.done() or engine_ready.set_result(None))
+        else:
+            engine_ready.set_result(None)
+        if self.faults.start_delay > 0:
+            await asyncio.wait((self.stop_fut,), timeout=self.faults.start_delay)
+        # Like vLLM, the API server binds only after the EngineCore handshake.
+        await asyncio.wait((engine_ready, self.stop_fut), return_when=asyncio.FIRST_COMPLETED)
+        if self.engine is not None:
+            loop.remove_reader(self.engine.ready_fd)
+            if engine_ready.done() and not self.engine.wait_ready() and not self.stopping:
+                log("ERROR", "core.py", "EngineCore failed to start (it exited before the handshake).", sys.stderr)
+                self.release()
+                self.events.emit("engine_died", engine_pid=self.engine.pid, during="startup")
+                return 1
+        if self.stopping:
+            self.release()
+            self.events.emit("stopped", code=0, during="startup")
+            return 0
+        if self.faults.crash_at_start is not None:
+            code = self.faults.crash_at_start
+            log("ERROR", "core.py", "EngineCore failed to start (FAKE_VLLM_CRASH_AT_START).", sys.stderr)
+            self.release()
+            self.events.emit("crash_at_start", code=code)
+            return code
+
+        runner = web.AppRunner(
+            self.make_app(), handle_signals=False, access_log=None, handler_cancellation=True, shutdown_timeout=1.0
+        )
+        await runner.setup()
+        site = web.TCPSite(runner, self.args.host, self.args.port, reuse_address=True)
+        try:
+            await site.start()
+        except OSError as e:
+            log("ERROR", "api_server.py", f"[Errno {e.errno}] error while attempting to bind on address "
+                f"({self.args.host!r}, {self.args.port}): {e.strerror}", sys.stderr)
+            await runner.cleanup()
+            self.release()
+            self.events.emit("bind_failed", error=str(e))
+            return 1
+
+        self.ready_at = time.monotonic()
+        log("INFO", "api_server.py", f"Starting vLLM API server 0 on http://{self.args.host}:{self.args.port}")
+        print(f"INFO:     Started server process [{os.getpid()}]", flush=True)
+        print("INFO:     Waiting for application startup.", flush=True)
+        print("INFO:     Application startup complete.", flush=True)
+        self.events.emit("ready", port=self.args.port)
+        self._schedule_faults(loop)
+        watcher = asyncio.ensure_future(self._watch_engine()) if self.engine else None
+
+        await self.stop_fut
+        self.stopping = True
+        if watcher is not None:
+            watcher.cancel()
+        log("INFO", "launcher.py", "Shutting down FastAPI HTTP server.")
+        await runner.cleanup()
+        self.release()
+        print("INFO:     Application shutdown complete.", flush=True)
+        self.events.emit("stopped", code=self.exit_code)
+        return self.exit_code
+
+    def _schedule_faults(self, loop: asyncio.AbstractEventLoop) -> None:
+        f = self.faults
+        if f.long_line > 0:
+            sys.stdout.write("WARNING fakevllm long line: " + "x" * f.long_line + "\n")
+            sys.stdout.flush()
+        if f.hang_after is not None:
+            loop.call_later(f.hang_after, self._hang)
+        if f.health_fail_after is not None:
+            loop.call_later(
+                f.health_fail_after,
+                lambda: self.events.emit("health_failing", status=f.health_fail_status),
+            )
+
+    def _health_failing(self) -> bool:
+        after = self.faults.health_fail_after
+        return after is not None and self.ready_at is not None and time.monotonic() - self.ready_at >= after
+
+    def _hang(self) -> None:
+        self.hung = True
+        self.events.emit("hang", mode=self.faults.hang_mode)
+        log("WARNING", "api_server.py", f"fakevllm: hanging now (FAKE_VLLM_HANG_MODE={self.faults.hang_mode})")
+        if self.faults.hang_mode != "block":
+            return
+        # The event loop stops here for good. A plain Python signal handler still runs between
+        # sleeps, so SIGTERM keeps working (clean exit) unless it is ignored.
+        if not self.faults.ignore_sigterm:
+            def on_term(signum, frame):
+                self.events.emit("sigterm", signal=signal.Signals(signum).name, blocked=True)
+                self.release()
+                self.events.emit("stopped", code=0, blocked=True)
+                os._exit(0)
+
+            signal.signal(signal.SIGTERM, on_term)
+            signal.signal(signal.SIGINT, on_term)
+        while True:
+            time.sleep(3600)
+
+    async def _watch_engine(self) -> None:
+        """vLLM's API server exits (code 0) when its EngineCore process dies."""
+        while self.engine.alive():
+            await asyncio.sleep(0.2)
+        if self.stopping or not self.faults.exit_on_engine_death:
+            return
+        self.events.emit("engine_died", engine_pid=self.engine.pid, returncode=self.engine.proc.returncode)
+        log("ERROR", "core_client.py", "Engine core proc EngineCore_DP0 died unexpectedly, shutting down client.",
+            sys.stderr)
+        self.exit_code = 0
+        self.stopping = True
+        if not self.stop_fut.done():
+            self.stop_fut.set_result("engine_died")
+
+    # ---------------------------------------------------------------- HTTP plumbing
+
+    def make_app(self) -> web.Application:
+        app = web.Application(middlewares=[self._middleware], client_max_size=64 * 1024 * 1024)
+        app.on_response_prepare.append(self._tag_response)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/ping", self.health)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/version", self.version)
+        app.router.add_get("/load", self.load)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/embeddings", self.embeddings)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+        return app
+
+    async def _tag_response(self, request: web.Request, response: web.StreamResponse) -> None:
+        response.headers["X-Fake-Instance"] = self.name
+        response.headers["Server"] = "uvicorn"
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler) -> web.StreamResponse:
+        if self.hung:
+            # never answered; shield: a cancelled handler must not cancel the shared future
+            await asyncio.shield(self.stop_fut)
+            raise web.HTTPServiceUnavailable()
+        try:
+            response = await handler(request)
+        except web.HTTPNotFound:
+            response = web.json_response({"detail": "Not Found"}, status=404)
+        except web.HTTPMethodNotAllowed:
+            response = web.json_response({"detail": "Method Not Allowed"}, status=405)
+        if self.faults.access_log:
+            peer = request.transport.get_extra_info("peername") if request.transport else None
+            where = f"{peer[0]}:{peer[1]}" if peer else "-"
+            print(f'INFO:     {where} - "{request.method} {request.path_qs} HTTP/1.1" {response.status}', flush=True)
+        return response
+
+    def _error(self, err: api.ApiError, rid: str | None = None, path: str | None = None) -> web.Response:
+        if rid is not None:
+            self.events.emit("rejected", id=rid, path=path, status=err.status, message=err.message)
+        return web.Response(text=_dumps(err.body()), status=err.status, content_type="application/json")
+
+    async def _read_json(self, request: web.Request) -> Any:
+        raw = await request.read()
+        try:
+            return json.loads(raw)
+        except ValueError as e:
+            raise api.bad_request(f"JSON decode error: {e}") from None
+
+    # ---------------------------------------------------------------- simple endpoints
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self._health_failing():
+            return web.Response(status=self.faults.health_fail_status)
+        return web.Response(status=200)
+
+    async def models(self, request: web.Request) -> web.Response:
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": self.created,
+                "owned_by": "vllm",
+                "root": self.args.model,
+                "parent": None,
+                "max_model_len": self.args.max_model_len,
+                "permission": [
+                    {"id": f"modelperm-{self.name}", "object": "model_permission", "created": self.created,
+                     "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                     "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                     "organization": "*", "group": None, "is_blocking": False}
+                ],
+            }
+            for name in self.args.names
+        ]
+        return web.json_response({"object": "list", "data": data}, dumps=_dumps)
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": VERSION})
+
+    async def load(self, request: web.Request) -> web.Response:
+        return web.json_response({"server_load": self.running + self.waiting})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        labels = f'engine="0",model_name="{self.args.names[0]}"'
+        rows = [
+            ("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", self.running),
+            ("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", self.waiting),
+            ("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.",
+             min(1.0, self.running / 64)),
+            ("vllm:prompt_tokens", "counter", "Number of prefill tokens processed.", self.prompt_tokens_total),
+            ("vllm:generation_tokens", "counter", "Number of generation tokens processed.",
+             self.generation_tokens_total),
+            ("vllm:request_success", "counter", "Count of successfully processed requests.", self.success_total),
+        ]
+        lines = []
+        for metric, kind, help_text, value in rows:
+            sample = f"{metric}_total" if kind == "counter" else metric
+            lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} {kind}", f"{sample}{{{labels}}} {float(value)}"]
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8")
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        try:
+            body = api.tokenize_response(await self._read_json(request), self.args.max_model_len)
+        except api.ApiError as err:
+            return self._error(err)
+        return web.json_response(body, dumps=_dumps)
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._read_json(request)
+            tokens = body.get("tokens") if isinstance(body, dict) else None
+            if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+                raise api.bad_request("tokens: expected a list of token ids", "tokens")
+        except api.ApiError as err:
+            return self._error(err)
+        return web.json_response({"prompt": " ".join(f"tok{t}" for t in tokens)})
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        rid = f"embd-{self.name}-{next(self.ids)}"
+        self.events.emit("request", path=request.path, id=rid, request_id=request.headers.get("X-Request-Id"))
+        try:
+            body = api.embeddings_response(await self._read_json(request), self.args.names, rid, int(time.time()))
+        except api.ApiError as err:
+            return self._error(err, rid, request.path)
+        self.events.emit("finished", path=request.path, id=rid)
+        return web.json_response(body, dumps=_dumps)
+
+    # ---------------------------------------------------------------- generation
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generation(request, "chatcmpl", api.parse_chat)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generation(request, "cmpl", api.parse_completion)
+
+    async def _generation(self, request: web.Request, prefix: str, parse) -> web.StreamResponse:
+        rid = f"{prefix}-{self.name}-{next(self.ids)}"
+        self.completion_requests += 1
+        self.events.emit("request", path=request.path, id=rid, n=self.completion_requests,
+                         request_id=request.headers.get("X-Request-Id"))
+        f = self.faults
+        crash_at_token = None
+        if f.crash_after is not None and self.completion_requests == f.crash_after:
+            if not f.crash_mid_stream:
+                self._crash(f"FAKE_VLLM_CRASH_AFTER={f.crash_after}")
+            crash_at_token = f.crash_after_tokens
+        if f.status_503:
+            return self._error(api.ApiError(503, "ServiceUnavailableError", "Service Unavailable (FAKE_VLLM_STATUS_503)"),
+                               rid, request.path)
+        if self._health_failing():
+            return self._error(api.ApiError(500, "InternalServerError",
+                                            "EngineCore encountered an issue. See stack trace (above) for the root cause."),
+                               rid, request.path)
+        try:
+            gen = parse(await self._read_json(request), self.args.names, self.args.max_model_len)
+        except api.ApiError as err:
+            return self._error(err, rid, request.path)
+        self.prompt_tokens_total += gen.prompt_tokens
+        progress = _Progress()
+        try:
+            if self.slots is not None and self.slots.locked():
+                progress.phase = "queued"  # vLLM's scheduler: beyond max_num_seqs, requests wait
+                self.waiting += 1
+                try:
+                    await self.slots.acquire()
+                finally:
+                    self.waiting -= 1
+            elif self.slots is not None:
+                await self.slots.acquire()
+            progress.phase = "waiting_first_token"
+            self.running += 1
+            try:
+                if gen.stream:
+                    return await self._stream(request, gen, rid, progress, crash_at_token)
+                return await self._complete(request, gen, rid, progress, crash_at_token)
+            finally:
+                self.running -= 1
+                if self.slots is not None:
+                    self.slots.release()
+        except asyncio.CancelledError:
+            self.events.emit("cancelled", path=request.path, id=rid, phase=progress.phase, tokens=progress.tokens,
+                             stopping=self.stopping)
+            raise
+
+    async def _pace(self, gen: api.Generation, index: int, crash_at_token: int | None) -> bool:
+        """Wait for token `index`; False when the server is shutting down (or hung, until then)."""
+        if index == 0:
+            delay = self.faults.first_token_delay if gen.first_token_delay is None else gen.first_token_delay
+        else:
+            delay = self.faults.token_delay if gen.token_delay is None else gen.token_delay
+        if delay > 0:
+            await asyncio.wait((self.stop_fut,), timeout=delay)
+        if self.hung:
+            await asyncio.shield(self.stop_fut)
+        if self.stopping:
+            return False
+        if crash_at_token is not None and index == crash_at_token:
+            self._crash(f"FAKE_VLLM_CRASH_AFTER={self.faults.crash_after} mid-stream after {index} tokens")
+        return True
+
+    async def _complete(self, request, gen, rid, progress, crash_at_token) -> web.Response:
+        for i in range(gen.max_tokens):
+            if not await self._pace(gen, i, crash_at_token):
+                return self._error(api.ApiError(500, "InternalServerError",
+                                                f"Request {rid} aborted: the server is shutting down."))
+            progress.phase = "generating"
+            progress.tokens = i + 1
+            self.generation_tokens_total += gen.prompts
+        self.success_total += 1
+        self.events.emit("finished", path=request.path, id=rid, tokens=progress.tokens, stream=False)
+        body = api.full_response(gen, rid, int(time.time()), self.fingerprint, progress.tokens)
+        return web.Response(text=_dumps(body), content_type="application/json")
+
+    async def _stream(self, request, gen, rid, progress, crash_at_token) -> web.StreamResponse:
+        created = int(time.time())
+        response: web.StreamResponse | None = None
+        try:
+            for i in range(gen.max_tokens):
+                if not await self._pace(gen, i, crash_at_token):
+                    break
+                if response is None:
+                    # Like vLLM, headers and the first bytes go out with the first token.
+                    response = web.StreamResponse(status=200, headers=_SSE_HEADERS)
+                    await response.prepare(request)
+                    progress.phase = "streaming"
+                    if gen.kind == "chat":
+                        await response.write(self._sse(api.role_chunk(gen, rid, created, self.fingerprint)))
+                for p in range(gen.prompts):
+                    await response.write(self._sse(api.token_chunk(gen, rid, created, self.fingerprint, i, p)))
+                progress.tokens = i + 1
+                self.generation_tokens_total += gen.prompts
+            if response is None:  # shutting down before the first token
+                return self._error(api.ApiError(500, "InternalServerError",
+                                                f"Request {rid} aborted: the server is shutting down."))
+            if progress.tokens < gen.max_tokens:
+                err = api.error_body(f"Request {rid} aborted: the server is shutting down.", "InternalServerError", 500)
+                await response.write(self._sse(err))
+                self.events.emit("aborted", path=request.path, id=rid, tokens=progress.tokens)
+            else:
+                if gen.include_usage:
+                    await response.write(self._sse(api.usage_chunk(gen, rid, created, self.fingerprint, progress.tokens)))
+                self.success_total += 1
+                self.events.emit("finished", path=request.path, id=rid, tokens=progress.tokens, stream=True)
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+        except ConnectionResetError:
+            # The client went away between two writes (the handler was not cancelled in time).
+            self.events.emit("cancelled", path=request.path, id=rid, phase=progress.phase, tokens=progress.tokens,
+                             stopping=self.stopping)
+        return response
+
+    @staticmethod
+    def _sse(obj: dict) -> bytes:
+        return b"data: " + _dumps(obj).encode() + b"\n\n"
+
+
+# -------------------------------------------------------------------- noise and entry point
+
+
+def _start_noise(lines_per_second: float) -> None:
+    """Background chatter on stdout and stderr (FAKE_VLLM_NOISE) to test a supervisor's log readers;
+    a full pipe blocks this thread and then the server, as it would block vLLM."""
+
+    def run() -> None:
+        period = 0.05
+        owed = 0.0
+        n = 0
+        while True:
+            owed += lines_per_second * period
+            while owed >= 1:
+                owed -= 1
+                n += 1
+                stream = sys.stdout if n % 2 else sys.stderr
+                stream.write(f"INFO {time.strftime('%m-%d %H:%M:%S')} [loggers.py:123] Engine 000: noise line {n}: "
+                             "Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 0.0 tokens/s\n")
+            sys.stdout.flush()
+            sys.stderr.flush()
+            time.sleep(period)
+
+    threading.Thread(target=run, name="fakevllm-noise", daemon=True).start()
+
+
+def _loop_factory():
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        args = parse_args(argv)
+        faults = load_faults()
+    except (UsageError, SettingsError) as e:
+        print(f"fakevllm: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        server = FakeVllm(args, faults)
+    except OSError as e:
+        print(f"fakevllm: error: FAKE_VLLM_EVENTS={faults.events!r}: {e.strerror}", file=sys.stderr)
+        return 2
+    log("INFO", "api_server.py", f"vLLM API server version {VERSION} (fakevllm)")
+    log("INFO", "utils.py", f"non-default args: model={args.model!r} host={args.host!r} port={args.port} "
+        f"served_model_name={list(args.served_model_names)} ignored={list(args.ignored)}")
+    # Signals before the event loop takes over: ignored, or remembered and acted on once it runs.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        if faults.ignore_sigterm:
+            signal.signal(sig, signal.SIG_IGN)
+        else:
+            signal.signal(sig, lambda signum, frame: server.early_signals.append(signal.Signals(signum).name))
+    record = server.start_processes()
+    print(f"{START_MARKER} {_dumps(record)}", flush=True)
+    server.events.emit("started", **record)
+    if faults.noise > 0:
+        _start_noise(faults.noise)
+    try:
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            return runner.run(server.serve())
+    except BaseException:
+        server.release()
+        raise

@@ -1,0 +1,113 @@
+"""Faults and knobs, read once from FAKE_VLLM_* environment variables (see docs/fakevllm.md).
+
+A bad value is a one-line error naming the variable and what would work, never a silent default.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+class SettingsError(Exception):
+    """A FAKE_VLLM_* variable with a bad value; the message is one line."""
+
+
+@dataclass(frozen=True)
+class Faults:
+    name: str | None = None  # FAKE_VLLM_NAME: instance name in X-Fake-Instance (default: port)
+    start_delay: float = 0.0  # seconds of "model load" before the port opens
+    crash_at_start: int | None = None  # exit code instead of binding
+    crash_after: int | None = None  # crash when the Nth completion request arrives
+    crash_code: int = 1
+    crash_mid_stream: bool = False  # ... after crash_after_tokens tokens of that request instead
+    crash_after_tokens: int = 3
+    hang_after: float | None = None  # seconds after ready: nothing is answered any more
+    hang_mode: str = "stall"  # stall: requests wait forever; block: the event loop is blocked
+    health_fail_after: float | None = None  # seconds after ready: /health answers an error
+    health_fail_status: int = 500
+    ignore_sigterm: bool = False
+    token_delay: float = 0.01
+    first_token_delay: float = 0.0
+    noise: float = 0.0  # lines per second to stdout and stderr
+    long_line: int = 0  # bytes of one long line written once when ready
+    status_503: bool = False
+    events: str | None = None  # JSONL event log path
+    child: bool = True  # spawn the EngineCore stand-in
+    worker: bool = True  # ... and let it spawn a Worker stand-in
+    shm: bool = True  # create /dev/shm/psm_* and sem.mp-* files
+    exit_on_engine_death: bool = True  # like vLLM: EngineCore gone -> API server exits 0
+    access_log: bool = True
+    max_num_seqs: int | None = None  # concurrent generations; more wait ("queued"), like --max-num-seqs
+
+
+def _number(env: Mapping[str, str], key: str, kind: type, low: float, example: str):
+    raw = env.get(key, "").strip()
+    if raw == "":
+        return None
+    try:
+        value = kind(raw)
+    except ValueError:
+        raise SettingsError(f"{key}={raw!r} is not {'an integer' if kind is int else 'a number'} (e.g. {key}={example})") from None
+    if value < low:
+        raise SettingsError(f"{key}={raw!r} must be >= {low} (e.g. {key}={example})")
+    return value
+
+
+def _flag(env: Mapping[str, str], key: str, default: bool) -> bool:
+    raw = env.get(key, "").strip().lower()
+    if raw == "":
+        return default
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise SettingsError(f"{key}={raw!r} is not a boolean (use 1 or 0)")
+
+
+def load_faults(env: Mapping[str, str] = os.environ) -> Faults:
+    def num(key: str, kind: type = float, low: float = 0, example: str = "2"):
+        return _number(env, key, kind, low, example)
+
+    def default(value, fallback):
+        return fallback if value is None else value
+
+    hang_mode = env.get("FAKE_VLLM_HANG_MODE", "").strip() or "stall"
+    if hang_mode not in ("stall", "block"):
+        raise SettingsError(f"FAKE_VLLM_HANG_MODE={hang_mode!r} is not one of: stall, block")
+    crash_at_start = num("FAKE_VLLM_CRASH_AT_START", int, 0, "1")
+    if crash_at_start is not None and crash_at_start > 255:
+        raise SettingsError(f"FAKE_VLLM_CRASH_AT_START={crash_at_start} is not an exit code (0..255)")
+    crash_code = default(num("FAKE_VLLM_CRASH_CODE", int, 0, "1"), 1)
+    if crash_code > 255:
+        raise SettingsError(f"FAKE_VLLM_CRASH_CODE={crash_code} is not an exit code (0..255)")
+    health_status = default(num("FAKE_VLLM_HEALTH_FAIL_STATUS", int, 400, "503"), 500)
+    if health_status > 599:
+        raise SettingsError(f"FAKE_VLLM_HEALTH_FAIL_STATUS={health_status} is not an HTTP error status (400..599)")
+    return Faults(
+        name=env.get("FAKE_VLLM_NAME") or None,
+        start_delay=default(num("FAKE_VLLM_START_DELAY"), 0.0),
+        crash_at_start=crash_at_start,
+        crash_after=num("FAKE_VLLM_CRASH_AFTER", int, 1, "3"),
+        crash_code=crash_code,
+        crash_mid_stream=_flag(env, "FAKE_VLLM_CRASH_MID_STREAM", False),
+        crash_after_tokens=default(num("FAKE_VLLM_CRASH_AFTER_TOKENS", int, 0, "3"), 3),
+        hang_after=num("FAKE_VLLM_HANG_AFTER"),
+        hang_mode=hang_mode,
+        health_fail_after=num("FAKE_VLLM_HEALTH_FAIL_AFTER"),
+        health_fail_status=health_status,
+        ignore_sigterm=_flag(env, "FAKE_VLLM_IGNORE_SIGTERM", False),
+        token_delay=default(num("FAKE_VLLM_TOKEN_DELAY", example="0.01"), 0.01),
+        first_token_delay=default(num("FAKE_VLLM_FIRST_TOKEN_DELAY", example="0.5"), 0.0),
+        noise=default(num("FAKE_VLLM_NOISE", example="100"), 0.0),
+        long_line=default(num("FAKE_VLLM_LONG_LINE", int, 0, "204800"), 0),
+        status_503=_flag(env, "FAKE_VLLM_STATUS_503", False),
+        events=env.get("FAKE_VLLM_EVENTS") or None,
+        child=_flag(env, "FAKE_VLLM_CHILD", True),
+        worker=_flag(env, "FAKE_VLLM_WORKER", True),
+        shm=_flag(env, "FAKE_VLLM_SHM", True),
+        exit_on_engine_death=_flag(env, "FAKE_VLLM_EXIT_ON_ENGINE_DEATH", True),
+        access_log=_flag(env, "FAKE_VLLM_ACCESS_LOG", True),
+        max_num_seqs=num("FAKE_VLLM_MAX_NUM_SEQS", int, 1, "4"),
+    )
