@@ -3,6 +3,7 @@
 through nginx round-robin when `nginx` is installed), at a fixed client concurrency.
 
     .venv/bin/python bench/proxy_bench.py [--concurrency 16] [--requests 4000] [--streams 200] [--chunks 100]
+                                          [--runs 3] [--pin]
 
 Upstreams are minimal aiohttp apps (no delays for requests, a fixed pace between SSE chunks so
 each chunk is its own TCP segment, as from vLLM), two processes, so they are not the bottleneck.
@@ -11,6 +12,17 @@ and the CPU the proxy process used (utime+stime from /proc/<pid>/stat, all its t
 nginx, master and workers) per small chat request and per streamed chunk:
   µs/request = CPU during the request phase / requests
   µs/chunk   = (CPU during the stream phase - streams × µs/request) / chunks relayed
+(the stream phase's own requests are charged at the small-request rate; chunks relayed counts
+every chunk the upstreams wrote, [DONE] included). With --runs N the targets are measured in turn
+N times (direct, proxy, nginx, direct, ...) so that load drifting on a shared box hits all of them
+alike, and every column is the median over the runs (added latency: median of the per-run
+differences to direct).
+
+--pin (needs >= 2 CPUs): the proxy (or nginx) runs alone on the first allowed CPU, the client and
+the upstreams on the others, so that its numbers are the proxy's own cost rather than time spent
+queued behind the client and upstreams on the same cores. Without --pin every process floats over
+all CPUs, as on a box where one core is shared by everything. The direct rows are measured with
+the same placement (client and upstreams on the other CPUs).
 Speed is machine- and load-dependent: compare the rows of one run, not runs on different days.
 """
 
@@ -83,6 +95,15 @@ def run_upstream(port: int, chunks: int, pace: float) -> None:
 
 
 # ------------------------------------------------------------------------------- measuring
+
+
+def pin(pids: list[int], cpus: set[int] | None) -> None:
+    """Move these processes (every thread) onto `cpus`; no-op when None."""
+    if cpus is None:
+        return
+    for pid in pids:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            os.sched_setaffinity(int(tid), cpus)
 
 
 def free_port() -> int:
@@ -234,14 +255,39 @@ async def measure(name: str, base_urls: list[str], pids: list[int] | None, args,
     results.append(row)
 
 
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def summarize(runs: list[list[dict]]) -> list[dict]:
+    """Per target, the median of every column over the runs; added latency as the median of each
+    run's difference to that run's direct row."""
+    out = []
+    for i, row in enumerate(runs[0]):
+        rows = [run[i] for run in runs]
+        summary = {"target": row["target"]}
+        for key in row:
+            if key != "target":
+                summary[key] = median([r[key] for r in rows])
+        summary["added_p50_ms"] = median([run[i]["p50_ms"] - run[0]["p50_ms"] for run in runs])
+        summary["added_p99_ms"] = median([run[i]["p99_ms"] - run[0]["p99_ms"] for run in runs])
+        out.append(summary)
+    return out
+
+
 def print_table(results: list[dict], args) -> None:
     direct = results[0]
+    placement = (f"proxy/nginx pinned to CPU {args.proxy_cpus}, client+upstreams to CPU {args.other_cpus}"
+                 if args.pin else "no pinning")
     print(f"\nconcurrency {args.concurrency}; {args.requests} small chat requests; {args.streams} streams x {args.chunks + 1} chunks "
-          f"(upstream pace {args.pace * 1e3:g} ms); loadavg before: {args.loadavg}")
+          f"(upstream pace {args.pace * 1e3:g} ms); {placement}; median of {args.runs} run(s); "
+          f"loadavg before: {args.loadavg}, after: {args.loadavg_after}")
     print(f"{'target':<14} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} {'+p99 ms':>8} {'CPU µs/req':>11} {'(user+sys)':>12} {'CPU µs/chunk':>13} {'(user+sys)':>12}")
     for row in results:
-        added50 = row["p50_ms"] - direct["p50_ms"]
-        added99 = row["p99_ms"] - direct["p99_ms"]
+        added50 = row["added_p50_ms"]
+        added99 = row["added_p99_ms"]
         req = f"{row['us_per_request']:.0f}" if "us_per_request" in row else "-"
         req_split = f"{row['us_per_request_user']:.0f}+{row['us_per_request_sys']:.0f}" if "us_per_request" in row else ""
         chunk = f"{row['us_per_chunk']:.1f}" if "us_per_chunk" in row else "-"
@@ -253,7 +299,15 @@ def print_table(results: list[dict], args) -> None:
 async def bench(args) -> None:
     procs: list[subprocess.Popen] = []
     workdir = Path(tempfile.mkdtemp(prefix="vsup-proxy-bench-"))
-    results: list[dict] = []
+    runs: list[list[dict]] = []
+    proxy_cpus = other_cpus = None
+    if args.pin:
+        allowed = sorted(os.sched_getaffinity(0))
+        if len(allowed) < 2:
+            raise SystemExit("--pin needs at least 2 CPUs")
+        proxy_cpus, other_cpus = {allowed[0]}, set(allowed[1:])
+        args.proxy_cpus, args.other_cpus = format_cpus(proxy_cpus), format_cpus(other_cpus)
+        pin([os.getpid()], other_cpus)  # the client; children started from here inherit it
     try:
         ports = [free_port() for _ in range(args.upstreams)]
         for port in ports:
@@ -272,6 +326,7 @@ async def bench(args) -> None:
             env=env, start_new_session=True, stderr=subprocess.DEVNULL,
         )
         procs.append(proxy)
+        pin([proxy.pid], proxy_cpus)
         wait_http(proxy_port, "/ready")
 
         nginx = start_nginx(ports, workdir)
@@ -279,13 +334,17 @@ async def bench(args) -> None:
         if nginx is not None:
             procs.append(nginx[0])
             nginx_pids = [nginx[0].pid, *children_of(nginx[0].pid)]
-
-        await measure("direct", direct, None, args, results)
-        await measure("vsup proxy", [f"http://127.0.0.1:{proxy_port}"], [proxy.pid], args, results)
-        if nginx is not None:
-            await measure("nginx", [f"http://127.0.0.1:{nginx[1]}"], nginx_pids, args, results)
+            pin(nginx_pids, proxy_cpus)
         else:
             print("nginx is not installed: no nginx row (apt-get install -y nginx)")
+
+        for _ in range(args.runs):
+            results: list[dict] = []
+            await measure("direct", direct, None, args, results)
+            await measure("vsup proxy", [f"http://127.0.0.1:{proxy_port}"], [proxy.pid], args, results)
+            if nginx is not None:
+                await measure("nginx", [f"http://127.0.0.1:{nginx[1]}"], nginx_pids, args, results)
+            runs.append(results)
     finally:
         for proc in procs:
             try:
@@ -298,9 +357,15 @@ async def bench(args) -> None:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
         shutil.rmtree(workdir, ignore_errors=True)
-    print_table(results, args)
+    args.loadavg_after = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    summary = summarize(runs)
+    print_table(summary, args)
     if args.json:
-        print(json.dumps(results))
+        print(json.dumps({"summary": summary, "runs": runs}))
+
+
+def format_cpus(cpus: set[int]) -> str:
+    return ",".join(str(c) for c in sorted(cpus))
 
 
 def main() -> None:
@@ -313,6 +378,8 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=100, help="SSE chunks per stream (plus [DONE])")
     parser.add_argument("--pace", type=float, default=0.002, help="seconds between two chunks of one stream")
     parser.add_argument("--upstreams", type=int, default=2)
+    parser.add_argument("--runs", type=int, default=3, help="measure every target this many times, in turn; report medians")
+    parser.add_argument("--pin", action="store_true", help="proxy/nginx on the first CPU, client and upstreams on the others")
     parser.add_argument("--json", action="store_true", help="also print the rows as JSON")
     args = parser.parse_args()
     if args.mode == "upstream":

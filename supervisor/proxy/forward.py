@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 
 from aiohttp import web
@@ -36,71 +37,165 @@ HOP_BY_HOP = frozenset(
     {"connection", "keep-alive", "proxy-connection", "te", "trailer", "trailers", "transfer-encoding", "upgrade"}
 )
 _DROP_REQUEST = frozenset(h.encode() for h in HOP_BY_HOP | {"host", "content-length", "expect"})
-_DROP_REQUEST_AUTH = _DROP_REQUEST | {b"authorization"}
 _DROP_RESPONSE = frozenset(h.encode() for h in HOP_BY_HOP | {"content-length"})
 _PROXY_PREFIX = b"proxy-"
 
 RETRY_AFTER_SECONDS = 1
+# Longest period of the timeout watchdog (shorter when a configured timeout is very short).
+WATCHDOG_TICK = 0.1
 
 
 def _connection_tokens(value: bytes) -> frozenset[bytes]:
     return frozenset(token.strip().lower() for token in value.split(b",") if token.strip())
 
 
+# Per header name *as sent* (clients repeat the same spelling on every request), what to do with
+# it: one dict lookup per header instead of lower() + set tests + tuple building. Bounded: an odd
+# client inventing names cannot grow it without limit.
+_KEEP, _DROP, _AUTHORIZATION, _CONNECTION = 0, 1, 2, 3
+_NAME_CACHE_SIZE = 1024
+_request_names: dict[bytes, int] = {}
+
+
+def _request_name_kind(key: bytes) -> int:
+    low = key.lower()
+    if low == b"connection":
+        kind = _CONNECTION
+    elif low == b"authorization":
+        kind = _AUTHORIZATION
+    elif low in _DROP_REQUEST or low.startswith(_PROXY_PREFIX):
+        kind = _DROP
+    else:
+        kind = _KEEP
+    if len(_request_names) >= _NAME_CACHE_SIZE:
+        _request_names.clear()
+    _request_names[key] = kind
+    return kind
+
+
 def request_headers(raw_headers: tuple[tuple[bytes, bytes], ...], drop_authorization: bool) -> bytes:
     """The client's header lines, as it sent them, minus hop-by-hop ones (and its Authorization
     when the proxy checked it: the instances listen on loopback without a key)."""
-    drop = _DROP_REQUEST_AUTH if drop_authorization else _DROP_REQUEST
-    kept = []
+    parts: list[bytes] = []
     named = None
+    names = _request_names
     for key, value in raw_headers:
-        low = key.lower()
-        if low in drop or low.startswith(_PROXY_PREFIX):
-            if low == b"connection":
-                named = _connection_tokens(value) | (named or frozenset())
-            continue
-        kept.append((low, key, value))
+        kind = names.get(key)
+        if kind is None:
+            kind = _request_name_kind(key)
+        if kind == _KEEP or (kind == _AUTHORIZATION and not drop_authorization):
+            parts += (key, b": ", value, b"\r\n")
+        elif kind == _CONNECTION:
+            # Headers the client names in Connection are hop-by-hop too; "keep-alive"/"close"
+            # (what clients send) name nothing that is still kept.
+            tokens = _connection_tokens(value) - _DROP_REQUEST
+            if tokens:
+                named = tokens | (named or frozenset())
+    if named:  # rare: a second pass without the headers Connection named
+        parts = []
+        for key, value in raw_headers:
+            kind = names.get(key)
+            if kind is None:
+                kind = _request_name_kind(key)
+            if (kind == _KEEP or (kind == _AUTHORIZATION and not drop_authorization)) and key.lower() not in named:
+                parts += (key, b": ", value, b"\r\n")
+    return b"".join(parts)
+
+
+# Per response header name: its str form to forward (None: drop), and whether it is one the
+# forwarder looks at.
+_PLAIN, _IS_CONNECTION, _IS_CONTENT_TYPE, _IS_CONTENT_LENGTH = 0, 1, 2, 3
+_response_names: dict[bytes, tuple[str | None, int]] = {}
+
+
+def _response_name(key: bytes) -> tuple[str | None, int]:
+    low = key.lower()
+    flag = {b"connection": _IS_CONNECTION, b"content-type": _IS_CONTENT_TYPE, b"content-length": _IS_CONTENT_LENGTH}.get(low, _PLAIN)
+    drop = low in _DROP_RESPONSE or low.startswith(_PROXY_PREFIX)
+    entry = (None if drop else key.decode("latin-1"), flag)
+    if len(_response_names) >= _NAME_CACHE_SIZE:
+        _response_names.clear()
+    _response_names[key] = entry
+    return entry
+
+
+def response_head(raw_headers: list[tuple[bytes, bytes]]) -> tuple[list[tuple[str, str]], bytes, bool]:
+    """One pass over the instance's headers: those to forward (hop-by-hop ones dropped, as
+    (name, value) str pairs), its Content-Type, and whether it sent a Content-Length."""
+    out: list[tuple[str, str]] = []
+    content_type = b""
+    has_length = False
+    named = None
+    names = _response_names
+    for key, value in raw_headers:
+        entry = names.get(key)
+        if entry is None:
+            entry = _response_name(key)
+        name, flag = entry
+        if flag:
+            if flag == _IS_CONTENT_TYPE:
+                content_type = value
+            elif flag == _IS_CONTENT_LENGTH:
+                has_length = True
+            else:
+                tokens = _connection_tokens(value) - _DROP_RESPONSE
+                if tokens:
+                    named = tokens | (named or frozenset())
+        if name is not None:
+            out.append((name, value.decode("utf-8", "replace")))
     if named:
-        return b"".join(b"%s: %s\r\n" % (key, value) for low, key, value in kept if low not in named)
-    return b"".join(b"%s: %s\r\n" % (key, value) for _, key, value in kept)
+        out = [(name, value) for name, value in out if name.lower().encode("latin-1") not in named]
+    return out, content_type, has_length
 
 
 def response_headers(raw_headers: list[tuple[bytes, bytes]]) -> CIMultiDict[str]:
-    out: CIMultiDict[str] = CIMultiDict()
-    named = None
-    for key, value in raw_headers:
-        low = key.lower()
-        if low in _DROP_RESPONSE or low.startswith(_PROXY_PREFIX):
-            if low == b"connection":
-                named = _connection_tokens(value) | (named or frozenset())
-            continue
-        out.add(key.decode("latin-1"), value.decode("utf-8", "replace"))
-    if named:
-        for name in named:
-            out.popall(name.decode("latin-1"), None)
-    return out
+    return CIMultiDict(response_head(raw_headers)[0])
+
+
+_json_types: dict[str, bool] = {}
 
 
 def _is_json(content_type: str) -> bool:
     # application/json, application/json; charset=utf-8, application/vnd.x+json
-    base = content_type.split(";", 1)[0].strip().lower()
-    return base == "application/json" or base.endswith("+json")
+    known = _json_types.get(content_type)
+    if known is None:
+        base = content_type.split(";", 1)[0].strip().lower()
+        known = base == "application/json" or base.endswith("+json")
+        if len(_json_types) >= _NAME_CACHE_SIZE:
+            _json_types.clear()
+        _json_types[content_type] = known
+    return known
+
+
+def parse_json(body: bytes):
+    """json.loads(body), minus its encoding detection in the common case (UTF-8 without BOM);
+    anything else, including every error, goes through json.loads itself, so what is accepted
+    and the error message are exactly json.loads's."""
+    if body[:1] not in _UTF_NONSTANDARD_FIRST:
+        try:
+            return _loads_str(body.decode("utf-8"))
+        except (ValueError, UnicodeDecodeError):
+            pass
+    return json.loads(body)
+
+
+_loads_str = json.JSONDecoder().decode
+# A body starting with a BOM or a NUL (UTF-16/32) needs json.loads's encoding detection.
+_UTF_NONSTANDARD_FIRST = frozenset({b"\xef", b"\xfe", b"\xff", b"\x00"})
 
 
 class Exchange:
-    """One request in flight: its phase, and a watchdog that cancels the handler when the
-    instance stays silent too long or the proxy drains. Per chunk the relay only stores a
-    timestamp; the timer re-arms itself lazily, so a long stream costs one timer, not one per chunk."""
+    """One request in flight: its phase and its current time limit. The forwarder's watchdog
+    (one timer for all requests, see Forwarder._sweep) cancels the handler when the instance stays
+    silent past the limit or the proxy drains; per request and per chunk only timestamps are stored."""
 
-    __slots__ = ("loop", "task", "limit", "limit_key", "last", "handle", "reason", "phase", "stream", "idle_limit", "first_data_at", "sent_at")
+    __slots__ = ("task", "limit", "limit_key", "last", "reason", "phase", "stream", "idle_limit", "first_data_at", "sent_at")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, task: asyncio.Task) -> None:
-        self.loop = loop
+    def __init__(self, task: asyncio.Task, now: float) -> None:
         self.task = task
-        self.limit = 0.0
+        self.limit = math.inf  # no limit while the request body is read
         self.limit_key = ""
-        self.last = 0.0
-        self.handle: asyncio.TimerHandle | None = None
+        self.last = now
         self.reason: str | None = None  # set when the proxy itself cancels: timeout or drain
         self.phase = "queued"
         self.stream = False
@@ -108,39 +203,28 @@ class Exchange:
         self.first_data_at: float | None = None
         self.sent_at = 0.0
 
-    def on_data(self) -> None:
-        """A piece of the response body arrived: from now on the limit is the idle timeout."""
-        self.last = now = self.loop.time()
+    def on_data(self, now: float) -> None:
+        """A piece of the response body arrived (the relay inlines this per chunk)."""
+        self.last = now
         if self.first_data_at is None:
-            self.first_data_at = now
-            self.arm(self.idle_limit, "proxy.idle_timeout")
+            self.first_data(now)
 
-    def arm(self, limit: float, key: str) -> None:
-        """A new phase with its own limit (a few times per request, so a fresh timer is fine)."""
+    def first_data(self, now: float) -> None:
+        """From the first body byte on, the limit is the idle timeout."""
+        self.first_data_at = now
+        self.limit = self.idle_limit
+        self.limit_key = "proxy.idle_timeout"
+
+    def arm(self, limit: float, key: str, now: float) -> None:
+        """A new phase with its own limit, counted from now."""
         self.limit = limit
         self.limit_key = key
-        self.last = self.loop.time()
-        if self.handle is not None:
-            self.handle.cancel()
-        self.handle = self.loop.call_at(self.last + limit, self._check)
-
-    def _check(self) -> None:
-        due = self.last + self.limit
-        if self.loop.time() >= due - 0.001:
-            self.handle = None
-            self.abort("timeout")
-        else:
-            self.handle = self.loop.call_at(due, self._check)
+        self.last = now
 
     def abort(self, reason: str) -> None:
         if self.reason is None:
             self.reason = reason
             self.task.cancel()
-
-    def disarm(self) -> None:
-        if self.handle is not None:
-            self.handle.cancel()
-            self.handle = None
 
 
 class Forwarder:
@@ -165,6 +249,20 @@ class Forwarder:
         self.in_flight: dict[str, int] = {}
         self.active: set[Exchange] = set()
         self.draining = False
+        self.loop = asyncio.get_running_loop()
+        # The watchdog's period: a limit is enforced within one tick of its deadline.
+        self.tick = max(0.005, min(WATCHDOG_TICK, config.first_byte_timeout / 4, config.idle_timeout / 4))
+        self._watchdog: asyncio.TimerHandle | None = None
+
+    def _sweep(self) -> None:
+        """One timer for every request in flight (instead of arming and cancelling timers per
+        request, which cost more than the rest of the bookkeeping): cancel the handlers whose
+        instance has been silent past their phase's limit. Runs only while requests are active."""
+        now = self.loop.time()
+        for exchange in self.active:
+            if now - exchange.last >= exchange.limit:
+                exchange.abort("timeout")  # cancel() only schedules: `active` is unchanged here
+        self._watchdog = self.loop.call_at(now + self.tick, self._sweep) if self.active else None
 
     async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
         route = route_label(request.path)
@@ -173,8 +271,11 @@ class Forwarder:
             response.force_close()
             self.metrics.request(route, 503, "")
             return response
-        exchange = Exchange(asyncio.get_running_loop(), asyncio.current_task())  # type: ignore[arg-type]
+        loop = self.loop
+        exchange = Exchange(asyncio.current_task(loop), loop.time())  # type: ignore[arg-type]
         self.active.add(exchange)
+        if self._watchdog is None:
+            self._watchdog = loop.call_at(loop.time() + self.tick, self._sweep)
         try:
             response, instance = await self._handle(request, exchange)
         except asyncio.CancelledError:
@@ -182,7 +283,6 @@ class Forwarder:
                 self.metrics.disconnect(exchange.phase)
             raise
         finally:
-            exchange.disarm()
             self.active.discard(exchange)
         self.metrics.request(route, response.status, instance)
         return response
@@ -194,13 +294,21 @@ class Forwarder:
             declared = request.content_length
             if declared is not None and declared > limit:
                 return errors.too_large(declared, limit), ""
-            try:
-                body = await request.read()  # the app's client_max_size == max_body_bytes
-            except web.HTTPRequestEntityTooLarge:
-                return errors.too_large(None, limit), ""
+            payload = request.content
+            if payload.is_eof():
+                # The whole body came with the headers (any small JSON request): take it as is,
+                # without request.read()'s copy loop.
+                body = payload.read_nowait()
+                if len(body) > limit:
+                    return errors.too_large(None, limit), ""
+            else:
+                try:
+                    body = await request.read()  # the app's client_max_size == max_body_bytes
+                except web.HTTPRequestEntityTooLarge:
+                    return errors.too_large(None, limit), ""
             if body and _is_json(request.headers.get("Content-Type", "")):
                 try:
-                    document = json.loads(body)
+                    document = parse_json(body)
                 except (ValueError, UnicodeDecodeError) as exc:
                     return errors.bad_request(f"the request body is not valid JSON: {exc}"), ""
                 if not isinstance(document, dict):
@@ -239,14 +347,15 @@ class Forwarder:
     async def _attempt(self, request, exchange: Exchange, backend: Backend, target: bytes, body: bytes, headers: bytes):
         """One try on one instance: a response for the client, or (fallback, reason) to retry."""
         exchange.phase = "queued"  # until a connection to the instance is ours
-        exchange.arm(self.config.first_byte_timeout, "proxy.first_byte_timeout")
+        loop = self.loop
+        exchange.arm(self.config.first_byte_timeout, "proxy.first_byte_timeout", loop.time())
         exchange.first_data_at = None
         upstream: UpstreamResponse | None = None
         try:
             try:
-                conn = await self.client.connect(backend.url)
+                conn = self.client.idle_connection(backend.url) or await self.client.connect(backend.url)
                 exchange.phase = "first_byte" if exchange.stream else "non_streaming"
-                exchange.sent_at = exchange.loop.time()
+                exchange.sent_at = loop.time()
                 started = time.monotonic()
                 upstream = await self.client.send(conn, request.method, target, headers, body)
             except ConnectFailed as exc:
@@ -268,11 +377,11 @@ class Forwarder:
                 relayed.headers.setdefault("Retry-After", str(RETRY_AFTER_SECONDS))
                 return relayed, "503"
 
-            content_type = upstream.header(b"content-type") or b""
+            headers, content_type, has_length = response_head(upstream.raw_headers)
             sse = content_type.startswith(b"text/event-stream")
-            if sse or upstream.header(b"content-length") is None:
-                return await self._relay_stream(request, exchange, backend, upstream, started, sse)
-            return await self._relay_body(exchange, backend, upstream, started)
+            if sse or not has_length:
+                return await self._relay_stream(request, exchange, backend, upstream, headers, started, sse)
+            return await self._relay_body(exchange, backend, upstream, headers, started)
         except asyncio.CancelledError:
             if exchange.reason is None:
                 raise  # the client went away: the finally below drops the upstream connection
@@ -287,20 +396,20 @@ class Forwarder:
             return errors.gateway_timeout(self._abort_message(exchange, backend))
         return errors.unavailable("the proxy is shutting down and the drain deadline passed", RETRY_AFTER_SECONDS)
 
-    async def _relay_body(self, exchange: Exchange, backend: Backend, upstream: UpstreamResponse, started: float):
+    async def _relay_body(self, exchange: Exchange, backend: Backend, upstream: UpstreamResponse, headers, started: float):
         exchange.phase = "response"
         self.metrics.ttfb(False, time.monotonic() - started)
-        exchange.arm(self.config.idle_timeout, "proxy.idle_timeout")
+        exchange.arm(self.config.idle_timeout, "proxy.idle_timeout", self.loop.time())
         try:
             content = await upstream.read()
         except UpstreamBroken as exc:
             self.metrics.upstream_error(backend.name, "broken")
             return errors.bad_gateway(f"instance {backend.name} broke off its response: {exc}")
         self.metrics.duration(False, time.monotonic() - started)
-        return web.Response(status=upstream.status, body=content, headers=response_headers(upstream.raw_headers))
+        return web.Response(status=upstream.status, body=content, headers=headers)
 
-    async def _relay_stream(self, request, exchange: Exchange, backend: Backend, upstream: UpstreamResponse, started: float, sse: bool):
-        out = web.StreamResponse(status=upstream.status, headers=response_headers(upstream.raw_headers))
+    async def _relay_stream(self, request, exchange: Exchange, backend: Backend, upstream: UpstreamResponse, headers, started: float, sse: bool):
+        out = web.StreamResponse(status=upstream.status, headers=headers)
         if sse:
             # Nobody between us and the client may buffer or compress the events.
             out.headers["X-Accel-Buffering"] = "no"
@@ -314,7 +423,7 @@ class Forwarder:
                 self.metrics.disconnect("streaming")
                 return out
             writer = request.writer
-            await upstream.relay(transport, writer.chunked, writer.drain, exchange.on_data)
+            await upstream.relay(transport, writer.chunked, writer.drain, exchange)
         except asyncio.CancelledError:
             if exchange.reason is None:
                 raise  # the client went away

@@ -42,7 +42,7 @@ class _Connection(asyncio.Protocol):
     __slots__ = (
         "pool", "transport", "parser", "status", "headers", "headers_done", "chunks", "queued", "complete",
         "error", "waiter", "keep_alive", "reading_paused", "lost", "head", "used", "counted_out",
-        "sink", "sink_chunked", "sink_blocked", "on_data",
+        "sink", "sink_chunked", "sink_blocked", "exchange", "clock",
     )
 
     def __init__(self, pool: "UpstreamPool") -> None:
@@ -51,6 +51,7 @@ class _Connection(asyncio.Protocol):
         self.lost = False
         self.used = 0
         self.counted_out = False  # its slot in the pool's `open` count was given back
+        self.clock = pool.loop.time
         self._reset()
 
     def _reset(self) -> None:
@@ -69,7 +70,7 @@ class _Connection(asyncio.Protocol):
         self.sink: asyncio.WriteTransport | None = None  # relay mode: body goes straight here
         self.sink_chunked = True
         self.sink_blocked = False
-        self.on_data = None
+        self.exchange = None  # relay mode: the request's Exchange (its `last` is stamped per piece)
 
     # -- asyncio.Protocol
     def connection_made(self, transport) -> None:
@@ -107,7 +108,11 @@ class _Connection(asyncio.Protocol):
         sink = self.sink
         if sink is not None:
             # Relay mode: straight from the instance's socket to the client's, no task switch.
-            self.on_data()
+            # Exchange.on_data, inlined: this runs once per streamed token.
+            exchange = self.exchange
+            exchange.last = now = self.clock()
+            if exchange.first_data_at is None:
+                exchange.first_data(now)
             if sink.is_closing():
                 return  # the client is gone; its handler is being cancelled and will drop us
             sink.write(b"%x\r\n%b\r\n" % (len(body), body) if self.sink_chunked else body)
@@ -182,18 +187,18 @@ class UpstreamResponse:
                 raise conn.error
             await conn.wait()
 
-    async def relay(self, sink: asyncio.WriteTransport, chunked: bool, drain, on_data) -> None:
+    async def relay(self, sink: asyncio.WriteTransport, chunked: bool, drain, exchange) -> None:
         """Write the rest of the body to `sink` as it arrives (framed as HTTP/1.1 chunks when
-        `chunked`), from the connection's data callback; `on_data()` runs for every piece and
-        `await drain()` when the client reads slower than the instance writes.
+        `chunked`), from the connection's data callback; `exchange.on_data(now)` (inlined) runs
+        for every piece and `await drain()` when the client reads slower than the instance writes.
         Returns when the body is complete; raises UpstreamBroken when the instance fails."""
         conn = self._conn
         while conn.chunks:  # what arrived before relaying started
             chunk = conn.chunks.popleft()
-            on_data()
+            exchange.on_data(conn.clock())
             sink.write(b"%x\r\n%b\r\n" % (len(chunk), chunk) if chunked else chunk)
         conn.queued = 0
-        conn.sink, conn.sink_chunked, conn.on_data = sink, chunked, on_data
+        conn.sink, conn.sink_chunked, conn.exchange = sink, chunked, exchange
         try:
             while True:
                 if conn.sink_blocked or conn.reading_paused:
@@ -209,7 +214,7 @@ class UpstreamResponse:
                     raise conn.error
                 await conn.wait()
         finally:
-            conn.sink = conn.on_data = None
+            conn.sink = conn.exchange = None
 
     async def read(self) -> bytes:
         parts = []
@@ -246,13 +251,22 @@ class UpstreamPool:
         self.waiters: collections.deque[asyncio.Future] = collections.deque()
         self.closed = False
 
+    def take_idle(self) -> _Connection | None:
+        """The newest idle keep-alive connection still fresh, or None (no await: the common case)."""
+        idle = self.idle
+        if idle:
+            now = self.loop.time()
+            while idle:
+                conn, since = idle.pop()
+                if not conn.lost and now - since < self.keepalive:
+                    return conn
+                self._drop(conn)
+        return None
+
     async def acquire(self) -> _Connection:
-        now = self.loop.time()
-        while self.idle:
-            conn, since = self.idle.pop()
-            if not conn.lost and now - since < self.keepalive:
-                return conn
-            self._drop(conn)
+        conn = self.take_idle()
+        if conn is not None:
+            return conn
         while self.open >= self.limit:
             waiter = self.loop.create_future()
             self.waiters.append(waiter)
@@ -338,6 +352,11 @@ class UpstreamClient:
         if pool is None:
             pool = self.pools[url] = UpstreamPool(url, self.limit, self.connect_timeout, self.keepalive, asyncio.get_running_loop())
         return pool
+
+    def idle_connection(self, url: str) -> _Connection | None:
+        """An idle keep-alive connection to `url` if one is ready now, else None (then connect())."""
+        pool = self.pools.get(url)
+        return pool.take_idle() if pool is not None else None
 
     async def connect(self, url: str) -> _Connection:
         """A connection to the instance at `url`: an idle keep-alive one, a new one, or (at the
