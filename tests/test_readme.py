@@ -1,0 +1,45 @@
+"""The README's promises that a test can hold: its two set-up commands, what CI runs, and the
+configuration reference being the real example config."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from supervisor.commands import command_names
+from supervisor.config import parse_config
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def _code_blocks(text: str) -> list[tuple[str, str]]:
+    return re.findall(r"```(\w*)\n(.*?)```", text, re.S)
+
+
+def test_readme_opens_with_exactly_two_setup_commands_that_exist():
+    lang, first = _code_blocks(README)[0]
+    commands = [line.split("#")[0].strip() for line in first.strip().splitlines()]
+    assert commands == ["bash scripts/demo", "bash scripts/test"]
+    for command in commands:
+        assert (ROOT / command.split()[1]).is_file()
+
+
+def test_ci_runs_the_readme_test_command():
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "scripts/test" in ci
+    assert "VSUP_SKIP_VLLM" not in ci  # the real-vLLM tests are part of CI
+
+
+def test_configuration_reference_is_the_example_config():
+    blocks = [body for lang, body in _code_blocks(README) if lang == "yaml"]
+    example = (ROOT / "configs" / "vsup.yaml").read_text()
+    assert example.strip() in [block.strip() for block in blocks], (
+        "README's configuration reference differs from configs/vsup.yaml: paste the file into README.md"
+    )
+    parse_config(example, "configs/vsup.yaml")
+
+
+def test_every_subcommand_is_mentioned():
+    for name in command_names():
+        assert f"vsup {name}" in README, name
