@@ -3,8 +3,9 @@
 The life of a request, and what can end it:
   queued       body read, size-checked, JSON-validated; an instance chosen    -> 400/413/503
   first_byte   sent upstream, waiting for the status line and the first body byte
-               connect error or 503 from the instance -> the next instance (only here: nothing
-               has reached the client yet, so a retry cannot duplicate a generation)
+               connect error, stale keep-alive connection or 503 from the instance -> the next
+               instance (only here: nothing has reached the client yet, so a retry cannot
+               duplicate a generation)
                first_byte_timeout                                            -> 504
   streaming    SSE relayed chunk by chunk as it arrives; idle_timeout between chunks, no overall
                cap; the instance dying                                       -> error event, clean end
@@ -28,7 +29,7 @@ from supervisor.backends import Backend, BackendPool
 from supervisor.config import ProxyConfig
 from supervisor.proxy import errors
 from supervisor.proxy.metrics import ProxyMetrics, route_label
-from supervisor.proxy.upstream import ConnectFailed, UpstreamBroken, UpstreamClient, UpstreamResponse
+from supervisor.proxy.upstream import ConnectFailed, StaleConnection, UpstreamBroken, UpstreamClient, UpstreamResponse
 
 log = logging.getLogger("vsup.proxy")
 
@@ -320,8 +321,16 @@ class Forwarder:
         target = request.raw_path.encode("utf-8", "surrogateescape")
         tried: list[str] = []
         fallback: web.Response | None = None  # what to answer if every attempt fails
+        reason: str | None = None
+        backend: Backend | None = None
         while True:
+            last = backend
             backend = self.balancer.choose(self.pool.ready(), self.in_flight, tried)
+            if backend is None and reason == "stale" and tried.count(last.name) == 1 and self.pool.is_ready(last.name):  # type: ignore[union-attr]
+                # A stale keep-alive connection and no other instance to try: one fresh
+                # connection to the same instance (its idle ones were closed), which either
+                # reaches a live server or is refused.
+                backend = last
             if backend is None:
                 if fallback is not None:
                     return fallback, tried[-1]
@@ -362,6 +371,13 @@ class Forwarder:
                 self.metrics.upstream_error(backend.name, "connect")
                 log.warning("instance %s: %s", backend.name, exc)
                 return errors.bad_gateway(f"instance {backend.name}: {exc}"), "connect"
+            except StaleConnection as exc:
+                # The request met a dead or closing socket, not a live server: as safe to retry as
+                # a refused connect. The other idle connections to that process are likely stale too.
+                self.client.close_idle(backend.url)
+                self.metrics.upstream_error(backend.name, "stale")
+                log.warning("instance %s: %s", backend.name, exc)
+                return errors.bad_gateway(f"instance {backend.name} failed before answering: {exc}"), "stale"
             except UpstreamBroken as exc:
                 self.metrics.upstream_error(backend.name, "broken")
                 return errors.bad_gateway(f"instance {backend.name} failed before answering: {exc}"), None

@@ -114,7 +114,7 @@ class ProxyMetrics:
         for phase, count in self.disconnects.items():
             family.add_metric([phase], count)
         yield family
-        family = CounterMetricFamily("vsup_proxy_upstream_errors", "Failed upstream attempts by kind (connect, 503, broken, timeout)", labels=["instance", "kind"])
+        family = CounterMetricFamily("vsup_proxy_upstream_errors", "Failed upstream attempts by kind (connect, stale, 503, broken, timeout)", labels=["instance", "kind"])
         for (instance, kind), count in self.upstream_errors.items():
             family.add_metric([instance, kind], count)
         yield family

@@ -15,7 +15,7 @@ import logging
 import aiohttp
 from aiohttp import web
 
-from supervisor.backends import BackendPool
+from supervisor.backends import Backend, BackendPool
 from supervisor.config import ProxyConfig
 from supervisor.errors import VsupError
 from supervisor.proxy import errors
@@ -50,6 +50,7 @@ class ProxyServer:
         self._port: int | None = None
         self.metrics = ProxyMetrics(self.in_flight, pool.states, pool.is_ready)
         self._own = {"/health": self._health, "/ready": self._ready, "/metrics": self._metrics}
+        pool.subscribe(self._on_backend_change)
 
     # -- the contract --------------------------------------------------------------------------
 
@@ -91,6 +92,13 @@ class ProxyServer:
             "proxy listening on http://%s:%d (%s, %d instance(s) known, auth %s)",
             config.host, self._port, config.policy, len(self.pool.all()), "on" if self._auth.enabled else "off",
         )
+
+    def _on_backend_change(self, backend: Backend, state: str, ready: bool) -> None:
+        # An instance out of rotation (exited, restarting, unhealthy) may be a dead process: its
+        # idle keep-alive connections are closed now, so no later request is sent down one.
+        # Requests in flight keep their connections.
+        if self._client is not None:
+            self._client.set_reusable(backend.url, ready)
 
     @property
     def port(self) -> int:

@@ -7,8 +7,12 @@ on its own, more than half the proxy's whole budget (docs/proxy.md); this client
 of that. aiohttp still serves the clients, lists /v1/models and runs the health checks.
 
 Failure kinds the forwarder acts on:
-  ConnectFailed  the TCP connection could not be opened (refused, timeout): safe to retry
-  UpstreamBroken the connection died or sent garbage after the request was written: not retried
+  ConnectFailed   the TCP connection could not be opened (refused, timeout): safe to retry
+  StaleConnection a *reused* keep-alive connection was reset or closed before a single byte of
+                  the answer came back: the request met a dead or closing server socket, not a
+                  live server (the classic stale keep-alive race every HTTP client retries): safe
+                  to retry, like ConnectFailed
+  UpstreamBroken  the connection died or sent garbage after the request was written: not retried
 """
 
 from __future__ import annotations
@@ -36,12 +40,16 @@ class UpstreamBroken(UpstreamError):
     pass
 
 
+class StaleConnection(UpstreamBroken):
+    pass
+
+
 class _Connection(asyncio.Protocol):
     """One keep-alive TCP connection; carries one request/response at a time."""
 
     __slots__ = (
         "pool", "transport", "parser", "status", "headers", "headers_done", "chunks", "queued", "complete",
-        "error", "waiter", "keep_alive", "reading_paused", "lost", "head", "used", "counted_out",
+        "error", "waiter", "keep_alive", "reading_paused", "lost", "head", "used", "counted_out", "replied",
         "sink", "sink_chunked", "sink_blocked", "exchange", "clock",
     )
 
@@ -62,6 +70,7 @@ class _Connection(asyncio.Protocol):
         self.chunks: collections.deque[bytes] = collections.deque()
         self.queued = 0
         self.complete = False
+        self.replied = False  # a byte of the current answer arrived (a reset after that is no stale connection)
         self.error: UpstreamError | None = None
         self.waiter: asyncio.Future | None = None
         self.keep_alive = False
@@ -77,6 +86,7 @@ class _Connection(asyncio.Protocol):
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
+        self.replied = True
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -250,6 +260,9 @@ class UpstreamPool:
         self.open = 0
         self.waiters: collections.deque[asyncio.Future] = collections.deque()
         self.closed = False
+        # False while the instance is out of rotation: idle connections were closed and finished
+        # ones are closed too, so no later request picks a connection to a process that is gone.
+        self.reusable = True
 
     def take_idle(self) -> _Connection | None:
         """The newest idle keep-alive connection still fresh, or None (no await: the common case)."""
@@ -297,7 +310,7 @@ class UpstreamPool:
         return conn
 
     def release(self, conn: _Connection, reusable: bool) -> None:
-        if not reusable or self.closed:
+        if not reusable or self.closed or not self.reusable:
             self._drop(conn)
             return
         conn._reset()
@@ -331,11 +344,15 @@ class UpstreamPool:
                 waiter.set_result(None)  # the waiter opens a connection itself
                 return
 
+    def close_idle(self) -> None:
+        """Close every idle connection now (connections in use are left alone)."""
+        idle, self.idle = self.idle, []
+        for conn, _ in idle:
+            self._drop(conn)
+
     def close(self) -> None:
         self.closed = True
-        for conn, _ in self.idle:
-            self._drop(conn)
-        self.idle.clear()
+        self.close_idle()
 
 
 class UpstreamClient:
@@ -353,6 +370,27 @@ class UpstreamClient:
             pool = self.pools[url] = UpstreamPool(url, self.limit, self.connect_timeout, self.keepalive, asyncio.get_running_loop())
         return pool
 
+    def set_reusable(self, url: str, reusable: bool) -> None:
+        """The instance at `url` left the rotation (False: its idle keep-alive connections are
+        closed at once and finished ones are not kept; requests in flight go on) or is back (True)."""
+        pool = self.pools.get(url)
+        if pool is None:
+            return
+        pool.reusable = reusable
+        if not reusable:
+            pool.close_idle()
+
+    def close_idle(self, url: str) -> None:
+        """Close the idle keep-alive connections to `url` (after one of them proved stale, the
+        others were opened to the same process and are likely stale too)."""
+        pool = self.pools.get(url)
+        if pool is not None:
+            pool.close_idle()
+
+    def idle_count(self, url: str) -> int:
+        pool = self.pools.get(url)
+        return len(pool.idle) if pool is not None else 0
+
     def idle_connection(self, url: str) -> _Connection | None:
         """An idle keep-alive connection to `url` if one is ready now, else None (then connect())."""
         pool = self.pools.get(url)
@@ -365,7 +403,9 @@ class UpstreamClient:
 
     async def send(self, conn: _Connection, method: str, target: bytes, headers: bytes, body: bytes) -> UpstreamResponse:
         """Send `METHOD target` with `headers` (already `Name: value\\r\\n` lines, no Host, no
-        Content-Length) and `body`; return once the status line and headers are in."""
+        Content-Length) and `body`; return once the status line and headers are in. Raises
+        StaleConnection when a reused connection fails before any byte of the answer arrived,
+        UpstreamBroken for any other failure."""
         conn.used += 1
         conn.head = method == "HEAD"
         length = b"Content-Length: %d\r\n" % len(body) if body or method in ("POST", "PUT", "PATCH") else b""
@@ -375,6 +415,13 @@ class UpstreamClient:
                 if conn.error is not None:
                     raise conn.error
                 await conn.wait()
+        except UpstreamBroken as exc:
+            conn.pool.release(conn, False)
+            if conn.used > 1 and not conn.replied:
+                # Reused keep-alive connection, reset/EOF before a single answer byte: the server
+                # socket was dead or closing when the request arrived (nobody read it).
+                raise StaleConnection(f"reused keep-alive connection failed before any answer: {exc}") from None
+            raise
         except BaseException:
             conn.pool.release(conn, False)
             raise
