@@ -1,8 +1,11 @@
 """Instruction-set facts vLLM CPU cares about.
 
-Live, from py-cpuinfo (cached: the answer cannot change while we run, and py-cpuinfo takes about
-a second). Under a filesystem root, from the first "flags" line of proc/cpuinfo; a dump without
-proc/cpuinfo has unknown ISA, reported as all False."""
+Live, from the kernel's /proc/cpuinfo flags: they are what the kernel lets processes use (AMX,
+for one, needs kernel support on top of the hardware bit) and reading them costs nothing, where
+py-cpuinfo starts a helper process and takes about a second per `vsup` call. py-cpuinfo is the
+fallback when /proc/cpuinfo has no flags line (not Linux, exotic architectures). Under a
+filesystem root, from the first "flags" line of proc/cpuinfo; a dump without proc/cpuinfo has
+unknown ISA, reported as all False."""
 
 from __future__ import annotations
 
@@ -51,18 +54,16 @@ def parse_cpuinfo(text: str) -> tuple[frozenset[str], str]:
 
 @functools.lru_cache(maxsize=1)
 def _live_isa() -> tuple[Isa, str]:
+    flags, _ = parse_cpuinfo(FsRoot("/").read("proc/cpuinfo") or "")
+    if flags:
+        return isa_from_flags(flags, platform.machine()), "/proc/cpuinfo"
     try:
         import cpuinfo  # py-cpuinfo
 
-        info = cpuinfo.get_cpu_info()
-        flags = frozenset(info.get("flags") or ())
-        if flags:
-            return isa_from_flags(flags, platform.machine()), "py-cpuinfo"
-    except Exception:  # py-cpuinfo probes many sources; any failure falls back to /proc/cpuinfo
-        pass
-    text = FsRoot("/").read("proc/cpuinfo") or ""
-    flags, _ = parse_cpuinfo(text)
-    return isa_from_flags(flags, platform.machine()), "/proc/cpuinfo"
+        flags = frozenset(cpuinfo.get_cpu_info().get("flags") or ())
+    except Exception:  # py-cpuinfo probes many sources; a failure leaves the ISA unknown
+        flags = frozenset()
+    return isa_from_flags(flags, platform.machine()), "py-cpuinfo" if flags else "unknown (no CPU flags found)"
 
 
 def read_isa(fs: FsRoot, live: bool) -> tuple[Isa, str]:
