@@ -149,6 +149,29 @@ async def test_reset_on_a_fresh_connection_is_not_retried():
         b.cleanup()
 
 
+async def test_fresh_connection_broken_by_an_instance_that_left_the_rotation_is_retried():
+    # The kill -9 case with real vLLM: the API server is gone (the supervisor marked the instance
+    # not ready), its orphaned EngineCore held the listening socket, accepted our connection and
+    # resets it when vsup sweeps it. Nothing from that instance can reach a client: retry.
+    a, b = start_fakes(["a", "b"])
+    try:
+        pool = ready_pool([a, b])
+        async with running_proxy(pool) as proxy:
+            c = client(proxy)
+            with stopped(a):
+                pending = [asyncio.create_task(served_by(c)) for _ in range(2)]  # one to each
+                await wait_for(lambda: requests_waiting_at(a.port) == 1, what="the request sent to the stopped instance")
+                pool.set_state("a", "stopping", False)  # what the supervisor does on the exit event
+                a.kill()
+            assert sorted(await asyncio.gather(*pending)) == ["b", "b"]
+            text = await metrics_text(proxy)
+            assert metric_value(text, "vsup_proxy_retries_total", reason="gone") == 1
+            assert metric_value(text, "vsup_proxy_upstream_errors_total", instance="a", kind="broken") == 1
+    finally:
+        a.cleanup()
+        b.cleanup()
+
+
 async def test_instance_leaving_rotation_closes_its_idle_connections_not_its_streams():
     a, b = start_fakes(["a", "b"])
     try:

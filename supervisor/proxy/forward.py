@@ -3,7 +3,8 @@
 The life of a request, and what can end it:
   queued       body read, size-checked, JSON-validated; an instance chosen    -> 400/413/503
   first_byte   sent upstream, waiting for the status line and the first body byte
-               connect error, stale keep-alive connection or 503 from the instance -> the next
+               connect error, stale keep-alive connection, 503 from the instance, or a
+               connection broken by an instance that has left the rotation -> the next
                instance (only here: nothing has reached the client yet, so a retry cannot
                duplicate a generation)
                first_byte_timeout                                            -> 504
@@ -380,7 +381,12 @@ class Forwarder:
                 return errors.bad_gateway(f"instance {backend.name} failed before answering: {exc}"), "stale"
             except UpstreamBroken as exc:
                 self.metrics.upstream_error(backend.name, "broken")
-                return errors.bad_gateway(f"instance {backend.name} failed before answering: {exc}"), None
+                # Broken before any byte by an instance that has meanwhile left the rotation (its
+                # API server exited; e.g. an orphaned EngineCore inherited the listening socket and
+                # the connection died with it): nothing can reach any client from it, so another
+                # instance may answer. A live instance breaking stays a 502 (it may be generating).
+                retry = None if self.pool.is_ready(backend.name) else "gone"
+                return errors.bad_gateway(f"instance {backend.name} failed before answering: {exc}"), retry
 
             if upstream.status == 503:
                 # vLLM says it cannot take the request now (e.g. shutting down): try another.
