@@ -7,6 +7,7 @@ not at the next poll. Single event loop: no locks needed.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ class BackendPool:
         self._state: dict[str, str] = {}
         self._ready: dict[str, bool] = {}
         self._listeners: list[Listener] = []
+        self._leaving: dict[str, list[asyncio.Future]] = {}  # wait_not_ready() callers
         for backend in backends:
             self.add(backend)
 
@@ -48,6 +50,28 @@ class BackendPool:
         if changed:
             for listener in list(self._listeners):
                 listener(self._backends[name], state, ready)
+        if not ready:
+            for waiter in self._leaving.pop(name, ()):
+                if not waiter.done():
+                    waiter.set_result(None)
+
+    async def wait_not_ready(self, name: str, timeout: float) -> bool:
+        """True once `name` is out of the rotation (at once if it already is), False after
+        `timeout` seconds in it. Lets the proxy ask "did this instance just die?" when a
+        connection to it breaks before the supervisor has seen the exit."""
+        if not self.is_ready(name):
+            return True
+        waiter = asyncio.get_running_loop().create_future()
+        self._leaving.setdefault(name, []).append(waiter)
+        try:
+            await asyncio.wait_for(waiter, timeout)
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            waiters = self._leaving.get(name)
+            if waiters and waiter in waiters:
+                waiters.remove(waiter)
 
     def subscribe(self, listener: Listener) -> None:
         self._listeners.append(listener)

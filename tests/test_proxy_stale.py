@@ -149,10 +149,12 @@ async def test_reset_on_a_fresh_connection_is_not_retried():
         b.cleanup()
 
 
-async def test_fresh_connection_broken_by_an_instance_that_left_the_rotation_is_retried():
-    # The kill -9 case with real vLLM: the API server is gone (the supervisor marked the instance
-    # not ready), its orphaned EngineCore held the listening socket, accepted our connection and
-    # resets it when vsup sweeps it. Nothing from that instance can reach a client: retry.
+@pytest.mark.parametrize("supervisor_noticed", ["before the reset", "just after the reset"])
+async def test_fresh_connection_broken_by_an_instance_that_left_the_rotation_is_retried(supervisor_noticed):
+    # The kill -9 case with real vLLM: a new connection is queued on the dying API server's
+    # listening socket (or on an orphaned EngineCore that inherited it) and reset when the socket
+    # goes; the supervisor sees the exit a moment before or after. Nothing from that instance can
+    # reach a client: retry.
     a, b = start_fakes(["a", "b"])
     try:
         pool = ready_pool([a, b])
@@ -161,7 +163,10 @@ async def test_fresh_connection_broken_by_an_instance_that_left_the_rotation_is_
             with stopped(a):
                 pending = [asyncio.create_task(served_by(c)) for _ in range(2)]  # one to each
                 await wait_for(lambda: requests_waiting_at(a.port) == 1, what="the request sent to the stopped instance")
-                pool.set_state("a", "stopping", False)  # what the supervisor does on the exit event
+                if supervisor_noticed == "before the reset":
+                    pool.set_state("a", "stopping", False)  # what the supervisor does on the exit event
+                else:
+                    asyncio.get_running_loop().call_later(0.3, pool.set_state, "a", "stopping", False)
                 a.kill()
             assert sorted(await asyncio.gather(*pending)) == ["b", "b"]
             text = await metrics_text(proxy)

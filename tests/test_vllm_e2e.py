@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import openai
 import psutil
 import pytest
 import yaml
@@ -378,8 +379,11 @@ def test_kill9_of_one_api_server_under_load(served):
         # new requests keep succeeding on the other instance while the victim is down
         client = served.client(timeout=300)
         for n in range(6):
-            reply = client.completions.create(model=MODEL_NAME, prompt=f"after the kill {n}", max_tokens=3,
-                                              extra_body={"ignore_eos": True})
+            try:
+                reply = client.completions.create(model=MODEL_NAME, prompt=f"after the kill {n}", max_tokens=3,
+                                                  extra_body={"ignore_eos": True})
+            except openai.APIError as exc:
+                pytest.fail(f"request {n} after the kill failed: {exc}\nvsup's log:\n{run.log()[-6000:]}")
             assert reply.usage.completion_tokens == 3
         outcomes = [f.result(timeout=900) for f in streams]
 

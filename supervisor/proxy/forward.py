@@ -4,7 +4,7 @@ The life of a request, and what can end it:
   queued       body read, size-checked, JSON-validated; an instance chosen    -> 400/413/503
   first_byte   sent upstream, waiting for the status line and the first body byte
                connect error, stale keep-alive connection, 503 from the instance, or a
-               connection broken by an instance that has left the rotation -> the next
+               connection broken by an instance that leaves the rotation within GONE_GRACE -> the next
                instance (only here: nothing has reached the client yet, so a retry cannot
                duplicate a generation)
                first_byte_timeout                                            -> 504
@@ -43,6 +43,9 @@ _DROP_RESPONSE = frozenset(h.encode() for h in HOP_BY_HOP | {"content-length"})
 _PROXY_PREFIX = b"proxy-"
 
 RETRY_AFTER_SECONDS = 1
+# How long a connection broken before its first byte waits for the supervisor to report the
+# instance's exit (milliseconds in practice; generous for a loaded machine).
+GONE_GRACE = 1.0
 # Longest period of the timeout watchdog (shorter when a configured timeout is very short).
 WATCHDOG_TICK = 0.1
 
@@ -381,11 +384,13 @@ class Forwarder:
                 return errors.bad_gateway(f"instance {backend.name} failed before answering: {exc}"), "stale"
             except UpstreamBroken as exc:
                 self.metrics.upstream_error(backend.name, "broken")
-                # Broken before any byte by an instance that has meanwhile left the rotation (its
-                # API server exited; e.g. an orphaned EngineCore inherited the listening socket and
-                # the connection died with it): nothing can reach any client from it, so another
-                # instance may answer. A live instance breaking stays a 502 (it may be generating).
-                retry = None if self.pool.is_ready(backend.name) else "gone"
+                # Broken before any byte: if the instance's process died (a kill -9 tears down its
+                # listening socket, resetting connections it had queued, a moment before the
+                # supervisor sees the exit), nothing from it can reach any client and another
+                # instance may answer. Give the supervisor GONE_GRACE to say so; an instance still
+                # in the rotation after that stays a 502 (it may be generating).
+                gone = await self.pool.wait_not_ready(backend.name, GONE_GRACE)
+                retry = "gone" if gone else None
                 return errors.bad_gateway(f"instance {backend.name} failed before answering: {exc}"), retry
 
             if upstream.status == 503:
