@@ -10,7 +10,7 @@ from supervisor.config import VsupConfig
 from supervisor.launch import PLACEMENT_VARIABLES, build_command
 from topology.cpulist import format_list
 from topology.model import Core, Machine
-from topology.plan_model import GiB, Plan
+from topology.plan_model import Plan, format_gib
 
 # Owner marks in the core map.
 RESERVED, UNUSED = "reserved", "unused"
@@ -82,7 +82,7 @@ def _core_map(machine: Machine, plan: Plan) -> list[str]:
             lines.append(f"    {label}: {cells}")
     for node in machine.nodes:
         if node.memory_only:
-            lines.append(f"  node {node.id}: memory only ({_gib(node.memory_total_bytes)}), no CPUs")
+            lines.append(f"  node {node.id}: memory only ({format_gib(node.memory_total_bytes)}), no CPUs")
     return lines
 
 
@@ -92,11 +92,11 @@ def _node_header(machine: Machine, node_id: int | None, cores: list[Core], mem) 
     node = machine.node(node_id)
     parts = [f"  node {node_id}: {len(cores)} cores, CPUs {format_list(node.cpus) or 'none'}"]
     if node.memory_total_bytes:
-        parts.append(f"MemTotal {_gib(node.memory_total_bytes)}")
+        parts.append(f"MemTotal {format_gib(node.memory_total_bytes)}")
     if node.memory_available_bytes:
-        parts.append(f"available now {_gib(node.memory_available_bytes)}")
+        parts.append(f"available now {format_gib(node.memory_available_bytes)}")
     if mem is not None and mem.figure != "unknown":
-        parts.append(f"planned {_gib(mem.demand_bytes)} of {_gib(mem.budget_bytes)} ({mem.figure})")
+        parts.append(f"planned {format_gib(mem.demand_bytes)} of {format_gib(mem.budget_bytes)} ({mem.figure})")
     return " · ".join(parts)
 
 
@@ -113,9 +113,9 @@ def _instance_table(plan: Plan) -> list[str]:
                 str(len(inst.omp_cpus)),
                 format_list(inst.omp_cpus),
                 format_list(inst.cpus),
-                _gib(inst.weights_bytes) if inst.weights_bytes else "?",
-                _gib(inst.kvcache_bytes),
-                _gib(inst.memory_bytes),
+                format_gib(inst.weights_bytes) if inst.weights_bytes else "?",
+                format_gib(inst.kvcache_bytes),
+                format_gib(inst.memory_bytes),
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
@@ -140,8 +140,3 @@ def render_shell(plan: Plan, cfg: VsupConfig, environ: Mapping[str, str]) -> str
         words = ["env", *(w for key in unset for w in ("-u", key)), *(f"{k}={v}" for k, v in shown.items() if env.get(k) == v), *argv]
         lines.append(shlex.join(words))
     return "\n".join(lines) + "\n"
-
-
-def _gib(value: int | None) -> str:
-    gib = (value or 0) / GiB
-    return f"{gib:.0f} GiB" if gib == int(gib) else f"{gib:.1f} GiB"

@@ -71,8 +71,6 @@ def parse_mask(text: str) -> frozenset[int]:
         if len(groups) > 1 and int(group, 16) >> 32:
             raise ValueError(f"bad CPU mask {text!r}: group {group!r} is wider than 32 bits")
         value = (value << 32) | int(group, 16)
-    if len(groups) == 1:
-        value = int(groups[0], 16)
     cpus = set()
     index = 0
     while value:

@@ -7,6 +7,7 @@ naming the full path and what was expected, so a user can see which file of a du
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 from topology.cpulist import parse_list, parse_mask
@@ -48,25 +49,20 @@ class FsRoot:
 
     def cpu_list(self, rel: str) -> frozenset[int] | None:
         """A list-notation file ("0-3,8"); None when missing or blank."""
-        text = self.read_nonblank(rel)
-        if text is None:
-            return None
-        try:
-            return parse_list(text)
-        except ValueError as exc:
-            raise TopologyError(f"{self.path(rel)}: {exc}; expected a CPU list like 0-3,8") from None
+        return self._cpus(rel, parse_list, "a CPU list like 0-3,8")
 
     def cpu_mask(self, rel: str) -> frozenset[int] | None:
         """A mask-notation file ("00000000,0000ff0f"); None when missing or blank."""
+        return self._cpus(rel, parse_mask, "a hex CPU mask like 00000000,0000ffff")
+
+    def _cpus(self, rel: str, parse: Callable[[str], frozenset[int]], expected: str) -> frozenset[int] | None:
         text = self.read_nonblank(rel)
         if text is None:
             return None
         try:
-            return parse_mask(text)
+            return parse(text)
         except ValueError as exc:
-            raise TopologyError(
-                f"{self.path(rel)}: {exc}; expected a hex CPU mask like 00000000,0000ffff"
-            ) from None
+            raise TopologyError(f"{self.path(rel)}: {exc}; expected {expected}") from None
 
     def integer(self, rel: str) -> int | None:
         text = self.read_nonblank(rel)

@@ -16,6 +16,12 @@ from topology.cpulist import format_list
 GiB = 1024**3
 
 
+def format_gib(value: float | int | None) -> str:
+    """Bytes as whole GiB when exact ("4 GiB"), else one decimal ("1.5 GiB"); None reads as 0."""
+    gib = (value or 0) / GiB
+    return f"{gib:.0f} GiB" if gib == int(gib) else f"{gib:.1f} GiB"
+
+
 @dataclass(frozen=True)
 class PlanSettings:
     instances: int | Literal["auto"] = "auto"

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from topology.cpulist import format_list
 from topology.errors import PlanError
 from topology.model import EFFICIENCY, PERFORMANCE, Core, Machine
-from topology.plan_model import GiB, InstancePlan, NodeMemory, Plan, PlanSettings
+from topology.plan_model import GiB, InstancePlan, NodeMemory, Plan, PlanSettings, format_gib
 
 # vLLM's own default for VLLM_CPU_KVCACHE_SPACE before it sized the cache from node memory: the
 # figure used when a node's memory size is unknown (a dump without meminfo).
@@ -533,7 +533,7 @@ def _plan_memory(machine: Machine, s: PlanSettings, instances_nodes: list[tuple[
         for node_id in nodes:
             shares[node_id] += 1 / len(nodes)
             members[node_id].append(index)
-    figure = f"MemTotal - {_gib(s.memory_reserve_bytes)} reserve"
+    figure = f"MemTotal - {format_gib(s.memory_reserve_bytes)} reserve"
     budgets = {
         node_id: max(0, machine.node(node_id).memory_total_bytes - s.memory_reserve_bytes)
         for node_id in shares
@@ -564,7 +564,7 @@ def _plan_memory(machine: Machine, s: PlanSettings, instances_nodes: list[tuple[
             raise _does_not_fit(node_id, shares[node_id], s, kv, budget, figure)
         if node.memory_available_bytes and demand > node.memory_available_bytes:
             warnings.append(
-                f"node {node_id}: the plan needs {_gib(demand)} but only {_gib(node.memory_available_bytes)} is available now "
+                f"node {node_id}: the plan needs {format_gib(demand)} but only {format_gib(node.memory_available_bytes)} is available now "
                 f"(MemFree + file cache + SReclaimable); other processes hold the rest"
             )
         summary.append(
@@ -599,20 +599,20 @@ def _largest_kv_share(s: PlanSettings, budgets: dict[int, int], shares: dict[int
 
 
 def _no_room_for_kv(node_id: int, share: float, s: PlanSettings, budget: int, room: float, figure: str) -> _DoesNotFit:
-    weights = f"{_gib(s.model_size_bytes)} weights + " if s.model_size_bytes else ""
+    weights = f"{format_gib(s.model_size_bytes)} weights + " if s.model_size_bytes else ""
     each = (s.model_size_bytes or 0) + s.overhead_bytes
     hints = []
     if room >= GiB / 4:
         hints.append(f"--kvcache-gib {math.floor(room / GiB * 10) / 10:g}")
     return _DoesNotFit(
-        f"node {node_id}: {share:g} × ({weights}{_gib(s.overhead_bytes)}) = {_gib(share * each)} leaves "
-        f"less than 1 GiB of KV cache per instance in {_gib(budget)} available ({figure})",
+        f"node {node_id}: {share:g} × ({weights}{format_gib(s.overhead_bytes)}) = {format_gib(share * each)} leaves "
+        f"less than 1 GiB of KV cache per instance in {format_gib(budget)} available ({figure})",
         hints,
     )
 
 
 def _does_not_fit(node_id: int, share: float, s: PlanSettings, kv: int, budget: int, figure: str) -> _DoesNotFit:
-    weights = f"{_gib(s.model_size_bytes)} weights + " if s.model_size_bytes else ""
+    weights = f"{format_gib(s.model_size_bytes)} weights + " if s.model_size_bytes else ""
     each = (s.model_size_bytes or 0) + kv + s.overhead_bytes
     hints = []
     room = budget / share - (s.model_size_bytes or 0) - s.overhead_bytes
@@ -621,8 +621,8 @@ def _does_not_fit(node_id: int, share: float, s: PlanSettings, kv: int, budget: 
     elif room >= GiB / 4:
         hints.append(f"--kvcache-gib {math.floor(room / GiB * 10) / 10:g}")
     return _DoesNotFit(
-        f"node {node_id}: {share:g} × ({weights}{_gib(kv)} KV + {_gib(s.overhead_bytes)}) = {_gib(share * each)} "
-        f"> {_gib(budget)} available ({figure})",
+        f"node {node_id}: {share:g} × ({weights}{format_gib(kv)} KV + {format_gib(s.overhead_bytes)}) = {format_gib(share * each)} "
+        f"> {format_gib(budget)} available ({figure})",
         hints,
     )
 
@@ -649,11 +649,6 @@ def _general_warnings(machine: Machine, s: PlanSettings, instances: Iterable[Ins
         )
     if s.smt and any(len(i.omp_cpus) > len(i.cores) for i in instances):
         warnings.append("--smt: OpenMP threads on both hardware threads of a core; vLLM usually runs faster with one per core")
-
-
-def _gib(value: float | int | None) -> str:
-    gib = (value or 0) / GiB
-    return f"{gib:.0f} GiB" if gib == int(gib) else f"{gib:.1f} GiB"
 
 
 def _ids(values: Iterable[int]) -> str:

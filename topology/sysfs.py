@@ -108,6 +108,8 @@ def read_machine(fsroot: str | Path = "/", *, live: bool | None = None) -> Machi
     isa, isa_source = read_isa(fs, live)
     sources.append(("isa", isa_source))
 
+    # Read once for all nodes, and only when some node has a distance row to match.
+    distance_columns = _distance_columns(fs, node_ids) if any(raw.distance_row for raw in raw_nodes) else ()
     nodes = tuple(
         Node(
             id=raw.id,
@@ -116,7 +118,7 @@ def read_machine(fsroot: str | Path = "/", *, live: bool | None = None) -> Machi
             memory_total_bytes=raw.memory.total_bytes,
             memory_free_bytes=raw.memory.free_bytes,
             memory_available_bytes=raw.memory.available_bytes,
-            distances=_distances(fs, raw, node_ids),
+            distances=_distances(raw.distance_row, node_ids, distance_columns),
             allowed=raw.id in mems_allowed,
         )
         for raw in raw_nodes
@@ -197,19 +199,21 @@ def _distance_row(fs: FsRoot, rel: str) -> tuple[int, ...]:
         raise TopologyError(f"{fs.path(rel)}: {text[:60]!r}; expected distances like '10 21'") from None
 
 
-def _distances(fs: FsRoot, raw: _RawNode, node_ids: list[int]) -> tuple[int, ...]:
-    """This node's row, one entry per node of Machine.nodes, or () when the row cannot be matched.
-
-    The kernel prints one entry per online node, in id order; dumps with an offline node keep
-    entries for every possible node. Take the first node list whose length matches the row."""
-    row = raw.distance_row
-    if not row:
-        return ()
-    candidates = (
+def _distance_columns(fs: FsRoot, node_ids: list[int]) -> tuple[list[int], ...]:
+    """The node lists a distance row may be printed for: the kernel prints one entry per online
+    node, in id order; dumps with an offline node keep entries for every possible node."""
+    return (
         node_ids,
         sorted(_optional_list(fs, f"{NODE_DIR}/online")),
         sorted(_optional_list(fs, f"{NODE_DIR}/possible")),
     )
+
+
+def _distances(row: tuple[int, ...], node_ids: list[int], candidates: tuple[list[int], ...]) -> tuple[int, ...]:
+    """This node's row, one entry per node of Machine.nodes, or () when the row cannot be matched:
+    taken from the first of the candidate node lists whose length matches the row."""
+    if not row:
+        return ()
     for columns in candidates:
         if len(columns) == len(row) and set(node_ids) <= set(columns):
             return tuple(row[columns.index(node_id)] for node_id in node_ids)

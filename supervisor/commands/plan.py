@@ -10,10 +10,8 @@ import click
 from supervisor.commands.options import fsroot_option
 from supervisor.config import VsupConfig, load_config
 from supervisor.errors import VsupError
-from supervisor.planning import settings_from_config
+from supervisor.planning import plan_from_config
 from supervisor.plan_render import render_shell, render_table
-from topology.planner import plan
-from topology.sysfs import read_machine
 
 
 class _Checked(click.ParamType):
@@ -50,8 +48,11 @@ def _positive_float(text: str) -> float | None:
     return number if number > 0 and number != float("inf") else None
 
 
-def _instances(text: str) -> int | str | None:
-    return "auto" if text == "auto" else _at_least(1)(text)
+def _auto_or_at_least(minimum: int):
+    def parse(text: str) -> int | str | None:
+        return "auto" if text == "auto" else _at_least(minimum)(text)
+
+    return parse
 
 
 def _choice(*choices: str):
@@ -64,7 +65,7 @@ def _node_list(text: str) -> tuple[int, ...] | None:
 
 
 @click.command("plan")
-@click.option("--instances", "-n", type=_Checked(_instances, "a whole number of at least 1, or auto"), default=None,
+@click.option("--instances", "-n", type=_Checked(_auto_or_at_least(1), "a whole number of at least 1, or auto"), default=None,
               help="How many vLLM instances; auto = one per NUMA node with usable CPUs. [default: config's instances, or auto]")
 @fsroot_option
 @click.option("--config", "-c", "config_path", type=click.Path(dir_okay=False), default=None,
@@ -76,7 +77,7 @@ def _node_list(text: str) -> tuple[int, ...] | None:
               help="KV cache per instance: whole GiB, or below 1. [default: largest equal share that fits]")
 @click.option("--cores-per-instance", type=_Checked(_at_least(1), "a whole number of at least 1"), default=None,
               help="OpenMP cores per instance. [default: split all usable cores]")
-@click.option("--reserve-cores", type=_Checked(lambda t: "auto" if t == "auto" else _at_least(0)(t), "a whole number, 0 or more, or auto"),
+@click.option("--reserve-cores", type=_Checked(_auto_or_at_least(0), "a whole number, 0 or more, or auto"),
               default=None, help="Physical cores kept for vsup, the proxy and the OS. [default: auto = 1 when the instances leave one free]")
 @click.option("--housekeeping-core/--no-housekeeping-core", default=None,
               help="Give each instance one extra core for its API server and EngineCore, outside OpenMP.")
@@ -120,9 +121,7 @@ def plan_command(instances, fsroot, config_path, model, model_size_gib, kvcache_
         top["vllm"] = cfg.vllm.model_copy(update={"base_port": base_port})
     cfg = cfg.model_copy(update=top)
 
-    machine = read_machine(fsroot)
-    settings = settings_from_config(cfg)
-    the_plan = plan(machine, settings)
+    machine, the_plan = plan_from_config(cfg, fsroot)
     if output_format == "json":
         click.echo(json.dumps(the_plan.to_json(), indent=2))
     elif output_format == "shell":
