@@ -41,24 +41,24 @@ def private_dir(environ: Mapping[str, str] = os.environ) -> Path:
     return Path(environ.get("TMPDIR") or "/tmp") / f"vsup-{os.getuid()}"
 
 
+def _runtime_socket(environ: Mapping[str, str]) -> Path | None:
+    """Under systemd: `$RUNTIME_DIRECTORY/control.sock` (its first directory)."""
+    runtime = environ.get("RUNTIME_DIRECTORY", "").split(":")[0]
+    return Path(runtime) / "control.sock" if runtime else None
+
+
 def control_socket_path(config: VsupConfig, environ: Mapping[str, str] = os.environ) -> Path:
     """Where a vsup run with `config` listens (see the module docstring)."""
     if config.control.socket is not None:
         return Path(config.control.socket)
-    runtime = environ.get("RUNTIME_DIRECTORY", "").split(":")[0]
-    if runtime:
-        return Path(runtime) / "control.sock"
-    return private_dir(environ) / f"control-{config.proxy.port}.sock"
+    return _runtime_socket(environ) or private_dir(environ) / f"control-{config.proxy.port}.sock"
 
 
 def client_socket_candidates(environ: Mapping[str, str] = os.environ) -> list[Path]:
     """Without --socket/--config: where a vsup with default settings would listen."""
-    candidates = []
-    runtime = environ.get("RUNTIME_DIRECTORY", "").split(":")[0]
-    if runtime:
-        candidates.append(Path(runtime) / "control.sock")
-    candidates += [private_dir(environ) / "control-8000.sock", SYSTEMD_DEFAULT]
-    return candidates
+    defaults = [private_dir(environ) / "control-8000.sock", SYSTEMD_DEFAULT]
+    runtime = _runtime_socket(environ)
+    return [runtime, *defaults] if runtime else defaults
 
 
 def _prepare_directory(path: Path, environ: Mapping[str, str]) -> None:

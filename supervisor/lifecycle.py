@@ -317,8 +317,7 @@ class Instance:
                 self._wish = "halt"  # kept until stopping has handled it
                 self._fire(Event.STOP, "stop requested")
                 return True
-            return False  # "run" while running: nothing to do
-        return False
+        return False  # "done" / "timeout", or "run" while running: nothing to do
 
     async def _idle(self) -> None:
         """stopped / failed: wait for a wish."""
@@ -355,7 +354,7 @@ class Instance:
                 self._fire(Event.STARTUP_TIMEOUT, self.last_exit)
                 return
             kind, result = await self._race(probe_health(self.session, self.url, self.config.health.timeout), remaining)
-            if kind in ("exit", "wish") and self._interrupt(kind, result):
+            if self._interrupt(kind, result):
                 return
             if kind == "done":
                 last = result.detail
@@ -363,16 +362,16 @@ class Instance:
                     self._fire(Event.HEALTHY, f"pid {self.child.pid} alive and /health 200 after {self._clock() - started:.1f}s")
                     return
             kind, result = await self._race(asyncio.sleep(poll), max(0.0, deadline - self._clock()))
-            if kind in ("exit", "wish") and self._interrupt(kind, result):
+            if self._interrupt(kind, result):
                 return
 
     async def _ready(self) -> None:
         health = self.config.health
         kind, result = await self._race(asyncio.sleep(health.interval), None)
-        if kind in ("exit", "wish") and self._interrupt(kind, result):
+        if self._interrupt(kind, result):
             return
         kind, result = await self._race(probe_health(self.session, self.url, health.timeout), None)
-        if kind in ("exit", "wish") and self._interrupt(kind, result):
+        if self._interrupt(kind, result):
             return
         if kind != "done":
             return

@@ -28,8 +28,7 @@ from pathlib import Path
 from supervisor import proctree, shm
 from supervisor.errors import VsupError
 from supervisor.logs import InstanceLog, LineSplitter
-from supervisor.placement import ThreadPlacement, pin_self, placement_drift, read_placement  # noqa: F401 (re-exported)
-from supervisor.proctree import become_subreaper, is_subreaper  # noqa: F401 (re-exported)
+from supervisor.proctree import become_subreaper  # noqa: F401 (re-exported)
 from supervisor.shm import sweep_stale_shm  # noqa: F401 (re-exported)
 
 logger = logging.getLogger("vsup.processes")
@@ -44,8 +43,6 @@ class _OutputProtocol(asyncio.SubprocessProtocol):
     when both pipes reached EOF (which needs every process holding them to be gone)."""
 
     def __init__(self, log: InstanceLog, loop: asyncio.AbstractEventLoop) -> None:
-        # asyncio.subprocess.Process reads these three; the streams are ours, not StreamReaders.
-        self.stdin = self.stdout = self.stderr = None
         self.log = log
         self.transport: asyncio.SubprocessTransport | None = None
         self.exited: asyncio.Future[int] = loop.create_future()
@@ -88,7 +85,6 @@ class Child:
     pid: int  # == its process group id and session id
     argv: list[str]
     started_at: float  # time.monotonic()
-    process: asyncio.subprocess.Process
     token: str = ""  # VSUP_TREE=<token> in the environment of every process of the tree
     seen: dict[int, int] = field(default_factory=dict)  # pid -> start time of tree members seen so far
     shm_seen: set[str] = field(default_factory=set)  # /dev/shm files the tree was seen using
@@ -151,12 +147,10 @@ async def spawn(argv: list[str], env: dict[str, str], *, log: InstanceLog, cwd: 
         raise VsupError(f"cannot start {argv[0]!r}: permission denied; make it executable (chmod +x) or fix vllm.command") from None
     except OSError as exc:  # e.g. ENOEXEC: a script without a #! line
         raise VsupError(f"cannot start {argv[0]!r}: {exc.strerror or exc}; check vllm.command") from None
-    process = asyncio.subprocess.Process(transport, protocol, loop)
     child = Child(
         pid=transport.get_pid(),
         argv=list(argv),
         started_at=time.monotonic(),
-        process=process,
         token=token,
         _protocol=protocol,
     )
@@ -198,28 +192,30 @@ async def stop_tree(child: Child, timeout: float, *, shm_dir: str | Path = shm.S
     """Stop the instance's whole tree; safe when the leader has already exited."""
     began = time.monotonic()
     leader = child.pid
-    members = _look(child)
-    shm_files = shm.files_in_use(members, shm_dir) | child.shm_seen  # before anything dies: names carry no pid
-    escaped = {pid for pid, st in members.items() if st.pgid != leader}
+    escaped: set[int] = set()
+    shm_files = set(child.shm_seen)
 
-    # SIGTERM: the group, plus members that left it; then grace for all of them.
-    proctree.signal_group(leader, signal.SIGTERM)
-    for pid in escaped:
-        proctree.signal_exact(members[pid], signal.SIGTERM)
+    def note(found: dict[int, proctree.ProcStat]) -> None:
+        # before they are signalled: /dev/shm names carry no pid
+        escaped.update(pid for pid, st in found.items() if st.pgid != leader)
+        shm_files.update(shm.files_in_use(found, shm_dir))
+
+    # SIGTERM: the group, plus members that left it; then grace for all of them (again for any
+    # forked during shutdown).
     deadline = began + timeout
-    left = await proctree.wait_gone(members.values(), max(0.0, deadline - time.monotonic()))
-    while not left and time.monotonic() < deadline:
-        newcomers = _look(child)  # forked during shutdown?
-        if not newcomers:
-            break
-        members.update(newcomers)
-        escaped |= {pid for pid, st in newcomers.items() if st.pgid != leader}
-        shm_files |= shm.files_in_use(newcomers, shm_dir)
+    found = _look(child)
+    while True:
+        note(found)
         proctree.signal_group(leader, signal.SIGTERM)
-        for pid, st in newcomers.items():
+        for st in found.values():
             if st.pgid != leader:
                 proctree.signal_exact(st, signal.SIGTERM)
-        left = await proctree.wait_gone(newcomers.values(), max(0.0, deadline - time.monotonic()))
+        left = await proctree.wait_gone(found.values(), max(0.0, deadline - time.monotonic()))
+        if left or time.monotonic() >= deadline:
+            break
+        found = _look(child)
+        if not found:
+            break
     graceful = not left
 
     # SIGKILL whatever is still there, looking again each round for anything forked meanwhile.
@@ -230,9 +226,7 @@ async def stop_tree(child: Child, timeout: float, *, shm_dir: str | Path = shm.S
         live.update(_look(child))
         if not live:
             break
-        members.update(live)
-        escaped |= {pid for pid, st in live.items() if st.pgid != leader}
-        shm_files |= shm.files_in_use(live, shm_dir)
+        note(live)
         graceful = False
         proctree.signal_group(leader, signal.SIGKILL)
         for st in live.values():

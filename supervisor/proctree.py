@@ -31,7 +31,6 @@ TOKEN_VAR = "VSUP_TREE"
 POLL = 0.05  # seconds between looks while waiting for processes to go
 
 _PR_SET_CHILD_SUBREAPER = 36
-_PR_GET_CHILD_SUBREAPER = 37
 
 
 @dataclass(frozen=True)
@@ -68,15 +67,14 @@ def read_stat(pid: int) -> ProcStat | None:
         return None
 
 
+def all_pids() -> list[int]:
+    """The pid of every process on the machine (zombies included)."""
+    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+
+
 def scan() -> dict[int, ProcStat]:
     """Every process on the machine (zombies included)."""
-    found = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            st = read_stat(int(name))
-            if st is not None:
-                found[st.pid] = st
-    return found
+    return {pid: st for pid in all_pids() if (st := read_stat(pid)) is not None}
 
 
 def _carries_token(pid: int, needle: bytes) -> bool:
@@ -211,16 +209,6 @@ def stop_being_subreaper() -> None:
         _prctl()(_PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
     except (OSError, AttributeError):
         pass
-
-
-def is_subreaper() -> bool:
-    value = ctypes.c_int(0)
-    try:
-        if _prctl()(_PR_GET_CHILD_SUBREAPER, ctypes.byref(value), 0, 0, 0) != 0:
-            return False
-    except (OSError, AttributeError):
-        return False
-    return bool(value.value)
 
 
 def reap_zombies(candidates: Iterable[int], exclude: Iterable[int] = ()) -> list[int]:

@@ -16,6 +16,8 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from supervisor.proctree import all_pids
+
 SHM_DIR = Path("/dev/shm")
 PREFIXES = ("psm_", "sem.mp-")
 
@@ -64,17 +66,9 @@ def files_in_use(pids: Iterable[int], shm_dir: str | Path = SHM_DIR, prefixes: t
     return found
 
 
-def _all_pids() -> list[int]:
-    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
-
-
 def remove_unused(paths: Iterable[str], shm_dir: str | Path = SHM_DIR, prefixes: tuple[str, ...] = PREFIXES) -> list[str]:
     """Delete those of `paths` that still exist and that no live process maps or holds open."""
-    candidates = sorted(p for p in set(paths) if os.path.lexists(p))
-    if not candidates:
-        return []
-    busy = files_in_use(_all_pids(), shm_dir, prefixes)
-    return _unlink(p for p in candidates if p not in busy)
+    return _unlink_unused({p for p in paths if os.path.lexists(p)}, shm_dir, prefixes)
 
 
 def sweep_stale_shm(
@@ -104,15 +98,19 @@ def sweep_stale_shm(
             continue
         if st.st_uid == uid and now - st.st_mtime >= min_age:
             candidates.append(path)
+    return _unlink_unused(candidates, directory, prefixes)
+
+
+def _unlink_unused(candidates: Iterable[str], shm_dir: str | Path, prefixes: tuple[str, ...]) -> list[str]:
+    """Delete those of `candidates` (in sorted order) that no live process maps or holds open."""
+    candidates = sorted(candidates)
     if not candidates:
         return []
-    busy = files_in_use(_all_pids(), directory, prefixes)
-    return _unlink(p for p in sorted(candidates) if p not in busy)
-
-
-def _unlink(paths: Iterable[str]) -> list[str]:
+    busy = files_in_use(all_pids(), shm_dir, prefixes)
     removed = []
-    for path in paths:
+    for path in candidates:
+        if path in busy:
+            continue
         try:
             os.unlink(path)
             removed.append(path)
