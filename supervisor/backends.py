@@ -28,6 +28,7 @@ class BackendPool:
         self._ready: dict[str, bool] = {}
         self._listeners: list[Listener] = []
         self._leaving: dict[str, list[asyncio.Future]] = {}  # wait_not_ready() callers
+        self._rotation: tuple[Backend, ...] = ()  # ready(), rebuilt when readiness changes, not per request
         for backend in backends:
             self.add(backend)
 
@@ -35,18 +36,16 @@ class BackendPool:
         self._backends[backend.name] = backend
         self._state[backend.name] = state
         self._ready[backend.name] = False
-
-    def remove(self, name: str) -> None:
-        self._backends.pop(name, None)
-        self._state.pop(name, None)
-        self._ready.pop(name, None)
+        self._rebuild_rotation()
 
     def set_state(self, name: str, state: str, ready: bool) -> None:
         if name not in self._backends:
             raise KeyError(name)
         changed = self._state[name] != state or self._ready[name] != ready
         self._state[name] = state
-        self._ready[name] = ready
+        if self._ready[name] != ready:
+            self._ready[name] = ready
+            self._rebuild_rotation()
         if changed:
             for listener in list(self._listeners):
                 listener(self._backends[name], state, ready)
@@ -81,7 +80,10 @@ class BackendPool:
 
     def ready(self) -> tuple[Backend, ...]:
         """Ready backends, in the order they were added (round-robin relies on a stable order)."""
-        return tuple(b for name, b in self._backends.items() if self._ready[name])
+        return self._rotation
+
+    def _rebuild_rotation(self) -> None:
+        self._rotation = tuple(b for name, b in self._backends.items() if self._ready[name])
 
     def is_ready(self, name: str) -> bool:
         return self._ready.get(name, False)

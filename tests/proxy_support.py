@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterable
 
 import aiohttp
+import openai
 
 from supervisor.backends import Backend, BackendPool
 from supervisor.config import ProxyConfig
@@ -16,6 +17,7 @@ from tests.fakevllm.fixtures import FakeVllm, start_fake
 
 # The fake's EngineCore/Worker stand-ins and shm files are irrelevant to the proxy: skip them.
 LEAN = {"FAKE_VLLM_CHILD": "0", "FAKE_VLLM_SHM": "0", "FAKE_VLLM_ACCESS_LOG": "0", "FAKE_VLLM_TOKEN_DELAY": "0.002"}
+MESSAGES = [{"role": "user", "content": "hello there"}]
 
 
 def start_fakes(names: Iterable[str], env: dict[str, str] | None = None) -> list[FakeVllm]:
@@ -51,6 +53,16 @@ async def running_proxy(pool: BackendPool, api_key: str | None = None, **config)
 
 def url(proxy: ProxyServer, path: str = "") -> str:
     return f"http://127.0.0.1:{proxy.port}{path}"
+
+
+def client(proxy: ProxyServer, key: str = "unused", **kw) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=url(proxy, "/v1"), api_key=key, max_retries=0, **kw)
+
+
+async def served_by(c: openai.AsyncOpenAI, **extra) -> str:
+    """The name of the fake instance that answered a short chat completion."""
+    raw = await c.chat.completions.with_raw_response.create(model="fake-model", messages=MESSAGES, max_tokens=2, **extra)
+    return raw.headers["x-fake-instance"]
 
 
 async def wait_for(predicate, timeout: float = 10.0, what: str = "condition") -> None:

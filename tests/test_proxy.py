@@ -16,10 +16,9 @@ from supervisor.proxy.balancer import LeastOutstanding, RoundRobin, make_balance
 from supervisor.proxy.errors import error_body
 from supervisor.proxy.forward import request_headers, response_headers
 from tests.fakevllm.fixtures import free_port, start_fake
-from tests.proxy_support import LEAN, metric_value, metrics_text, ready_pool, running_proxy, start_fakes, url
-
-MESSAGES = [{"role": "user", "content": "hello there"}]
-
+from tests.proxy_support import (
+    LEAN, MESSAGES, client, metric_value, metrics_text, ready_pool, running_proxy, served_by, start_fakes, url,
+)
 
 @pytest.fixture(scope="module")
 def fakes():
@@ -27,15 +26,6 @@ def fakes():
     yield started
     for fake in started:
         fake.cleanup()
-
-
-def client(proxy, key: str = "unused", **kw) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=url(proxy, "/v1"), api_key=key, max_retries=0, **kw)
-
-
-async def served_by(c: openai.AsyncOpenAI, **extra) -> str:
-    raw = await c.chat.completions.with_raw_response.create(model="fake-model", messages=MESSAGES, max_tokens=2, **extra)
-    return raw.headers["x-fake-instance"]
 
 
 # ---------------------------------------------------------------------------------- units

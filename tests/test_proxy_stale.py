@@ -18,9 +18,10 @@ import openai
 import psutil
 import pytest
 
-from tests.proxy_support import metric_value, metrics_text, ready_pool, running_proxy, start_fakes, url, wait_for
+from tests.proxy_support import (
+    MESSAGES, client, metric_value, metrics_text, ready_pool, running_proxy, served_by, start_fakes, wait_for,
+)
 
-MESSAGES = [{"role": "user", "content": "hello there"}]
 # Held long enough that requests sent together each need a connection of their own.
 SLOW = {"fake": {"first_token_delay": 0.5}}
 
@@ -30,15 +31,6 @@ def long_upstream_keepalive(monkeypatch):
     # The proxy drops idle connections after 4 s; on a loaded box the warm-up and the kill could be
     # further apart than that, and these tests need the idle connections to still be there.
     monkeypatch.setattr("supervisor.proxy.server.UPSTREAM_KEEPALIVE", 60.0)
-
-
-def client(proxy) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=url(proxy, "/v1"), api_key="unused", max_retries=0, timeout=60)
-
-
-async def served_by(c: openai.AsyncOpenAI, **extra) -> str:
-    raw = await c.chat.completions.with_raw_response.create(model="fake-model", messages=MESSAGES, max_tokens=2, **extra)
-    return raw.headers["x-fake-instance"]
 
 
 def requests_waiting_at(port: int) -> int:
@@ -83,7 +75,7 @@ async def test_reused_connections_reset_by_a_killed_instance_are_retried_elsewhe
     a, b = start_fakes(["a", "b"])
     try:
         async with running_proxy(ready_pool([a, b])) as proxy:
-            c = client(proxy)
+            c = client(proxy, timeout=60)
             assert await warm(c, 8) == {"a", "b"}
             assert connections_to(a.port) >= 2  # idle keep-alive connections to "a", to be reused
             with stopped(a):
@@ -106,7 +98,7 @@ async def test_stale_connection_to_the_only_instance_gets_one_fresh_try():
     [a] = start_fakes(["a"])
     try:
         async with running_proxy(ready_pool([a])) as proxy:
-            c = client(proxy)
+            c = client(proxy, timeout=60)
             assert await served_by(c) == "a"
             with stopped(a):
                 pending = asyncio.create_task(served_by(c))
@@ -130,7 +122,7 @@ async def test_reset_on_a_fresh_connection_is_not_retried():
     a, b = start_fakes(["a", "b"])
     try:
         async with running_proxy(ready_pool([a, b])) as proxy:
-            c = client(proxy)
+            c = client(proxy, timeout=60)
             with stopped(a):  # no warm-up: no idle connection; the kernel accepts it into the backlog
                 pending = [asyncio.create_task(served_by(c)) for _ in range(2)]  # one to each
                 await wait_for(lambda: requests_waiting_at(a.port) == 1, what="the request sent to the stopped instance")
@@ -159,7 +151,7 @@ async def test_fresh_connection_broken_by_an_instance_that_left_the_rotation_is_
     try:
         pool = ready_pool([a, b])
         async with running_proxy(pool) as proxy:
-            c = client(proxy)
+            c = client(proxy, timeout=60)
             with stopped(a):
                 pending = [asyncio.create_task(served_by(c)) for _ in range(2)]  # one to each
                 await wait_for(lambda: requests_waiting_at(a.port) == 1, what="the request sent to the stopped instance")
@@ -182,7 +174,7 @@ async def test_instance_leaving_rotation_closes_its_idle_connections_not_its_str
     try:
         pool = ready_pool([a, b])
         async with running_proxy(pool) as proxy:
-            c = client(proxy)
+            c = client(proxy, timeout=60)
             assert await warm(c, 4) == {"a", "b"}
             idle_b = connections_to(b.port)
             assert connections_to(a.port) >= 2 and idle_b >= 2  # so "a" keeps an idle one besides its stream

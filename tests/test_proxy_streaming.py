@@ -12,7 +12,7 @@ import aiohttp
 import openai
 import pytest
 
-from tests.proxy_support import metric_value, metrics_text, ready_pool, running_proxy, start_fakes, url, wait_for
+from tests.proxy_support import client, metric_value, metrics_text, ready_pool, running_proxy, start_fakes, url, wait_for
 
 MESSAGES = [{"role": "user", "content": "stream please"}]
 CHAT = {"model": "fake-model", "messages": MESSAGES}
@@ -23,10 +23,6 @@ def fake():
     [started] = start_fakes(["s"])
     yield started
     started.cleanup()
-
-
-def client(proxy, **kw) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=url(proxy, "/v1"), api_key="x", max_retries=0, **kw)
 
 
 async def raw_stream(session: aiohttp.ClientSession, proxy, **body) -> aiohttp.ClientResponse:

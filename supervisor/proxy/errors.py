@@ -12,6 +12,7 @@ import json
 from aiohttp import web
 
 _JSON = "application/json"
+RETRY_AFTER_SECONDS = 1
 
 
 def error_body(message: str, type_: str, code: str | None = None, param: str | None = None) -> bytes:
@@ -71,6 +72,10 @@ def too_large(size: int | None, limit: int) -> web.Response:
 
 def unavailable(message: str, retry_after: int) -> web.Response:
     return error_response(503, message, "service_unavailable", "no_ready_instance", headers={"Retry-After": str(retry_after)})
+
+
+def no_ready_instance() -> web.Response:
+    return unavailable("no ready instance: all instances are starting, restarting or unhealthy", RETRY_AFTER_SECONDS)
 
 
 def bad_gateway(message: str) -> web.Response:

@@ -29,6 +29,7 @@ from multidict import CIMultiDict
 from supervisor.backends import Backend, BackendPool
 from supervisor.config import ProxyConfig
 from supervisor.proxy import errors
+from supervisor.proxy.errors import RETRY_AFTER_SECONDS
 from supervisor.proxy.metrics import ProxyMetrics, route_label
 from supervisor.proxy.upstream import ConnectFailed, StaleConnection, UpstreamBroken, UpstreamClient, UpstreamResponse
 
@@ -42,7 +43,6 @@ _DROP_REQUEST = frozenset(h.encode() for h in HOP_BY_HOP | {"host", "content-len
 _DROP_RESPONSE = frozenset(h.encode() for h in HOP_BY_HOP | {"content-length"})
 _PROXY_PREFIX = b"proxy-"
 
-RETRY_AFTER_SECONDS = 1
 # How long a connection broken before its first byte waits for the supervisor to report the
 # instance's exit (milliseconds in practice; generous for a loaded machine).
 GONE_GRACE = 1.0
@@ -338,7 +338,7 @@ class Forwarder:
             if backend is None:
                 if fallback is not None:
                     return fallback, tried[-1]
-                return errors.unavailable("no ready instance: all instances are starting, restarting or unhealthy", RETRY_AFTER_SECONDS), ""
+                return errors.no_ready_instance(), ""
             tried.append(backend.name)
             name = backend.name
             self.in_flight[name] = self.in_flight.get(name, 0) + 1

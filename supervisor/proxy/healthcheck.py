@@ -13,6 +13,7 @@ import logging
 import aiohttp
 
 from supervisor.backends import Backend, BackendPool
+from supervisor.health import probe_health
 
 log = logging.getLogger("vsup.proxy.health")
 
@@ -44,23 +45,12 @@ class HealthChecker:
             await self._session.close()
             self._session = None
 
-    async def probe(self, backend: Backend) -> str | None:
-        """None when healthy, else why not (for the log)."""
-        assert self._session is not None
-        try:
-            async with self._session.get(backend.url + "/health", allow_redirects=False) as response:
-                await response.read()
-                return None if response.status == 200 else f"HTTP {response.status}"
-        except TimeoutError:
-            return f"no answer within {self.timeout:g} s"
-        except aiohttp.ClientError as exc:
-            return str(exc) or type(exc).__name__
-
     async def _watch(self, backend: Backend) -> None:
+        assert self._session is not None
         failed = 0
         while True:
-            problem = await self.probe(backend)
-            if problem is None:
+            result = await probe_health(self._session, backend.url, self.timeout)
+            if result.ok:
                 failed = 0
                 if not self.pool.is_ready(backend.name):
                     log.info("upstream %s is healthy: in rotation", backend.url)
@@ -68,6 +58,6 @@ class HealthChecker:
             else:
                 failed += 1
                 if failed >= self.failures and self.pool.state(backend.name) != "unhealthy":
-                    log.warning("upstream %s: %s (%d checks in a row): out of rotation", backend.url, problem, failed)
+                    log.warning("upstream %s: %s (%d checks in a row): out of rotation", backend.url, result.detail, failed)
                     self.pool.set_state(backend.name, "unhealthy", False)
             await asyncio.sleep(self.interval)

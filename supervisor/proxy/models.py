@@ -31,7 +31,7 @@ async def _models_of(session: aiohttp.ClientSession, backend: Backend, timeout: 
 
 async def merged_models(session: aiohttp.ClientSession, ready: tuple[Backend, ...], timeout: float) -> web.Response:
     if not ready:
-        return errors.unavailable("no ready instance: all instances are starting, restarting or unhealthy", 1)
+        return errors.no_ready_instance()
     results = await asyncio.gather(*(_models_of(session, b, timeout) for b in ready), return_exceptions=True)
     seen: dict[str, dict] = {}
     failures = []

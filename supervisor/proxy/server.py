@@ -21,7 +21,8 @@ from supervisor.errors import VsupError
 from supervisor.proxy import errors
 from supervisor.proxy.auth import BearerAuth
 from supervisor.proxy.balancer import make_balancer
-from supervisor.proxy.forward import RETRY_AFTER_SECONDS, Forwarder
+from supervisor.proxy.errors import RETRY_AFTER_SECONDS
+from supervisor.proxy.forward import Forwarder
 from supervisor.proxy.metrics import CONTENT_TYPE, ProxyMetrics
 from supervisor.proxy.models import merged_models
 from supervisor.proxy.upstream import UpstreamClient
@@ -157,12 +158,13 @@ class ProxyServer:
 
     async def _dispatch(self, request: web.BaseRequest) -> web.StreamResponse:
         path = request.path
-        if path.startswith("/v1/"):
+        if path.startswith("/v1/") or path in _FORWARDED_OUTSIDE_V1:
+            if not self._auth.allows(request):
+                self.metrics.request("auth", 401, "")
+                return errors.unauthorized()
             if path == "/v1/models" and request.method == "GET":
-                return await self._models(request)
-            return await self._forward(request)
-        if path in _FORWARDED_OUTSIDE_V1:
-            return await self._forward(request)
+                return await self._models()
+            return await self._forwarder.handle(request)  # type: ignore[union-attr]
         own = self._own.get(path)
         if own is None:
             return errors.not_found(path)
@@ -170,16 +172,7 @@ class ProxyServer:
             return errors.error_response(405, f"{path} answers GET only", "invalid_request_error", "method_not_allowed", headers={"Allow": "GET"})
         return await own(request)
 
-    async def _forward(self, request: web.BaseRequest) -> web.StreamResponse:
-        if not self._auth.allows(request):
-            self.metrics.request("auth", 401, "")
-            return errors.unauthorized()
-        return await self._forwarder.handle(request)  # type: ignore[union-attr]
-
-    async def _models(self, request: web.BaseRequest) -> web.StreamResponse:
-        if not self._auth.allows(request):
-            self.metrics.request("auth", 401, "")
-            return errors.unauthorized()
+    async def _models(self) -> web.StreamResponse:
         if self.draining:
             return errors.unavailable("the proxy is shutting down", RETRY_AFTER_SECONDS)
         response = await merged_models(self._session, self.pool.ready(), self.config.connect_timeout + 5.0)  # type: ignore[arg-type]

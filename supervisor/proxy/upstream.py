@@ -174,12 +174,6 @@ class UpstreamResponse:
         self.raw_headers = conn.headers
         self._released = False
 
-    def header(self, name: bytes) -> bytes | None:
-        for key, value in self.raw_headers:
-            if key.lower() == name:
-                return value
-        return None
-
     async def read_chunk(self) -> bytes:
         """The next piece of body as it arrived (de-chunked); b"" at the end."""
         conn = self._conn
@@ -277,9 +271,7 @@ class UpstreamPool:
         return None
 
     async def acquire(self) -> _Connection:
-        conn = self.take_idle()
-        if conn is not None:
-            return conn
+        """A new connection or, at the limit, the next one released (take_idle() comes first)."""
         while self.open >= self.limit:
             waiter = self.loop.create_future()
             self.waiters.append(waiter)
@@ -387,18 +379,14 @@ class UpstreamClient:
         if pool is not None:
             pool.close_idle()
 
-    def idle_count(self, url: str) -> int:
-        pool = self.pools.get(url)
-        return len(pool.idle) if pool is not None else 0
-
     def idle_connection(self, url: str) -> _Connection | None:
         """An idle keep-alive connection to `url` if one is ready now, else None (then connect())."""
         pool = self.pools.get(url)
         return pool.take_idle() if pool is not None else None
 
     async def connect(self, url: str) -> _Connection:
-        """A connection to the instance at `url`: an idle keep-alive one, a new one, or (at the
-        pool's limit) the next one released. Raises ConnectFailed."""
+        """A new connection to the instance at `url` or, at the pool's limit, the next one
+        released (after idle_connection() found none). Raises ConnectFailed."""
         return await self.pool(url).acquire()
 
     async def send(self, conn: _Connection, method: str, target: bytes, headers: bytes, body: bytes) -> UpstreamResponse:
@@ -426,10 +414,6 @@ class UpstreamClient:
             conn.pool.release(conn, False)
             raise
         return UpstreamResponse(conn)
-
-    def give_back(self, conn: _Connection) -> None:
-        """A connection from connect() that will not be used after all."""
-        conn.pool.release(conn, not conn.lost)
 
     def close(self) -> None:
         for pool in self.pools.values():
