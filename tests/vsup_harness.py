@@ -22,6 +22,8 @@ from pathlib import Path
 import psutil
 import yaml
 
+from supervisor.shm import files_in_use, remove_unused
+
 ROOT = Path(__file__).resolve().parents[1]
 VSUP = [sys.executable, "-m", "supervisor.cli"] if not (ROOT / ".venv/bin/vsup").exists() else [str(ROOT / ".venv/bin/vsup")]
 FAKE = [sys.executable, str(ROOT / "tests" / "fake_per_port.py"), "serve"]
@@ -182,10 +184,13 @@ class VsupRun:
         return self.proc.wait(timeout)
 
     def close(self) -> None:
-        """Leave nothing running: vsup and its whole family, including the ones that escaped."""
+        """Leave nothing running: vsup and its whole family, including the ones that escaped, and
+        the /dev/shm files they used (a SIGKILLed (fake) vLLM leaves them behind, as the real one
+        does; vsup removes them when it stops an instance, but here vsup is killed too)."""
         family = set(self.all_descendants()) | self.seen_pids
         for pid in list(family):
             family.update(self.tree(pid))
+        shm = files_in_use(family)
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
@@ -194,3 +199,13 @@ class VsupRun:
                 os.kill(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+        # killed processes unmap their files when they are gone; only then are the files unused
+        psutil.wait_procs([p for p in map(_process, family) if p is not None], timeout=10)
+        remove_unused(shm)
+
+
+def _process(pid: int) -> psutil.Process | None:
+    try:
+        return psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return None
