@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/plan_bench.py
 
-Prints the median time of topology.planner.plan for several instance counts, and its ratio to a
+Prints the median time of vsup.topology.planner.plan for several instance counts, and its ratio to a
 baseline measured in the same run: a naive round-robin split of the same cores into N CPU lists
 (what any planner must at least do). Target from issue 3: ≤ 50 ms per plan.
 """
@@ -17,9 +17,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.machines import GiB, make_machine  # noqa: E402
-from topology.cpulist import format_list  # noqa: E402
-from topology.plan_model import PlanSettings  # noqa: E402
-from topology.planner import plan  # noqa: E402
+from vsup.topology.cpulist import format_list  # noqa: E402
+from vsup.topology.plan_model import PlanSettings  # noqa: E402
+from vsup.topology.planner import plan  # noqa: E402
 
 REPEATS = 21
 TARGET_S = 0.050

@@ -322,7 +322,7 @@ async def bench(args) -> None:
         proxy_port = free_port()
         env = dict(os.environ, PYTHONPATH=str(REPO))
         proxy = subprocess.Popen(
-            [sys.executable, "-c", "from supervisor.cli import main; main()", "proxy", "--port", str(proxy_port), *[a for u in direct for a in ("--upstream", u)]],
+            [sys.executable, "-c", "from vsup.supervisor.cli import main; main()", "proxy", "--port", str(proxy_port), *[a for u in direct for a in ("--upstream", u)]],
             env=env, start_new_session=True, stderr=subprocess.DEVNULL,
         )
         procs.append(proxy)

@@ -38,7 +38,7 @@ import aiohttp
 import psutil
 import yaml
 
-from topology.cpulist import format_list, parse_list
+from vsup.topology.cpulist import format_list, parse_list
 
 ROOT = Path(__file__).resolve().parents[1]
 VSUP = str(ROOT / ".venv" / "bin" / "vsup") if (ROOT / ".venv" / "bin" / "vsup").exists() else "vsup"

@@ -1,5 +1,5 @@
 # Sourced by scripts/demo and scripts/test: make sure the machine has what vsup's set-up needs
-# (Python >= 3.11 with venv, numactl) and a project venv in .venv with vsup installed.
+# (Python >= 3.11 with venv, numactl).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -19,8 +19,3 @@ PYTHON="${PYTHON:-python3}"
     || { echo "vsup needs Python >= 3.11 (found $("$PYTHON" --version 2>&1)); set PYTHON=python3.11" >&2; exit 1; }
 "$PYTHON" -c 'import ensurepip, venv' 2>/dev/null || apt_install python3-venv
 command -v numactl >/dev/null || apt_install numactl || echo "vsup setup: numactl missing: vsup falls back to taskset (memory not bound)" >&2
-
-if [ ! -x .venv/bin/python ]; then
-    "$PYTHON" -m venv .venv
-fi
-.venv/bin/python -m pip install -q --upgrade pip >/dev/null

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from topology.model import EFFICIENCY, PERFORMANCE, UNIFORM, Core, Machine, Node
+from vsup.topology.model import EFFICIENCY, PERFORMANCE, UNIFORM, Core, Machine, Node
 
 GiB = 1024**3
 

@@ -10,9 +10,9 @@ from collections.abc import Iterable
 import aiohttp
 import openai
 
-from supervisor.backends import Backend, BackendPool
-from supervisor.config import ProxyConfig
-from supervisor.proxy import ProxyServer
+from vsup.supervisor.backends import Backend, BackendPool
+from vsup.supervisor.config import ProxyConfig
+from vsup.supervisor.proxy import ProxyServer
 from tests.fakevllm.fixtures import FakeVllm, start_fake
 
 # The fake's EngineCore/Worker stand-ins and shm files are irrelevant to the proxy: skip them.

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from topology.cpulist import format_list, format_mask
+from vsup.topology.cpulist import format_list, format_mask
 
 GIB = 1024**3
 CPU_DIR = "sys/devices/system/cpu"

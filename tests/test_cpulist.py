@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from topology.cpulist import format_list, format_mask, parse_list, parse_mask
+from vsup.topology.cpulist import format_list, format_mask, parse_list, parse_mask
 
 cpu_sets = st.frozensets(st.integers(min_value=0, max_value=1100), max_size=200)
 

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from supervisor import doctor as d
-from supervisor.cli import main
+from vsup.supervisor import doctor as d
+from vsup.supervisor.cli import main
 from tests.sysfs_builder import build_sysfs
-from topology.fsroot import FsRoot
-from topology.model import Isa
+from vsup.topology.fsroot import FsRoot
+from vsup.topology.model import Isa
 
 GIB = 1024**3
 
@@ -230,13 +230,6 @@ def test_torchvision_built_for_another_torch_fails(tmp_path):
     result = d.check_torch_extras(probe(tmp_path))
     assert result.status == d.FAIL
     assert "torchvision 0.22.0 wants torch 2.7.0" in result.summary and "torchaudio" not in result.summary
-
-
-def test_supervisord_shadowing_vsup(tmp_path):
-    fake_dist(tmp_path, "supervisor", "4.3.0")
-    result = d.check_supervisor_shadowing(d.own_distributions([str(tmp_path)]))
-    assert result.status == d.FAIL and "own venv" in result.fix
-    assert d.check_supervisor_shadowing(d.own_distributions([str(tmp_path / "empty")])).status == d.PASS
 
 
 def test_vllm_python_follows_the_script_shebang(tmp_path):

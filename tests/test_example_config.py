@@ -1,4 +1,4 @@
-"""configs/vsup.yaml documents every key of supervisor/config.py, with its default value."""
+"""configs/vsup.yaml documents every key of vsup/supervisor/config.py, with its default value."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel
 
-from supervisor.config import VsupConfig, load_config
+from vsup.supervisor.config import VsupConfig, load_config
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "configs" / "vsup.yaml"
 

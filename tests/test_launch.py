@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from supervisor.config import parse_config
-from supervisor.errors import ConfigError
-from supervisor.launch import build_command, child_environment
+from vsup.supervisor.config import parse_config
+from vsup.supervisor.errors import ConfigError
+from vsup.supervisor.launch import build_command, child_environment
 from tests.machines import GiB, make_machine
-from topology.plan_model import PlanSettings
-from topology.planner import plan
+from vsup.topology.plan_model import PlanSettings
+from vsup.topology.planner import plan
 
 
 def instance(kvcache_gib=2.0, **kw):

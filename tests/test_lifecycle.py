@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from supervisor.backoff import RestartPolicy
-from supervisor.config import RestartConfig
-from supervisor.lifecycle import TRANSITIONS, Event, InvalidTransition, State, describe_exit, next_state
+from vsup.supervisor.backoff import RestartPolicy
+from vsup.supervisor.config import RestartConfig
+from vsup.supervisor.lifecycle import TRANSITIONS, Event, InvalidTransition, State, describe_exit, next_state
 
 
 def test_every_state_event_pair_maps_or_is_rejected():

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from supervisor.errors import VsupError
-from supervisor.logs import InstanceLog, LineSplitter
+from vsup.supervisor.errors import VsupError
+from vsup.supervisor.logs import InstanceLog, LineSplitter
 
 STAMP = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}"
 

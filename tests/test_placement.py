@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.errors import VsupError
-from supervisor.placement import ThreadPlacement, parse_mem_policy, placement_drift, read_placement
+from vsup.supervisor.errors import VsupError
+from vsup.supervisor.placement import ThreadPlacement, parse_mem_policy, placement_drift, read_placement
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -159,8 +159,8 @@ def test_memory_drift_on_a_two_node_plan():
 def _run_pin(cpus: str) -> subprocess.CompletedProcess:
     code = (
         "import os, threading, time\n"
-        "from supervisor.placement import pin_self\n"
-        "from supervisor.errors import VsupError\n"
+        "from vsup.supervisor.placement import pin_self\n"
+        "from vsup.supervisor.errors import VsupError\n"
         "t = threading.Thread(target=time.sleep, args=(3,), daemon=True); t.start()\n"
         f"try:\n    pin_self({{{cpus}}})\nexcept VsupError as e:\n    print('error:', e); raise SystemExit(0)\n"
         "print(sorted({tuple(sorted(os.sched_getaffinity(int(tid)))) for tid in os.listdir('/proc/self/task')}))\n"
@@ -180,6 +180,6 @@ def test_pin_self_refuses_cpus_it_cannot_have():
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(f"error: cannot pin vsup to CPUs {CPUS[0]},4095: CPUs 4095 are not available here")
     with pytest.raises(VsupError, match="empty CPU set"):
-        from supervisor.placement import pin_self
+        from vsup.supervisor.placement import pin_self
 
         pin_self([])

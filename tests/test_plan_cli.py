@@ -14,7 +14,7 @@ import pytest
 
 from tests.topology_fixtures import corpus  # noqa: F401  (fixture)
 
-VSUP = [sys.executable, "-m", "supervisor.cli"] if not (Path(sys.executable).parent / "vsup").exists() else [str(Path(sys.executable).parent / "vsup")]
+VSUP = [sys.executable, "-m", "vsup.supervisor.cli"] if not (Path(sys.executable).parent / "vsup").exists() else [str(Path(sys.executable).parent / "vsup")]
 XEON = "32intel64-2p8co2t+8ve"  # 2 × Xeon 8 cores / 16 threads, 2 NUMA nodes of ~47 GiB
 
 

@@ -7,9 +7,9 @@ import dataclasses
 import pytest
 
 from tests.machines import GiB, make_machine
-from topology.errors import PlanError
-from topology.plan_model import PlanSettings
-from topology.planner import plan
+from vsup.topology.errors import PlanError
+from vsup.topology.plan_model import PlanSettings
+from vsup.topology.planner import plan
 
 
 def settings(**kw) -> PlanSettings:

@@ -7,10 +7,10 @@ import pytest
 
 from tests.test_planner_properties import check_plan_rules
 from tests.topology_fixtures import DUMP_NAMES, corpus  # noqa: F401  (corpus is a fixture)
-from topology.errors import PlanError
-from topology.plan_model import GiB, PlanSettings
-from topology.planner import plan
-from topology.sysfs import read_machine
+from vsup.topology.errors import PlanError
+from vsup.topology.plan_model import GiB, PlanSettings
+from vsup.topology.planner import plan
+from vsup.topology.sysfs import read_machine
 
 # Memory is not what these tests are about (the corpus has 256 MiB VM nodes): tiny instances.
 SMALL = dict(model_size_bytes=32 * 1024**2, kvcache_gib=1 / 32, overhead_bytes=0, memory_reserve_bytes=0)

@@ -10,11 +10,11 @@ from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 from tests.machines import GiB, make_machine
-from topology.cpulist import format_list
-from topology.errors import PlanError
-from topology.model import Machine
-from topology.plan_model import Plan, PlanSettings
-from topology.planner import plan
+from vsup.topology.cpulist import format_list
+from vsup.topology.errors import PlanError
+from vsup.topology.model import Machine
+from vsup.topology.plan_model import Plan, PlanSettings
+from vsup.topology.planner import plan
 
 
 def check_plan_rules(machine: Machine, s: PlanSettings, p: Plan) -> None:

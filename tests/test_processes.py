@@ -19,10 +19,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from supervisor import proctree
-from supervisor.errors import VsupError
-from supervisor.logs import InstanceLog
-from supervisor.processes import reap_orphans, spawn, stop_tree, sweep_stale_shm, tree_pids
+from vsup.supervisor import proctree
+from vsup.supervisor.errors import VsupError
+from vsup.supervisor.logs import InstanceLog
+from vsup.supervisor.processes import reap_orphans, spawn, stop_tree, sweep_stale_shm, tree_pids
 
 SLACK = 20.0  # seconds of scheduling slack on a loaded 2-core machine; assertions are on behaviour
 

@@ -11,10 +11,10 @@ import aiohttp
 import openai
 import pytest
 
-from supervisor.backends import Backend, BackendPool
-from supervisor.proxy.balancer import LeastOutstanding, RoundRobin, make_balancer
-from supervisor.proxy.errors import error_body
-from supervisor.proxy.forward import request_headers, response_headers
+from vsup.supervisor.backends import Backend, BackendPool
+from vsup.supervisor.proxy.balancer import LeastOutstanding, RoundRobin, make_balancer
+from vsup.supervisor.proxy.errors import error_body
+from vsup.supervisor.proxy.forward import request_headers, response_headers
 from tests.fakevllm.fixtures import free_port, start_fake
 from tests.proxy_support import (
     LEAN, MESSAGES, client, metric_value, metrics_text, ready_pool, running_proxy, served_by, start_fakes, url,
@@ -291,9 +291,9 @@ async def test_metrics_show_states_and_in_flight(fakes):
 
 
 async def test_port_in_use_is_one_line_error(fakes):
-    from supervisor.config import ProxyConfig
-    from supervisor.errors import VsupError
-    from supervisor.proxy import ProxyServer
+    from vsup.supervisor.config import ProxyConfig
+    from vsup.supervisor.errors import VsupError
+    from vsup.supervisor.proxy import ProxyServer
 
     async with running_proxy(ready_pool(fakes)) as proxy:
         second = ProxyServer(ProxyConfig(port=proxy.port), ready_pool(fakes))

@@ -30,7 +30,7 @@ SLOW = {"fake": {"first_token_delay": 0.5}}
 def long_upstream_keepalive(monkeypatch):
     # The proxy drops idle connections after 4 s; on a loaded box the warm-up and the kill could be
     # further apart than that, and these tests need the idle connections to still be there.
-    monkeypatch.setattr("supervisor.proxy.server.UPSTREAM_KEEPALIVE", 60.0)
+    monkeypatch.setattr("vsup.supervisor.proxy.server.UPSTREAM_KEEPALIVE", 60.0)
 
 
 def requests_waiting_at(port: int) -> int:

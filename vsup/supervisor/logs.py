@@ -1,0 +1,221 @@
+"""An instance's output: bytes from its pipes cut into lines, written to a rotating file, echoed.
+
+`LineSplitter` turns the raw chunks a pipe delivers into lines without ever holding more than one
+capped line per stream (a child may write 200 KiB without a newline, or gigabytes of it).
+`InstanceLog` writes each line as `<local time with ms> <stream> <text>` to `<dir>/<name>.log`,
+rotates it at `max_bytes` keeping `backups` old files (`.1` newest), and copies it to vsup's own
+logger as `[<name>] <text>`. Writing is synchronous and the file is flushed once per chunk, so a
+burst costs one write per pipe read and memory stays flat; a failing disk never stops the caller
+(the drain must keep reading, or the child blocks on a full pipe).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from pathlib import Path
+from typing import BinaryIO
+
+from vsup.supervisor.errors import VsupError
+
+MAX_LINE = 64 * 1024
+REOPEN_AFTER = 10.0  # seconds before retrying a log file that failed to open or write
+
+# "\r\n", "\n" and a lone "\r" all end a line: tqdm progress bars (vLLM's weight loading) redraw
+# with "\r"; as separate lines they stay readable instead of piling up into one giant line.
+_LINE_END = re.compile(rb"\r\n|\r|\n")
+
+
+class LineSplitter:
+    """Bytes in, complete lines out; a line longer than `max_line` bytes keeps its head and ends
+    with `…[truncated N bytes]` once its end (or EOF) arrives."""
+
+    def __init__(self, max_line: int = MAX_LINE) -> None:
+        if max_line < 1:
+            raise ValueError(f"max_line must be at least 1 byte, got {max_line}")
+        self.max_line = max_line
+        self._head = bytearray()
+        self._dropped = 0
+        self._after_cr = False  # the previous chunk ended in "\r": a "\n" starting the next one is its pair
+
+    def feed(self, data: bytes) -> list[str]:
+        if not data:
+            return []
+        if self._after_cr and data[:1] == b"\n":
+            data = data[1:]
+        self._after_cr = data[-1:] == b"\r"
+        lines: list[str] = []
+        start = 0
+        for match in _LINE_END.finditer(data):
+            self._keep(data, start, match.start())
+            lines.append(self._take())
+            start = match.end()
+        self._keep(data, start, len(data))
+        return lines
+
+    def flush(self) -> list[str]:
+        """At EOF: the unterminated rest, if any, as a last line."""
+        if not self._head and not self._dropped:
+            return []
+        return [self._take()]
+
+    def _keep(self, data: bytes, start: int, end: int) -> None:
+        room = self.max_line - len(self._head)
+        take = min(room, end - start)
+        if take > 0:
+            self._head += data[start : start + take]
+        self._dropped += (end - start) - max(take, 0)
+
+    def _take(self) -> str:
+        text = self._head.decode("utf-8", "replace")
+        if self._dropped:
+            text += f"…[truncated {self._dropped} bytes]"
+        self._head = bytearray()
+        self._dropped = 0
+        return text
+
+
+class _Stamp:
+    """Local time `YYYY-mm-ddTHH:MM:SS.mmm`, formatting the seconds part once per second."""
+
+    def __init__(self) -> None:
+        self._second = -1
+        self._prefix = ""
+
+    def __call__(self) -> str:
+        now = time.time()  # wall clock on purpose: a log timestamp, not a duration
+        second = int(now)
+        if second != self._second:
+            self._second = second
+            self._prefix = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(second))
+        return f"{self._prefix}.{int((now - second) * 1000):03d}"
+
+
+class InstanceLog:
+    """Per-instance rotating log file + echo to vsup's logger with a `[name]` prefix.
+
+    directory None: no file (echo only). backups 0: the file is emptied when it reaches max_bytes.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        directory: Path | None,
+        *,
+        max_bytes: int,
+        backups: int,
+        echo: bool,
+        logger: logging.Logger,
+    ) -> None:
+        if max_bytes < 1024:
+            raise VsupError(f"log.max_bytes {max_bytes} is too small for a log file; use at least 1024 (the default is 50 MiB)")
+        if backups < 0:
+            raise VsupError(f"log.backups {backups} is negative; use 0 (no old files) or more")
+        self.name = name
+        self.max_bytes = max_bytes
+        self.backups = backups
+        self.echo = echo
+        self.logger = logger
+        self.path: Path | None = None
+        self._file: BinaryIO | None = None
+        self._size = 0
+        self._retry_at = 0.0
+        self._warned = False
+        self._stamp = _Stamp()
+        if directory is not None:
+            directory = Path(directory)
+            try:
+                directory.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise VsupError(
+                    f"log.dir {str(directory)!r} cannot be created ({exc.strerror}); "
+                    "choose a writable directory or leave log.dir unset"
+                ) from None
+            self.path = directory / f"{name}.log"
+            self._open()
+            if self._file is None:
+                raise VsupError(f"log file {str(self.path)!r} cannot be opened for writing; choose a writable log.dir")
+
+    def line(self, stream: str, text: str) -> None:
+        """One line (no trailing newline) from `stream` (stdout, stderr, or vsup's own notes)."""
+        self.lines(stream, (text,))
+
+    def note(self, text: str) -> None:
+        """vsup's own remark (started/stopped) for the file only, as stream `vsup`: vsup's log
+        already says it in its own words, so it is not echoed."""
+        self.lines("vsup", (text,), echo=False)
+
+    def lines(self, stream: str, texts, *, echo: bool = True) -> None:
+        """Several lines from one stream, written with one flush (the drain calls this per chunk)."""
+        if not texts:
+            return
+        if echo and self.echo and self.logger.isEnabledFor(logging.INFO):
+            for text in texts:
+                self.logger.info("[%s] %s", self.name, text)
+        if self.path is None:
+            return
+        if self._file is None and not self._reopen():
+            return
+        try:
+            for text in texts:
+                record = f"{self._stamp()} {stream} {text}\n".encode("utf-8", "replace")
+                if self._size + len(record) > self.max_bytes and self._size > 0:
+                    self._rotate()
+                self._file.write(record)
+                self._size += len(record)
+            self._file.flush()
+        except OSError as exc:
+            self._fail(exc)
+
+    def close(self) -> None:
+        if self._file is not None:
+            try:
+                self._file.close()
+            except OSError:
+                pass
+            self._file = None
+
+    # -- file handling -------------------------------------------------------------------------
+
+    def _open(self) -> None:
+        try:
+            self._file = open(self.path, "ab")
+            self._size = self._file.tell()
+        except OSError as exc:
+            self._fail(exc)
+
+    def _reopen(self) -> bool:
+        if time.monotonic() < self._retry_at:
+            return False
+        self._open()
+        if self._file is None:
+            return False
+        if self._warned:
+            self._warned = False
+            self.logger.info("[%s] writing %s again", self.name, self.path)
+        return True
+
+    def _rotate(self) -> None:
+        self._file.close()
+        self._file = None
+        if self.backups == 0:
+            self._file = open(self.path, "wb")
+        else:
+            for index in range(self.backups - 1, 0, -1):
+                older = Path(f"{self.path}.{index}")
+                if older.exists():
+                    os.replace(older, f"{self.path}.{index + 1}")
+            os.replace(self.path, f"{self.path}.1")
+            self._file = open(self.path, "ab")
+        self._size = 0
+
+    def _fail(self, exc: OSError) -> None:
+        # Lines are dropped from the file (still echoed) until a retry works; one warning per outage.
+        self.close()
+        self._retry_at = time.monotonic() + REOPEN_AFTER
+        if not self._warned:
+            self._warned = True
+            self.logger.warning("[%s] cannot write %s (%s); output goes to the echo only, retrying every %gs",
+                                self.name, self.path, exc.strerror or exc, REOPEN_AFTER)

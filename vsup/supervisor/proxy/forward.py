@@ -1,0 +1,491 @@
+"""Forwarding one client request to one instance, byte for byte.
+
+The life of a request, and what can end it:
+  queued       body read, size-checked, JSON-validated; an instance chosen    -> 400/413/503
+  first_byte   sent upstream, waiting for the status line and the first body byte
+               connect error, stale keep-alive connection, 503 from the instance, or a
+               connection broken by an instance that leaves the rotation within GONE_GRACE -> the next
+               instance (only here: nothing has reached the client yet, so a retry cannot
+               duplicate a generation)
+               first_byte_timeout                                            -> 504
+  streaming    SSE relayed chunk by chunk as it arrives; idle_timeout between chunks, no overall
+               cap; the instance dying                                       -> error event, clean end
+  response     a non-streaming body (Content-Length) read whole, then sent   -> 502 if it breaks
+A client disconnect in any phase cancels the handler (aiohttp's handler_cancellation) and closing
+the upstream response closes its connection, so vLLM sees the disconnect and frees the slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+
+from aiohttp import web
+from multidict import CIMultiDict
+
+from vsup.supervisor.backends import Backend, BackendPool
+from vsup.supervisor.config import ProxyConfig
+from vsup.supervisor.proxy import errors
+from vsup.supervisor.proxy.errors import RETRY_AFTER_SECONDS
+from vsup.supervisor.proxy.metrics import ProxyMetrics, route_label
+from vsup.supervisor.proxy.upstream import ConnectFailed, StaleConnection, UpstreamBroken, UpstreamClient, UpstreamResponse
+
+log = logging.getLogger("vsup.proxy")
+
+# RFC 9110 §7.6.1 hop-by-hop headers, plus the ones the proxy sets itself for the next hop.
+HOP_BY_HOP = frozenset(
+    {"connection", "keep-alive", "proxy-connection", "te", "trailer", "trailers", "transfer-encoding", "upgrade"}
+)
+_DROP_REQUEST = frozenset(h.encode() for h in HOP_BY_HOP | {"host", "content-length", "expect"})
+_DROP_RESPONSE = frozenset(h.encode() for h in HOP_BY_HOP | {"content-length"})
+_PROXY_PREFIX = b"proxy-"
+
+# How long a connection broken before its first byte waits for the supervisor to report the
+# instance's exit (milliseconds in practice; generous for a loaded machine).
+GONE_GRACE = 1.0
+# Longest period of the timeout watchdog (shorter when a configured timeout is very short).
+WATCHDOG_TICK = 0.1
+
+
+def _connection_tokens(value: bytes) -> frozenset[bytes]:
+    return frozenset(token.strip().lower() for token in value.split(b",") if token.strip())
+
+
+# Per header name *as sent* (clients repeat the same spelling on every request), what to do with
+# it: one dict lookup per header instead of lower() + set tests + tuple building. Bounded: an odd
+# client inventing names cannot grow it without limit.
+_KEEP, _DROP, _AUTHORIZATION, _CONNECTION = 0, 1, 2, 3
+_NAME_CACHE_SIZE = 1024
+_request_names: dict[bytes, int] = {}
+
+
+def _request_name_kind(key: bytes) -> int:
+    low = key.lower()
+    if low == b"connection":
+        kind = _CONNECTION
+    elif low == b"authorization":
+        kind = _AUTHORIZATION
+    elif low in _DROP_REQUEST or low.startswith(_PROXY_PREFIX):
+        kind = _DROP
+    else:
+        kind = _KEEP
+    if len(_request_names) >= _NAME_CACHE_SIZE:
+        _request_names.clear()
+    _request_names[key] = kind
+    return kind
+
+
+def request_headers(raw_headers: tuple[tuple[bytes, bytes], ...], drop_authorization: bool) -> bytes:
+    """The client's header lines, as it sent them, minus hop-by-hop ones (and its Authorization
+    when the proxy checked it: the instances listen on loopback without a key)."""
+    parts: list[bytes] = []
+    named = None
+    names = _request_names
+    for key, value in raw_headers:
+        kind = names.get(key)
+        if kind is None:
+            kind = _request_name_kind(key)
+        if kind == _KEEP or (kind == _AUTHORIZATION and not drop_authorization):
+            parts += (key, b": ", value, b"\r\n")
+        elif kind == _CONNECTION:
+            # Headers the client names in Connection are hop-by-hop too; "keep-alive"/"close"
+            # (what clients send) name nothing that is still kept.
+            tokens = _connection_tokens(value) - _DROP_REQUEST
+            if tokens:
+                named = tokens | (named or frozenset())
+    if named:  # rare: a second pass without the headers Connection named
+        parts = []
+        for key, value in raw_headers:
+            kind = names.get(key)
+            if kind is None:
+                kind = _request_name_kind(key)
+            if (kind == _KEEP or (kind == _AUTHORIZATION and not drop_authorization)) and key.lower() not in named:
+                parts += (key, b": ", value, b"\r\n")
+    return b"".join(parts)
+
+
+# Per response header name: its str form to forward (None: drop), and whether it is one the
+# forwarder looks at.
+_PLAIN, _IS_CONNECTION, _IS_CONTENT_TYPE, _IS_CONTENT_LENGTH = 0, 1, 2, 3
+_response_names: dict[bytes, tuple[str | None, int]] = {}
+
+
+def _response_name(key: bytes) -> tuple[str | None, int]:
+    low = key.lower()
+    flag = {b"connection": _IS_CONNECTION, b"content-type": _IS_CONTENT_TYPE, b"content-length": _IS_CONTENT_LENGTH}.get(low, _PLAIN)
+    drop = low in _DROP_RESPONSE or low.startswith(_PROXY_PREFIX)
+    entry = (None if drop else key.decode("latin-1"), flag)
+    if len(_response_names) >= _NAME_CACHE_SIZE:
+        _response_names.clear()
+    _response_names[key] = entry
+    return entry
+
+
+def response_head(raw_headers: list[tuple[bytes, bytes]]) -> tuple[list[tuple[str, str]], bytes, bool]:
+    """One pass over the instance's headers: those to forward (hop-by-hop ones dropped, as
+    (name, value) str pairs), its Content-Type, and whether it sent a Content-Length."""
+    out: list[tuple[str, str]] = []
+    content_type = b""
+    has_length = False
+    named = None
+    names = _response_names
+    for key, value in raw_headers:
+        entry = names.get(key)
+        if entry is None:
+            entry = _response_name(key)
+        name, flag = entry
+        if flag:
+            if flag == _IS_CONTENT_TYPE:
+                content_type = value
+            elif flag == _IS_CONTENT_LENGTH:
+                has_length = True
+            else:
+                tokens = _connection_tokens(value) - _DROP_RESPONSE
+                if tokens:
+                    named = tokens | (named or frozenset())
+        if name is not None:
+            out.append((name, value.decode("utf-8", "replace")))
+    if named:
+        out = [(name, value) for name, value in out if name.lower().encode("latin-1") not in named]
+    return out, content_type, has_length
+
+
+def response_headers(raw_headers: list[tuple[bytes, bytes]]) -> CIMultiDict[str]:
+    return CIMultiDict(response_head(raw_headers)[0])
+
+
+_json_types: dict[str, bool] = {}
+
+
+def _is_json(content_type: str) -> bool:
+    # application/json, application/json; charset=utf-8, application/vnd.x+json
+    known = _json_types.get(content_type)
+    if known is None:
+        base = content_type.split(";", 1)[0].strip().lower()
+        known = base == "application/json" or base.endswith("+json")
+        if len(_json_types) >= _NAME_CACHE_SIZE:
+            _json_types.clear()
+        _json_types[content_type] = known
+    return known
+
+
+def parse_json(body: bytes):
+    """json.loads(body), minus its encoding detection in the common case (UTF-8 without BOM);
+    anything else, including every error, goes through json.loads itself, so what is accepted
+    and the error message are exactly json.loads's."""
+    if body[:1] not in _UTF_NONSTANDARD_FIRST:
+        try:
+            return _loads_str(body.decode("utf-8"))
+        except (ValueError, UnicodeDecodeError):
+            pass
+    return json.loads(body)
+
+
+_loads_str = json.JSONDecoder().decode
+# A body starting with a BOM or a NUL (UTF-16/32) needs json.loads's encoding detection.
+_UTF_NONSTANDARD_FIRST = frozenset({b"\xef", b"\xfe", b"\xff", b"\x00"})
+
+
+class Exchange:
+    """One request in flight: its phase and its current time limit. The forwarder's watchdog
+    (one timer for all requests, see Forwarder._sweep) cancels the handler when the instance stays
+    silent past the limit or the proxy drains; per request and per chunk only timestamps are stored."""
+
+    __slots__ = ("task", "limit", "limit_key", "last", "reason", "phase", "stream", "idle_limit", "first_data_at", "sent_at")
+
+    def __init__(self, task: asyncio.Task, now: float) -> None:
+        self.task = task
+        self.limit = math.inf  # no limit while the request body is read
+        self.limit_key = ""
+        self.last = now
+        self.reason: str | None = None  # set when the proxy itself cancels: timeout or drain
+        self.phase = "queued"
+        self.stream = False
+        self.idle_limit = 0.0
+        self.first_data_at: float | None = None
+        self.sent_at = 0.0
+
+    def on_data(self, now: float) -> None:
+        """A piece of the response body arrived (the relay inlines this per chunk)."""
+        self.last = now
+        if self.first_data_at is None:
+            self.first_data(now)
+
+    def first_data(self, now: float) -> None:
+        """From the first body byte on, the limit is the idle timeout."""
+        self.first_data_at = now
+        self.limit = self.idle_limit
+        self.limit_key = "proxy.idle_timeout"
+
+    def arm(self, limit: float, key: str, now: float) -> None:
+        """A new phase with its own limit, counted from now."""
+        self.limit = limit
+        self.limit_key = key
+        self.last = now
+
+    def abort(self, reason: str) -> None:
+        if self.reason is None:
+            self.reason = reason
+            self.task.cancel()
+
+
+class Forwarder:
+    """Sends /v1/* (and /tokenize, /detokenize) to a ready instance and relays the answer."""
+
+    def __init__(
+        self,
+        config: ProxyConfig,
+        pool: BackendPool,
+        balancer,
+        client: UpstreamClient,
+        metrics: ProxyMetrics,
+        *,
+        drop_authorization: bool,
+    ) -> None:
+        self.config = config
+        self.pool = pool
+        self.balancer = balancer
+        self.client = client
+        self.metrics = metrics
+        self.drop_authorization = drop_authorization
+        self.in_flight: dict[str, int] = {}
+        self.active: set[Exchange] = set()
+        self.draining = False
+        self.loop = asyncio.get_running_loop()
+        # The watchdog's period: a limit is enforced within one tick of its deadline.
+        self.tick = max(0.005, min(WATCHDOG_TICK, config.first_byte_timeout / 4, config.idle_timeout / 4))
+        self._watchdog: asyncio.TimerHandle | None = None
+
+    def _sweep(self) -> None:
+        """One timer for every request in flight (instead of arming and cancelling timers per
+        request, which cost more than the rest of the bookkeeping): cancel the handlers whose
+        instance has been silent past their phase's limit. Runs only while requests are active."""
+        now = self.loop.time()
+        for exchange in self.active:
+            if now - exchange.last >= exchange.limit:
+                exchange.abort("timeout")  # cancel() only schedules: `active` is unchanged here
+        self._watchdog = self.loop.call_at(now + self.tick, self._sweep) if self.active else None
+
+    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        route = route_label(request.path)
+        if self.draining:
+            response = errors.unavailable("the proxy is shutting down; retry on another replica or shortly", RETRY_AFTER_SECONDS)
+            response.force_close()
+            self.metrics.request(route, 503, "")
+            return response
+        loop = self.loop
+        exchange = Exchange(asyncio.current_task(loop), loop.time())  # type: ignore[arg-type]
+        self.active.add(exchange)
+        if self._watchdog is None:
+            self._watchdog = loop.call_at(loop.time() + self.tick, self._sweep)
+        try:
+            response, instance = await self._handle(request, exchange)
+        except asyncio.CancelledError:
+            if exchange.reason is None:
+                self.metrics.disconnect(exchange.phase)
+            raise
+        finally:
+            self.active.discard(exchange)
+        self.metrics.request(route, response.status, instance)
+        return response
+
+    async def _handle(self, request: web.BaseRequest, exchange: Exchange) -> tuple[web.StreamResponse, str]:
+        limit = self.config.max_body_bytes
+        body = b""
+        if request.body_exists:
+            declared = request.content_length
+            if declared is not None and declared > limit:
+                return errors.too_large(declared, limit), ""
+            payload = request.content
+            if payload.is_eof():
+                # The whole body came with the headers (any small JSON request): take it as is,
+                # without request.read()'s copy loop.
+                body = payload.read_nowait()
+                if len(body) > limit:
+                    return errors.too_large(None, limit), ""
+            else:
+                try:
+                    body = await request.read()  # the app's client_max_size == max_body_bytes
+                except web.HTTPRequestEntityTooLarge:
+                    return errors.too_large(None, limit), ""
+            if body and _is_json(request.headers.get("Content-Type", "")):
+                try:
+                    document = parse_json(body)
+                except (ValueError, UnicodeDecodeError) as exc:
+                    return errors.bad_request(f"the request body is not valid JSON: {exc}"), ""
+                if not isinstance(document, dict):
+                    return errors.bad_request(f"the request body must be a JSON object, got {type(document).__name__}"), ""
+                exchange.stream = document.get("stream") is True
+
+        headers = request_headers(request.raw_headers, self.drop_authorization)
+        # The request target exactly as the client sent it (path and query, still percent-encoded).
+        target = request.raw_path.encode("utf-8", "surrogateescape")
+        tried: list[str] = []
+        fallback: web.Response | None = None  # what to answer if every attempt fails
+        reason: str | None = None
+        backend: Backend | None = None
+        while True:
+            last = backend
+            backend = self.balancer.choose(self.pool.ready(), self.in_flight, tried)
+            if backend is None and reason == "stale" and tried.count(last.name) == 1 and self.pool.is_ready(last.name):  # type: ignore[union-attr]
+                # A stale keep-alive connection and no other instance to try: one fresh
+                # connection to the same instance (its idle ones were closed), which either
+                # reaches a live server or is refused.
+                backend = last
+            if backend is None:
+                if fallback is not None:
+                    return fallback, tried[-1]
+                return errors.no_ready_instance(), ""
+            tried.append(backend.name)
+            name = backend.name
+            self.in_flight[name] = self.in_flight.get(name, 0) + 1
+            try:
+                outcome = await self._attempt(request, exchange, backend, target, body, headers)
+            finally:
+                left = self.in_flight[name] - 1
+                if left:
+                    self.in_flight[name] = left
+                else:
+                    del self.in_flight[name]
+            if isinstance(outcome, web.StreamResponse):
+                return outcome, name
+            fallback, reason = outcome
+            if reason is None or len(tried) > self.config.retries:
+                return fallback, name
+            self.metrics.retry(reason)
+
+    async def _attempt(self, request, exchange: Exchange, backend: Backend, target: bytes, body: bytes, headers: bytes):
+        """One try on one instance: a response for the client, or (fallback, reason) to retry."""
+        exchange.phase = "queued"  # until a connection to the instance is ours
+        loop = self.loop
+        exchange.arm(self.config.first_byte_timeout, "proxy.first_byte_timeout", loop.time())
+        exchange.first_data_at = None
+        upstream: UpstreamResponse | None = None
+        try:
+            try:
+                conn = self.client.idle_connection(backend.url) or await self.client.connect(backend.url)
+                exchange.phase = "first_byte" if exchange.stream else "non_streaming"
+                exchange.sent_at = loop.time()
+                started = time.monotonic()
+                upstream = await self.client.send(conn, request.method, target, headers, body)
+            except ConnectFailed as exc:
+                self.metrics.upstream_error(backend.name, "connect")
+                log.warning("instance %s: %s", backend.name, exc)
+                return errors.bad_gateway(f"instance {backend.name}: {exc}"), "connect"
+            except StaleConnection as exc:
+                # The request met a dead or closing socket, not a live server: as safe to retry as
+                # a refused connect. The other idle connections to that process are likely stale too.
+                self.client.close_idle(backend.url)
+                self.metrics.upstream_error(backend.name, "stale")
+                log.warning("instance %s: %s", backend.name, exc)
+                return errors.bad_gateway(f"instance {backend.name} failed before answering: {exc}"), "stale"
+            except UpstreamBroken as exc:
+                self.metrics.upstream_error(backend.name, "broken")
+                # Broken before any byte: if the instance's process died (a kill -9 tears down its
+                # listening socket, resetting connections it had queued, a moment before the
+                # supervisor sees the exit), nothing from it can reach any client and another
+                # instance may answer. Give the supervisor GONE_GRACE to say so; an instance still
+                # in the rotation after that stays a 502 (it may be generating).
+                gone = await self.pool.wait_not_ready(backend.name, GONE_GRACE)
+                retry = "gone" if gone else None
+                return errors.bad_gateway(f"instance {backend.name} failed before answering: {exc}"), retry
+
+            if upstream.status == 503:
+                # vLLM says it cannot take the request now (e.g. shutting down): try another.
+                try:
+                    content = await upstream.read()
+                except UpstreamBroken:
+                    content = b""
+                self.metrics.upstream_error(backend.name, "503")
+                relayed = web.Response(status=503, body=content, headers=response_headers(upstream.raw_headers))
+                relayed.headers.setdefault("Retry-After", str(RETRY_AFTER_SECONDS))
+                return relayed, "503"
+
+            headers, content_type, has_length = response_head(upstream.raw_headers)
+            sse = content_type.startswith(b"text/event-stream")
+            if sse or not has_length:
+                return await self._relay_stream(request, exchange, backend, upstream, headers, started, sse)
+            return await self._relay_body(exchange, backend, upstream, headers, started)
+        except asyncio.CancelledError:
+            if exchange.reason is None:
+                raise  # the client went away: the finally below drops the upstream connection
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            return self._proxy_abort_response(exchange, backend)
+        finally:
+            if upstream is not None:
+                upstream.close()  # back to the pool after a complete response; otherwise dropped
+
+    def _proxy_abort_response(self, exchange: Exchange, backend: Backend) -> web.StreamResponse:
+        if exchange.reason == "timeout":
+            return errors.gateway_timeout(self._abort_message(exchange, backend))
+        return errors.unavailable("the proxy is shutting down and the drain deadline passed", RETRY_AFTER_SECONDS)
+
+    async def _relay_body(self, exchange: Exchange, backend: Backend, upstream: UpstreamResponse, headers, started: float):
+        exchange.phase = "response"
+        self.metrics.ttfb(False, time.monotonic() - started)
+        exchange.arm(self.config.idle_timeout, "proxy.idle_timeout", self.loop.time())
+        try:
+            content = await upstream.read()
+        except UpstreamBroken as exc:
+            self.metrics.upstream_error(backend.name, "broken")
+            return errors.bad_gateway(f"instance {backend.name} broke off its response: {exc}")
+        self.metrics.duration(False, time.monotonic() - started)
+        return web.Response(status=upstream.status, body=content, headers=headers)
+
+    async def _relay_stream(self, request, exchange: Exchange, backend: Backend, upstream: UpstreamResponse, headers, started: float, sse: bool):
+        out = web.StreamResponse(status=upstream.status, headers=headers)
+        if sse:
+            # Nobody between us and the client may buffer or compress the events.
+            out.headers["X-Accel-Buffering"] = "no"
+            out.headers["Cache-Control"] = "no-cache"
+        exchange.phase = "streaming"
+        exchange.idle_limit = self.config.idle_timeout
+        try:
+            await out.prepare(request)
+            transport = request.transport
+            if transport is None:  # the client left before its headers went out
+                self.metrics.disconnect("streaming")
+                return out
+            writer = request.writer
+            await upstream.relay(transport, writer.chunked, writer.drain, exchange)
+        except asyncio.CancelledError:
+            if exchange.reason is None:
+                raise  # the client went away
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            return await self._end_stream(request, out, sse, backend, self._abort_message(exchange, backend))
+        except UpstreamBroken as exc:
+            self.metrics.upstream_error(backend.name, "broken")
+            log.warning("instance %s broke off a stream: %s", backend.name, exc)
+            return await self._end_stream(request, out, sse, backend, f"instance {backend.name} failed mid-stream: {exc}")
+        except ConnectionResetError:  # our write to the client failed: it is gone
+            self.metrics.disconnect("streaming")
+            return out
+        if exchange.first_data_at is not None:
+            self.metrics.ttfb(True, exchange.first_data_at - exchange.sent_at)
+        self.metrics.duration(True, time.monotonic() - started)
+        await out.write_eof()
+        return out
+
+    def _abort_message(self, exchange: Exchange, backend: Backend) -> str:
+        if exchange.reason == "timeout":
+            self.metrics.upstream_error(backend.name, "timeout")
+            return f"instance {backend.name} sent nothing for {exchange.limit:g} s ({exchange.limit_key})"
+        return "the proxy is shutting down and the drain deadline passed; the generation was aborted"
+
+    async def _end_stream(self, request, out: web.StreamResponse, sse: bool, backend: Backend, message: str) -> web.StreamResponse:
+        """After the first byte the status is gone: an SSE client gets an error event and a clean
+        end; any other body can only be cut, so the client sees a broken transfer, not a short one."""
+        try:
+            if not out.prepared:
+                await out.prepare(request)
+            if sse:
+                await out.write(errors.sse_error_event(message, "upstream_error", "upstream_error"))
+                await out.write_eof()
+            elif request.transport is not None:
+                request.transport.abort()
+        except ConnectionResetError:
+            self.metrics.disconnect("streaming")
+        return out

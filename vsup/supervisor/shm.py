@@ -1,0 +1,121 @@
+"""Shared-memory files (/dev/shm) an instance leaves behind when its processes are SIGKILLed.
+
+vLLM's `psm_*` (multiprocessing SharedMemory, hundreds of MB) and `sem.mp-*` (named semaphores)
+carry no pid in their names, so ownership is read from the processes themselves: the files a
+process has mapped (/proc/<pid>/maps) or open (/proc/<pid>/fd). `files_in_use(pids)` is taken
+before a tree is killed; `remove_unused(paths)` deletes those no live process still uses. For an
+instance whose processes were already gone, `sweep_stale_shm` removes matching files that are
+ours (uid), older than `min_age` and used by no live process at all.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+from vsup.supervisor.proctree import all_pids
+
+SHM_DIR = Path("/dev/shm")
+PREFIXES = ("psm_", "sem.mp-")
+
+logger = logging.getLogger("vsup.shm")
+
+
+def _matches(path: str, directory: str, prefixes: tuple[str, ...]) -> bool:
+    parent, _, name = path.rpartition("/")
+    return parent == directory and name.startswith(prefixes)
+
+
+def _files_of(pid: int, directory: str, prefixes: tuple[str, ...]) -> set[str]:
+    found: set[str] = set()
+    try:
+        with open(f"/proc/{pid}/maps", errors="surrogateescape") as maps:
+            text = maps.read()
+    except OSError:
+        text = ""  # gone, or not ours to read
+    if directory + "/" in text:  # most processes map nothing there: skip the line parsing
+        for line in text.splitlines():
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6:
+                path = fields[5].removesuffix(" (deleted)")
+                if _matches(path, directory, prefixes):
+                    found.add(path)
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return found
+    for fd in fds:
+        try:
+            path = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if _matches(path, directory, prefixes):
+            found.add(path)
+    return found
+
+
+def files_in_use(pids: Iterable[int], shm_dir: str | Path = SHM_DIR, prefixes: tuple[str, ...] = PREFIXES) -> set[str]:
+    """Paths under shm_dir with one of the prefixes that these processes map or hold open."""
+    directory = os.path.realpath(shm_dir)
+    found: set[str] = set()
+    for pid in pids:
+        found |= _files_of(pid, directory, prefixes)
+    return found
+
+
+def remove_unused(paths: Iterable[str], shm_dir: str | Path = SHM_DIR, prefixes: tuple[str, ...] = PREFIXES) -> list[str]:
+    """Delete those of `paths` that still exist and that no live process maps or holds open."""
+    return _unlink_unused({p for p in paths if os.path.lexists(p)}, shm_dir, prefixes)
+
+
+def sweep_stale_shm(
+    shm_dir: str | Path = SHM_DIR,
+    prefixes: tuple[str, ...] = PREFIXES,
+    min_age: float = 60.0,
+) -> list[str]:
+    """Remove `prefixes` files in shm_dir owned by our uid, unmodified for `min_age` seconds and
+    used by no live process. For after an instance died before its files could be attributed;
+    the age keeps a just-starting server's not-yet-mapped file safe."""
+    directory = os.path.realpath(shm_dir)
+    now = time.time()  # wall clock on purpose: compared with file mtimes
+    uid = os.getuid()
+    candidates = []
+    try:
+        names = os.listdir(directory)
+    except OSError as exc:
+        logger.warning("cannot list %s for stale shared memory: %s", directory, exc.strerror)
+        return []
+    for name in names:
+        if not name.startswith(prefixes):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if st.st_uid == uid and now - st.st_mtime >= min_age:
+            candidates.append(path)
+    return _unlink_unused(candidates, directory, prefixes)
+
+
+def _unlink_unused(candidates: Iterable[str], shm_dir: str | Path, prefixes: tuple[str, ...]) -> list[str]:
+    """Delete those of `candidates` (in sorted order) that no live process maps or holds open."""
+    candidates = sorted(candidates)
+    if not candidates:
+        return []
+    busy = files_in_use(all_pids(), shm_dir, prefixes)
+    removed = []
+    for path in candidates:
+        if path in busy:
+            continue
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except FileNotFoundError:
+            pass  # someone else cleaned it
+        except OSError as exc:
+            logger.warning("cannot remove %s: %s", path, exc.strerror)
+    return removed

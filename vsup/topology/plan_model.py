@@ -1,0 +1,131 @@
+"""What the planner takes and what it returns, as immutable data.
+
+`PlanSettings` mirrors the `placement` section of the YAML config (vsup/supervisor/config.py), in bytes
+and plain values; `vsup.supervisor.planning` converts one into the other. A `Plan` holds everything that
+must agree for each instance: its CPUs, the subset its OpenMP threads are bound to, its memory
+node(s), the environment vLLM reads and the numactl/taskset prefix that wraps the whole command.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from vsup.topology.cpulist import format_list
+
+GiB = 1024**3
+
+
+def format_gib(value: float | int | None) -> str:
+    """Bytes as whole GiB when exact ("4 GiB"), else one decimal ("1.5 GiB"); None reads as 0."""
+    gib = (value or 0) / GiB
+    return f"{gib:.0f} GiB" if gib == int(gib) else f"{gib:.1f} GiB"
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    instances: int | Literal["auto"] = "auto"
+    base_port: int = 8100
+    model_size_bytes: int | None = None  # weights per instance; None: unknown (see docs/placement.md)
+    kvcache_gib: float | None = None  # None: the largest equal whole-GiB share that fits
+    overhead_bytes: int = int(1.5 * GiB)  # per instance, besides weights and KV cache
+    memory_reserve_bytes: int = 2 * GiB  # per node, left to the OS and page cache
+    # physical cores kept for vsup, the proxy and the OS; auto: 1 when the instances leave one free
+    reserve_cores: int | Literal["auto"] = "auto"
+    housekeeping_core: bool = False  # one extra core per instance, in cpus but not in omp_cpus
+    smt: bool = False  # OpenMP threads on every hardware thread instead of one per physical core
+    cores_per_instance: int | None = None  # OpenMP cores per instance; None: split all usable cores
+    membind: Literal["bind", "preferred"] = "bind"
+    launcher: Literal["numactl", "taskset", "none"] = "numactl"
+    nodes: tuple[int, ...] | None = None  # only place instances on these NUMA nodes
+
+
+@dataclass(frozen=True)
+class InstancePlan:
+    index: int
+    port: int
+    nodes: tuple[int, ...]  # memory nodes it binds to (empty: no NUMA information)
+    cpu_nodes: tuple[int, ...]  # NUMA nodes its CPUs belong to
+    cpus: tuple[int, ...]  # whole affinity mask (numactl --physcpubind / taskset -c)
+    omp_cpus: tuple[int, ...]  # one per OpenMP thread, = VLLM_CPU_OMP_THREADS_BIND
+    housekeeping_cpus: tuple[int, ...]  # in cpus, not in omp_cpus: API server / EngineCore
+    cores: tuple[int, ...]  # physical core ids (Core.id) it owns
+    l3_domains: tuple[int, ...]  # L3 domain ids its cores belong to
+    env: tuple[tuple[str, str], ...]
+    argv: tuple[str, ...]  # launcher prefix; the vLLM command goes after it
+    vllm_args: tuple[str, ...]  # extra vLLM arguments the plan requires (--kv-cache-memory-bytes)
+    weights_bytes: int | None
+    kvcache_bytes: int
+    overhead_bytes: int
+
+    @property
+    def memory_bytes(self) -> int:
+        """What the instance is expected to hold: weights (0 when unknown) + KV cache + overhead."""
+        return (self.weights_bytes or 0) + self.kvcache_bytes + self.overhead_bytes
+
+    def env_dict(self) -> dict[str, str]:
+        return dict(self.env)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "port": self.port,
+            "nodes": list(self.nodes),
+            "cpus": list(self.cpus),
+            "omp_cpus": list(self.omp_cpus),
+            "env": dict(self.env),
+            "argv": list(self.argv),
+            "vllm_args": list(self.vllm_args),
+            "cpu_nodes": list(self.cpu_nodes),
+            "cpus_list": format_list(self.cpus),
+            "housekeeping_cpus": list(self.housekeeping_cpus),
+            "physical_cores": len(self.cores),
+            "l3_domains": list(self.l3_domains),
+            "weights_bytes": self.weights_bytes,
+            "kvcache_bytes": self.kvcache_bytes,
+            "overhead_bytes": self.overhead_bytes,
+            "memory_bytes": self.memory_bytes,
+        }
+
+
+@dataclass(frozen=True)
+class NodeMemory:
+    """One memory node's budget against what the plan puts on it."""
+
+    node: int
+    figure: str  # which figure the budget comes from, for humans ("MemTotal - 2.0 GiB reserve")
+    total_bytes: int  # MemTotal (0: unknown)
+    available_bytes: int  # MemFree + file cache + SReclaimable when the plan was made (0: unknown)
+    budget_bytes: int  # what the plan may use
+    demand_bytes: int  # Σ over its instances (split evenly when an instance spans nodes)
+    instances: tuple[int, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "node": self.node,
+            "figure": self.figure,
+            "total_bytes": self.total_bytes,
+            "available_bytes": self.available_bytes,
+            "budget_bytes": self.budget_bytes,
+            "demand_bytes": self.demand_bytes,
+            "instances": list(self.instances),
+        }
+
+
+@dataclass(frozen=True)
+class Plan:
+    instances: tuple[InstancePlan, ...]
+    reserved_cpus: tuple[int, ...]
+    unused_cpus: tuple[tuple[int, str], ...]  # (cpu, why no instance gets it), sorted by cpu
+    warnings: tuple[str, ...]
+    memory: tuple[NodeMemory, ...]
+    settings: PlanSettings
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "instances": [inst.to_json() for inst in self.instances],
+            "reserved_cpus": list(self.reserved_cpus),
+            "unused_cpus": [{"cpu": cpu, "reason": reason} for cpu, reason in self.unused_cpus],
+            "warnings": list(self.warnings),
+            "memory": [node.to_json() for node in self.memory],
+        }
