@@ -110,6 +110,17 @@ def test_instances_stay_inside_l3_domains():
     assert all(len(i.l3_domains) == 1 for i in p.instances)
 
 
+def test_grouped_nodes_leave_every_instance_room_for_its_housekeeping_core():
+    # Found by hypothesis: nodes of 1, 1, 1 and 3 cores, 3 instances with a housekeeping core each.
+    # The smallest-largest grouping ([1+1], [1], [3]) gave one instance a single core, which the
+    # housekeeping core took, leaving OpenMP no thread at all.
+    m = make_machine(sockets=2, nodes_per_socket=2, cores_per_node=[1, 1, 1, 3])
+    p = plan(m, settings(instances=3, housekeeping_core=True, reserve_cores=0))
+    for inst in p.instances:
+        assert inst.omp_cpus and inst.env_dict()["OMP_NUM_THREADS"] == str(len(inst.omp_cpus))
+        assert len(inst.cpus) >= 2
+
+
 def test_housekeeping_core_is_in_cpus_but_not_in_omp_cpus():
     p = plan(two_socket(), settings(instances=2, housekeeping_core=True))
     a = p.instances[0]

@@ -281,9 +281,10 @@ def _make_bins(pool: list[Core], count: int, s: PlanSettings, reserve: int, warn
 
     if s.cores_per_instance is None:
         min_size = _min_cores(s)
+        grouped = _group_nodes(nodes, count, min_size) if count < len(nodes) else None
         if count >= len(nodes) and sum(len(b.cores) // min_size for b in nodes) >= count:
             bins = _split_proportionally(nodes, count, min_size)
-        elif count >= len(nodes):
+        elif grouped is None:
             # --housekeeping-core on nodes too small for two cores each: cut across nodes.
             bins = [_Bin([c for b in nodes for c in b.cores], instances=count)]
             warnings.append(
@@ -291,7 +292,7 @@ def _make_bins(pool: list[Core], count: int, s: PlanSettings, reserve: int, warn
                 f"{max(len(b.cores) for b in nodes)} usable cores, so some span nodes"
             )
         else:
-            bins = _group_nodes(nodes, count)
+            bins = grouped
             warnings.append(
                 f"{count} instance(s) for {len(nodes)} NUMA nodes: each instance spans several nodes and "
                 f"pays for cross-node memory traffic; --instances {len(nodes)} (one per node) or "
@@ -340,9 +341,10 @@ def _split_proportionally(bins: list[_Bin], count: int, min_size: int) -> list[_
     return bins
 
 
-def _group_nodes(bins: list[_Bin], count: int) -> list[_Bin]:
+def _group_nodes(bins: list[_Bin], count: int, min_size: int) -> list[_Bin] | None:
     """Fewer instances than nodes, all cores wanted: join neighbouring nodes into `count` groups
-    whose largest group is as small as possible (linear partition)."""
+    of at least `min_size` cores whose largest group is as small as possible (linear partition);
+    None when no such grouping exists."""
     sizes = [len(b.cores) for b in bins]
     m = len(sizes)
     prefix = [0]
@@ -356,9 +358,13 @@ def _group_nodes(bins: list[_Bin], count: int) -> list[_Bin]:
     for g in range(1, count + 1):
         for i in range(g, m - (count - g) + 1):
             for j in range(g - 1, i):
+                if prefix[i] - prefix[j] < min_size:
+                    continue  # an instance needs min_size cores (its housekeeping core included)
                 value = max(best[g - 1][j], prefix[i] - prefix[j])
                 if value < best[g][i]:
                     best[g][i], cut[g][i] = value, j
+    if best[count][m] == inf:
+        return None
     groups: list[_Bin] = []
     i = m
     for g in range(count, 0, -1):
