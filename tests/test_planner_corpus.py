@@ -1,5 +1,5 @@
-"""The placement rules on every real machine of the hwloc corpus (../shared/topologies/hwloc),
-read by topology.sysfs, for N in {1, 2, CPU nodes, cores/2, max}."""
+"""The placement rules on every real machine of the hwloc corpus (tests/data/hwloc),
+read by vsup.topology.sysfs, for N in {1, 2, CPU nodes, cores/2, max}."""
 
 from __future__ import annotations
 

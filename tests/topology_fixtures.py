@@ -1,8 +1,8 @@
 """The hwloc corpus of real machines' sysfs dumps, unpacked once per test session.
 
-The corpus lives next to the repository clone (../shared/topologies/hwloc, as in CI) or where
-VSUP_TOPOLOGY_CORPUS points. A missing corpus FAILS the tests that need it, with the path it
-looked at: a silently skipped corpus would let a broken reader pass.
+The corpus ships with the repository in tests/data/hwloc (sysfs dumps from hwloc's own test suite,
+BSD-3-Clause, COPYING.hwloc beside them; truth.json is ours). A missing corpus FAILS the tests that
+need it, with the path it looked at: a silently skipped corpus would let a broken reader pass.
 
 Use in a test module:
     from tests.topology_fixtures import DUMP_NAMES, corpus  # noqa: F401  (corpus is a fixture)
@@ -16,7 +16,6 @@ Use in a test module:
 from __future__ import annotations
 
 import json
-import os
 import re
 import tarfile
 import threading
@@ -24,20 +23,13 @@ from pathlib import Path
 
 import pytest
 
-CORPUS_ENV = "VSUP_TOPOLOGY_CORPUS"
+CORPUS_DIR = Path(__file__).resolve().parent / "data" / "hwloc"
 MISSING = "<hwloc corpus missing>"
-
-
-def corpus_dir() -> Path:
-    override = os.environ.get(CORPUS_ENV)
-    if override:
-        return Path(override)
-    return Path(__file__).resolve().parents[1].parent / "shared" / "topologies" / "hwloc"
 
 
 def _dump_names() -> list[str]:
     try:
-        truth = json.loads((corpus_dir() / "truth.json").read_text())
+        truth = json.loads((CORPUS_DIR / "truth.json").read_text())
         return sorted(truth["dumps"])
     except (OSError, ValueError, KeyError):
         return [MISSING]  # one parameter whose test fails through the `corpus` fixture
@@ -118,11 +110,11 @@ def corpus(tmp_path_factory) -> Corpus:
     global _shared
     if _shared is not None:
         return _shared
-    directory = corpus_dir()
+    directory = CORPUS_DIR
     if not (directory / "truth.json").is_file():
         pytest.fail(
-            f"hwloc topology corpus not found: {directory}/truth.json is missing. It ships next to "
-            f"the clone as ../shared/topologies/hwloc; set {CORPUS_ENV}=DIR to point elsewhere.",
+            f"hwloc topology corpus not found: {directory}/truth.json is missing. It ships with "
+            f"the repository in tests/data/hwloc: restore it from git.",
             pytrace=False,
         )
     _shared = Corpus(directory, tmp_path_factory.mktemp("hwloc-corpus"))
