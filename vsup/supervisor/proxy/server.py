@@ -18,7 +18,7 @@ from aiohttp import web
 from vsup.supervisor.backends import Backend, BackendPool
 from vsup.supervisor.config import ProxyConfig
 from vsup.supervisor.errors import VsupError
-from vsup.supervisor.proxy import errors
+from vsup.supervisor.proxy import aiohttp_internals, errors
 from vsup.supervisor.proxy.auth import BearerAuth
 from vsup.supervisor.proxy.balancer import make_balancer
 from vsup.supervisor.proxy.errors import RETRY_AFTER_SECONDS
@@ -56,6 +56,7 @@ class ProxyServer:
     # -- the contract --------------------------------------------------------------------------
 
     async def start(self) -> None:
+        aiohttp_internals.check()  # before anything listens or starts: one clear line, not a traceback later
         config = self.config
         self._client = UpstreamClient(limit=config.max_connections, connect_timeout=config.connect_timeout, keepalive=UPSTREAM_KEEPALIVE)
         self._session = aiohttp.ClientSession(
@@ -72,12 +73,7 @@ class ProxyServer:
         # handler_cancellation: a client that disconnects cancels its handler, which drops the
         # upstream connection (aiohttp >= 3.9 leaves it off by default). No access log: it costs
         # more CPU than the forwarding itself; /metrics counts every request.
-        loop = asyncio.get_running_loop()
-        max_size = config.max_body_bytes
-
-        def make_request(message, payload, protocol, writer, task) -> web.BaseRequest:
-            return web.BaseRequest(message, payload, protocol, writer, task, loop, client_max_size=max_size)
-
+        make_request = aiohttp_internals.make_request_factory(asyncio.get_running_loop(), config.max_body_bytes)
         server = web.Server(self._dispatch, request_factory=make_request, handler_cancellation=True, access_log=None)
         self._runner = web.ServerRunner(server, handle_signals=False, shutdown_timeout=1.0)
         await self._runner.setup()
