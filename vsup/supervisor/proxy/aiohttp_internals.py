@@ -39,7 +39,8 @@ def problems(version: str = aiohttp.__version__) -> list[str]:
     parameters = tuple(inspect.signature(web.BaseRequest.__init__).parameters)[1:1 + len(REQUEST_PARAMETERS)]
     if parameters != REQUEST_PARAMETERS:
         found.append(f"web.BaseRequest takes {parameters}, not {REQUEST_PARAMETERS}")
-    if not hasattr(http_writer.StreamWriter, "chunked"):
+    writer = http_writer.StreamWriter  # `chunked`: a class attribute since 3.10, set in __init__ before
+    if not (hasattr(writer, "chunked") or "chunked" in writer.__init__.__code__.co_names):
         found.append("aiohttp's StreamWriter has no `chunked` attribute")
     return found
 
