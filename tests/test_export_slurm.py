@@ -105,6 +105,17 @@ def test_running_the_script_writes_the_step_configs_and_asks_slurm_for_the_steps
     assert proxy.health.interval == 2
 
 
+def test_the_api_key_is_checked_by_the_per_node_vsups_not_the_front():
+    # the front strips the Authorization it checks; without a key of its own it passes it on
+    machine = make_machine(sockets=2, cores_per_node=4)
+    _, script = script_for(machine, "model: /m\nplacement:\n  model_size_gib: 1\nproxy:\n  api_key: k3y\n")
+    def heredoc(name: str) -> str:
+        return script.split(f'cat > "$CONF/{name}" <<VSUP_EOF\n')[1].split("\nVSUP_EOF\n")[0]
+
+    assert "api_key: k3y" in heredoc("node0.yaml") and "api_key" not in heredoc("front.yaml")
+    assert "proxy:" in heredoc("front.yaml")
+
+
 @pytest.mark.parametrize("config, message", [
     ("instances: 3\n", "instances: 3 do not split evenly over NUMA nodes"),
     ("proxy:\n  port: 65535\n", "proxy.port 65535: the per-node vsups listen on the 2 ports after it, past 65535"),

@@ -86,8 +86,10 @@ def export_slurm(machine: Machine, host_plan: Plan, cfg: VsupConfig, *, hosts: i
         )
         lines.append("")
 
-    front = {"proxy": {**cfg.proxy.model_dump(mode="json", exclude_defaults=True), "host": "0.0.0.0"},
-             "health": cfg.health.model_dump(mode="json", exclude_defaults=True)}
+    # No key on the front: with auth off it passes the client's Authorization on, and the per-node
+    # vsups check it (a front with the key would strip it and every request would get their 401).
+    front_proxy = {k: v for k, v in cfg.proxy.model_dump(mode="json", exclude_defaults=True).items() if k != "api_key"}
+    front = {"proxy": {**front_proxy, "host": "0.0.0.0"}, "health": cfg.health.model_dump(mode="json", exclude_defaults=True)}
     front = {section: values for section, values in front.items() if values}
     front_text = yamltext.comment("the front proxy: every per-node vsup of every host behind one endpoint") + yamltext.dump(front)
     parse_config(front_text, "the front proxy's configuration", require_model=False)
@@ -97,11 +99,12 @@ def export_slurm(machine: Machine, host_plan: Plan, cfg: VsupConfig, *, hosts: i
         "# The front proxy, on the first host (on the core the plan reserved), weighting each per-node vsup",
         "# by the instances its /ready reports (0: out of rotation).",
         _heredoc('"$CONF/front.yaml"', front_text).rstrip("\n"),
+        'mapfile -t hosts < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
         "upstreams=()",
-        'for host in $(scontrol show hostnames "$SLURM_JOB_NODELIST"); do',
+        'for host in "${hosts[@]}"; do',
         f"    for port in {' '.join(map(str, step_ports))}; do upstreams+=(--upstream \"http://$host:$port\"); done",
         "done",
-        'first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        'first=${hosts[0]}',
         f'srun --nodes=1 --ntasks=1 --nodelist="$first" --overlap --cpu-bind={bind} --job-name=vsup-front \\',
         '     "$VSUP" proxy --config "$CONF/front.yaml" "${upstreams[@]}" &',
         f'echo "vsup: clients connect to http://$first:{cfg.proxy.port}" >&2',
