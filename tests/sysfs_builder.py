@@ -296,3 +296,43 @@ def _write_cgroup(w: _Writer, version: str, cpus: str, mems: str, all_cpus: str,
         w.write("sys/fs/cgroup/unified/cgroup.controllers", "")
     else:
         raise ValueError(f"cgroup must be 'v1' or 'v2', not {version!r}")
+
+
+def add_memory_limit(root: str | Path, limit: int | None, *, cgroup: str = "v2", parent_limit: int | None = None) -> Path:
+    """Put the process of a tree from build_sysfs under a cgroup memory limit (None: "max", no
+    limit) and its parent cgroup under `parent_limit`: v2 memory.max, or v1
+    memory.limit_in_bytes (no limit there is the kernel's 9223372036854771712). Works beside a
+    cpuset written by build_sysfs (same cgroup, same mounts) or alone."""
+    root = Path(root)
+    w = _Writer(root, nul_padding=False)
+    leaf, parent = "vsup.slice/test.scope", "vsup.slice"
+    no_limit = "max" if cgroup == "v2" else "9223372036854771712"
+
+    def ensure_lines(rel: str, lines: list[str]) -> None:
+        path = root / rel
+        old = path.read_text().splitlines() if path.exists() else []
+        w.write(rel, "\n".join(old + [line for line in lines if line not in old]) + "\n")
+
+    if cgroup == "v2":
+        ensure_lines("proc/self/cgroup", [f"0::/{leaf}"])
+        ensure_lines("proc/self/mountinfo",
+                     ["30 24 0:26 / /sys/fs/cgroup rw,nosuid,nodev shared:9 - cgroup2 cgroup2 rw,nsdelegate"])
+        base = "sys/fs/cgroup"
+        if not (root / base / "cgroup.controllers").exists():
+            w.write(f"{base}/cgroup.controllers", "cpu io memory pids")
+        w.write(f"{base}/{leaf}/memory.max", str(limit) if limit is not None else no_limit)
+        w.write(f"{base}/{parent}/memory.max", str(parent_limit) if parent_limit is not None else no_limit)
+    elif cgroup == "v1":
+        ensure_lines("proc/self/cgroup", [f"4:memory:/{leaf}", f"0::/{leaf}"])
+        ensure_lines("proc/self/mountinfo",
+                     ["35 30 0:32 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory",
+                      "41 30 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw"])
+        if not (root / "sys/fs/cgroup/unified/cgroup.controllers").exists():
+            w.write("sys/fs/cgroup/unified/cgroup.controllers", "")
+        base = "sys/fs/cgroup/memory"
+        w.write(f"{base}/memory.limit_in_bytes", no_limit)
+        w.write(f"{base}/{leaf}/memory.limit_in_bytes", str(limit) if limit is not None else no_limit)
+        w.write(f"{base}/{parent}/memory.limit_in_bytes", str(parent_limit) if parent_limit is not None else no_limit)
+    else:
+        raise ValueError(f"cgroup must be 'v1' or 'v2', not {cgroup!r}")
+    return root

@@ -64,4 +64,5 @@ def main() -> None:
     vsup proxy --upstream …  the proxy alone, in front of servers started elsewhere
     vsup doctor              check this machine against what vLLM CPU needs
     vsup install-systemd     install vsup as a systemd service
+    vsup export kubernetes   manifests + kubelet config from the plan (export slurm: sbatch)
     """

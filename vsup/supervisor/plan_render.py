@@ -32,6 +32,10 @@ def render_table(machine: Machine, plan: Plan) -> str:
     lines.append("")
     reserved = plan.reserved_cpus
     lines.append(f"reserved for vsup, the proxy and the OS: {format_list(reserved) if reserved else 'none'}")
+    limit = plan.memory_limit
+    if limit is not None:
+        lines.append(f"cgroup memory limit {format_gib(limit.limit_bytes)}: planned {format_gib(limit.demand_bytes)} "
+                     f"of {format_gib(limit.budget_bytes)} ({limit.figure})")
     by_reason: dict[str, list[int]] = defaultdict(list)
     for cpu, reason in plan.unused_cpus:
         by_reason[reason].append(cpu)

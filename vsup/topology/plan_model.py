@@ -113,6 +113,25 @@ class NodeMemory:
 
 
 @dataclass(frozen=True)
+class LimitMemory:
+    """The cgroup memory limit (a container's or pod's) against every instance of the plan: they
+    all run in that cgroup, whatever their nodes."""
+
+    limit_bytes: int  # memory.max / memory.limit_in_bytes
+    figure: str  # "cgroup memory limit 16 GiB - 2 GiB reserve"
+    budget_bytes: int  # what the plan may use: the limit less the reserve
+    demand_bytes: int  # Σ over all instances (weights + KV cache + overhead)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "limit_bytes": self.limit_bytes,
+            "figure": self.figure,
+            "budget_bytes": self.budget_bytes,
+            "demand_bytes": self.demand_bytes,
+        }
+
+
+@dataclass(frozen=True)
 class Plan:
     instances: tuple[InstancePlan, ...]
     reserved_cpus: tuple[int, ...]
@@ -120,6 +139,7 @@ class Plan:
     warnings: tuple[str, ...]
     memory: tuple[NodeMemory, ...]
     settings: PlanSettings
+    memory_limit: LimitMemory | None = None  # None: no cgroup memory limit
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -128,4 +148,5 @@ class Plan:
             "unused_cpus": [{"cpu": cpu, "reason": reason} for cpu, reason in self.unused_cpus],
             "warnings": list(self.warnings),
             "memory": [node.to_json() for node in self.memory],
+            "memory_limit": self.memory_limit.to_json() if self.memory_limit else None,
         }

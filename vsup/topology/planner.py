@@ -17,7 +17,9 @@ How cores are chosen (docs/placement.md has the user's version):
 4. Inside a bin the cores are ordered by L3 domain, and instances take consecutive runs. The start
    offset (how many non-instance cores go in front) is chosen to touch the fewest nodes and L3
    domains, so an instance of 8 cores on an AMD node with 8-core CCXs gets exactly one CCX.
-5. Memory: per node, Σ (weights + KV cache + overhead) must fit MemTotal minus the reserve.
+5. Memory: per node, Σ (weights + KV cache + overhead) must fit MemTotal minus the reserve; under
+   a cgroup memory limit (a container, a pod), Σ over all instances must fit the limit minus the
+   reserve too, and the KV cache is sized from whichever is smaller.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from dataclasses import dataclass, field, replace
 from vsup.topology.cpulist import format_list
 from vsup.topology.errors import PlanError
 from vsup.topology.model import EFFICIENCY, PERFORMANCE, Core, Machine
-from vsup.topology.plan_model import GiB, InstancePlan, NodeMemory, Plan, PlanSettings, format_gib
+from vsup.topology.plan_model import GiB, InstancePlan, LimitMemory, NodeMemory, Plan, PlanSettings, format_gib
 
 # vLLM's own default for VLLM_CPU_KVCACHE_SPACE before it sized the cache from node memory: the
 # figure used when a node's memory size is unknown (a dump without meminfo).
@@ -122,7 +124,7 @@ def _plan(machine: Machine, settings: PlanSettings) -> Plan:
                 unused[cpu] = b.spare_reason
 
     instances_nodes = [_memory_nodes(machine, chunk, warnings) for chunk in chunks]
-    kv_bytes, memory = _plan_memory(machine, settings, instances_nodes, warnings)
+    kv_bytes, memory, memory_limit = _plan_memory(machine, settings, instances_nodes, warnings)
 
     instances = tuple(
         _instance(index, chunk, nodes, kv_bytes, settings, warnings)
@@ -139,6 +141,7 @@ def _plan(machine: Machine, settings: PlanSettings) -> Plan:
         warnings=tuple(dict.fromkeys(warnings)),
         memory=memory,
         settings=settings,
+        memory_limit=memory_limit,
     )
 
 
@@ -531,8 +534,11 @@ def _launcher(cpus: tuple[int, ...], nodes: tuple[int, ...], s: PlanSettings, wa
 # --- memory -------------------------------------------------------------------------------------
 
 
-def _plan_memory(machine: Machine, s: PlanSettings, instances_nodes: list[tuple[int, ...]], warnings: list[str]) -> tuple[int, tuple[NodeMemory, ...]]:
-    """(KV cache bytes per instance, per-node summary). Raises PlanError when a node is overcommitted."""
+def _plan_memory(
+    machine: Machine, s: PlanSettings, instances_nodes: list[tuple[int, ...]], warnings: list[str]
+) -> tuple[int, tuple[NodeMemory, ...], LimitMemory | None]:
+    """(KV cache bytes per instance, per-node summary, cgroup limit summary). Raises PlanError when
+    a node or the cgroup memory limit is overcommitted."""
     shares: dict[int, float] = defaultdict(float)
     members: dict[int, list[int]] = defaultdict(list)
     for index, nodes in enumerate(instances_nodes):
@@ -547,17 +553,25 @@ def _plan_memory(machine: Machine, s: PlanSettings, instances_nodes: list[tuple[
     }
     for node_id in sorted(set(shares) - set(budgets)):
         warnings.append(f"node {node_id}: memory size unknown (no meminfo), so memory was not checked there")
+    # Every instance lives in this process's cgroup: one budget for all of them, once the reserve
+    # (vsup, the proxy, the page cache charged to the cgroup) is taken off.
+    count, limit = len(instances_nodes), machine.memory_limit_bytes
+    limit_budget = max(0, limit - s.memory_reserve_bytes) if limit is not None else 0
+    limit_figure = f"cgroup memory limit {format_gib(limit)} - {format_gib(s.memory_reserve_bytes)} reserve"
     weights, overhead = s.model_size_bytes, s.overhead_bytes
     if weights is None:
         warnings.append("model size unknown: memory checked without weights; give --model-size-gib (placement.model_size_gib) or a local model directory")
 
     if s.kvcache_gib is not None:
         kv = round(s.kvcache_gib * GiB)
-    elif not budgets:
+    elif not budgets and limit is None:
         kv = FALLBACK_KVCACHE_GIB * GiB
         warnings.append(f"KV cache set to {FALLBACK_KVCACHE_GIB} GiB per instance because no node's memory size is known; give --kvcache-gib")
     else:
-        kv = _largest_kv_share(s, budgets, shares, figure)
+        holders = [(f"node {n}", budgets[n], shares[n], figure) for n in sorted(budgets)]
+        if limit is not None:
+            holders.append(("cgroup memory limit", limit_budget, count, limit_figure))
+        kv = _largest_kv_share(s, holders)
         if weights is None:
             warnings.append(f"KV cache: {kv // GiB} GiB per instance, half of what is left once weights are assumed to take the other half")
 
@@ -567,7 +581,7 @@ def _plan_memory(machine: Machine, s: PlanSettings, instances_nodes: list[tuple[
         demand = round(shares[node_id] * ((weights or 0) + kv + overhead))
         budget = budgets.get(node_id, 0)
         if node_id in budgets and demand > budget:
-            raise _does_not_fit(node_id, shares[node_id], s, kv, budget, figure)
+            raise _does_not_fit(f"node {node_id}", shares[node_id], s, kv, budget, figure)
         if node.memory_available_bytes and demand > node.memory_available_bytes:
             warnings.append(
                 f"node {node_id}: the plan needs {format_gib(demand)} but only {format_gib(node.memory_available_bytes)} is available now "
@@ -584,40 +598,47 @@ def _plan_memory(machine: Machine, s: PlanSettings, instances_nodes: list[tuple[
                 instances=tuple(members[node_id]),
             )
         )
-    return kv, tuple(summary)
+    memory_limit = None
+    if limit is not None:
+        demand = count * ((weights or 0) + kv + overhead)
+        if demand > limit_budget:
+            raise _does_not_fit("cgroup memory limit", count, s, kv, limit_budget, limit_figure)
+        memory_limit = LimitMemory(limit_bytes=limit, figure=limit_figure, budget_bytes=limit_budget, demand_bytes=demand)
+    return kv, tuple(summary), memory_limit
 
 
-def _largest_kv_share(s: PlanSettings, budgets: dict[int, int], shares: dict[int, float], figure: str) -> int:
+def _largest_kv_share(s: PlanSettings, holders: list[tuple[str, int, float, str]]) -> int:
     """The largest whole-GiB KV cache every instance can have: the same for all, so that the proxy's
-    even spread of requests meets even capacity."""
+    even spread of requests meets even capacity. `holders`: (what holds the memory ("node 0",
+    "cgroup memory limit"), its budget, the instances it holds, where the budget comes from)."""
     best = None
-    for node_id, budget in sorted(budgets.items()):
-        per_instance = budget / shares[node_id]
+    for where, budget, share, figure in holders:
+        per_instance = budget / share
         if s.model_size_bytes is None:
             room = (per_instance - s.overhead_bytes) / 2
         else:
             room = per_instance - s.model_size_bytes - s.overhead_bytes
         gib = math.floor(room / GiB) if room > 0 else 0
         if gib < 1:
-            raise _no_room_for_kv(node_id, shares[node_id], s, budget, room, figure)
+            raise _no_room_for_kv(where, share, s, budget, room, figure)
         best = gib if best is None else min(best, gib)
     return best * GiB
 
 
-def _no_room_for_kv(node_id: int, share: float, s: PlanSettings, budget: int, room: float, figure: str) -> _DoesNotFit:
+def _no_room_for_kv(where: str, share: float, s: PlanSettings, budget: int, room: float, figure: str) -> _DoesNotFit:
     weights = f"{format_gib(s.model_size_bytes)} weights + " if s.model_size_bytes else ""
     each = (s.model_size_bytes or 0) + s.overhead_bytes
     hints = []
     if room >= GiB / 4:
         hints.append(f"--kvcache-gib {math.floor(room / GiB * 10) / 10:g}")
     return _DoesNotFit(
-        f"node {node_id}: {share:g} × ({weights}{format_gib(s.overhead_bytes)}) = {format_gib(share * each)} leaves "
+        f"{where}: {share:g} × ({weights}{format_gib(s.overhead_bytes)}) = {format_gib(share * each)} leaves "
         f"less than 1 GiB of KV cache per instance in {format_gib(budget)} available ({figure})",
         hints,
     )
 
 
-def _does_not_fit(node_id: int, share: float, s: PlanSettings, kv: int, budget: int, figure: str) -> _DoesNotFit:
+def _does_not_fit(where: str, share: float, s: PlanSettings, kv: int, budget: int, figure: str) -> _DoesNotFit:
     weights = f"{format_gib(s.model_size_bytes)} weights + " if s.model_size_bytes else ""
     each = (s.model_size_bytes or 0) + kv + s.overhead_bytes
     hints = []
@@ -627,7 +648,7 @@ def _does_not_fit(node_id: int, share: float, s: PlanSettings, kv: int, budget: 
     elif room >= GiB / 4:
         hints.append(f"--kvcache-gib {math.floor(room / GiB * 10) / 10:g}")
     return _DoesNotFit(
-        f"node {node_id}: {share:g} × ({weights}{format_gib(kv)} KV + {format_gib(s.overhead_bytes)}) = {format_gib(share * each)} "
+        f"{where}: {share:g} × ({weights}{format_gib(kv)} KV + {format_gib(s.overhead_bytes)}) = {format_gib(share * each)} "
         f"> {format_gib(budget)} available ({figure})",
         hints,
     )

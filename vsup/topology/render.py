@@ -52,6 +52,7 @@ def machine_to_json(machine: Machine) -> dict:
         },
         "unusable": [{"cpu": cpu, "reason": reason} for cpu, reason in machine.unusable],
         "sources": {fact: source for fact, source in machine.sources},
+        "memory_limit_bytes": machine.memory_limit_bytes,
     }
 
 
@@ -148,6 +149,9 @@ def render_text(machine: Machine) -> str:
         for name in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
     )
     lines.append(f"ISA: {isa.arch or 'unknown arch'}: {flags}" + ("" if isa.avx2 or isa.arch not in ("x86_64", "") else "  (vLLM's x86 build needs avx2)"))
+    if machine.memory_limit_bytes is not None:
+        lines.append(f"Memory limit: {_gib(machine.memory_limit_bytes)} for this process's cgroup "
+                     f"({dict(machine.sources).get('memory_limit', 'cgroup')}): plans budget within it")
     lines.append("")
 
     by_node: dict[int | None, list[Core]] = defaultdict(list)

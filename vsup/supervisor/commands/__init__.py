@@ -18,6 +18,7 @@ _MODULES: dict[str, str] = {
     "status": "status_command",
     "restart": "restart_command",
     "proxy": "proxy_command",
+    "export": "export_command",
 }
 
 
