@@ -108,7 +108,7 @@ class RestartConfig(_Section):
     max_delay: float = Field(60.0, gt=0, description="cap on the delay between restarts (jitter included)")
     multiplier: float = Field(2.0, ge=1, description="each further failure multiplies the delay by this")
     jitter: float = Field(1.0, ge=0, description="up to this many random seconds added to each delay")
-    stable_after: float = Field(300.0, ge=0, description="seconds ready that reset the backoff and the crash count")
+    stable_after: float = Field(300.0, ge=0, description="ready this many seconds resets the backoff and the crash count")
     crash_loop_failures: int = Field(5, ge=1, description="this many failures within crash_loop_window -> failed (until `vsup restart N`)")
     crash_loop_window: float = Field(600.0, gt=0, description="seconds over which crash_loop_failures are counted")
 
@@ -147,9 +147,9 @@ class VsupConfig(_Section):
     health: HealthConfig = Field(default_factory=HealthConfig, description="when an instance counts as ready, and when as unhealthy")
     restart: RestartConfig = Field(default_factory=RestartConfig, description="restart policy after a failure (any exit, code 0 too; startup timeout; unhealthy)")
     start: StartConfig = Field(default_factory=StartConfig, description="how the instances start")
-    stop: StopConfig = Field(default_factory=StopConfig, description="how the instances stop (on SIGTERM/SIGINT, `vsup restart`, a failure)")
+    stop: StopConfig = Field(default_factory=StopConfig, description="how the instances stop (vsup stopping, `vsup restart N`, a failure)")
     log: LogConfig = Field(default_factory=LogConfig, description="the instances' output and vsup's own log")
-    control: ControlConfig = Field(default_factory=ControlConfig, description="the local control endpoint")
+    control: ControlConfig = Field(default_factory=ControlConfig, description="where `vsup status` and `vsup restart` reach a running vsup")
     notify: NotifyConfig = Field(default_factory=NotifyConfig, description="systemd Type=notify (no-op outside systemd)")
 
     # Where each key was written (file and YAML tree), for error lines; not a key.
