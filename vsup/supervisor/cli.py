@@ -63,6 +63,7 @@ def main() -> None:
     vsup status / restart    talk to a running vsup
     vsup proxy --upstream …  the proxy alone, in front of servers started elsewhere
     vsup doctor              check this machine against what vLLM CPU needs
+    vsup config --example    the commented example configuration (every key)
     vsup install-systemd     install vsup as a systemd service
     vsup export kubernetes   manifests + kubelet config from the plan (export slurm: sbatch)
     """

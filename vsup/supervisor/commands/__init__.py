@@ -10,6 +10,7 @@ import click
 
 # module name -> click command attribute
 _MODULES: dict[str, str] = {
+    "config": "config_command",
     "doctor": "doctor",
     "install_systemd": "install_systemd",
     "topology": "topology_command",

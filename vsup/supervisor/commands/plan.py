@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import click
 
 from vsup.supervisor.commands.options import fsroot_option
+from vsup.supervisor.commands.preflight import checked_plan
 from vsup.supervisor.config import VsupConfig, load_config
 from vsup.supervisor.errors import VsupError
-from vsup.supervisor.planning import plan_from_config
 from vsup.supervisor.plan_render import render_shell, render_table
 
 
@@ -115,13 +116,17 @@ def plan_command(instances, fsroot, config_path, model, model_size_gib, kvcache_
         top["instances"] = instances
     if model is not None:
         top["model"] = model
+    flags = {"model": "--model"} if model is not None else {}
     if base_port is not None:
         if base_port > 65535:
             raise VsupError(f"--base-port {base_port}: expected a TCP port, 1-65535")
         top["vllm"] = cfg.vllm.model_copy(update={"base_port": base_port})
+        flags["vllm.base_port"] = "--base-port"
     cfg = cfg.model_copy(update=top)
 
-    machine, the_plan = plan_from_config(cfg, fsroot)
+    # the same checks as `vsup run`: what plan accepts, run does not reject for the same reason
+    machine, the_plan = checked_plan(cfg, fsroot, os.environ, flags=flags,
+                                     runs_here=Path(fsroot).resolve() == Path("/"))
     if output_format == "json":
         click.echo(json.dumps(the_plan.to_json(), indent=2))
     elif output_format == "shell":
