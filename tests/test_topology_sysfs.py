@@ -203,6 +203,49 @@ def test_cgroup_namespace_root_from_mountinfo(tmp_path):
     assert read(root).cpus_usable == (2, 3)
 
 
+@pytest.mark.parametrize("version, file", [("v2", "cpuset.cpus.effective"), ("v1", "cpuset.effective_cpus")])
+def test_cgroup_without_a_mount_table_is_found_at_its_standard_place(tmp_path, version, file):
+    # a 96-CPU dump restricted to 16 CPUs, with neither proc/self/mountinfo nor proc/mounts
+    root = build_sysfs(tmp_path, nodes=(48, 48), cpuset="0-15", cpuset_mems="0", cgroup=version, mount_table=False)
+    assert not (root / "proc/self/mountinfo").exists() and not (root / "proc/mounts").exists()
+    machine = read(root)
+    assert machine.cpus_usable == tuple(range(16))
+    assert machine.mems_allowed == (0,)
+    source = dict(machine.sources)["cpuset"]
+    assert source.endswith(f"test.scope/{file}, found at its standard place: no proc/self/mountinfo or proc/mounts")
+    assert f"Cpuset: {source}" in render_text(machine)
+
+
+def test_legacy_dev_cpuset_without_a_mount_table(tmp_path):
+    root = build_sysfs(tmp_path, nodes=(8,))
+    (root / "proc/self").mkdir(parents=True, exist_ok=True)
+    (root / "proc/self/cpuset").write_text("/job7\n")  # Slurm/Torque-style dumps carry this
+    (root / "dev/cpuset/job7").mkdir(parents=True)
+    (root / "dev/cpuset/cpus").write_text("0-7\n")
+    (root / "dev/cpuset/job7/cpus").write_text("2-5\n")
+    machine = read(root)
+    assert machine.cpus_usable == (2, 3, 4, 5)
+    assert dict(machine.sources)["cpuset"].startswith(str(root / "dev/cpuset/job7/cpus"))
+
+
+def test_standard_place_without_a_process_path_reads_the_mounts_own_cgroup(tmp_path):
+    # a container's view: the cgroup namespace root is the container's cgroup, and no proc/self
+    root = build_sysfs(tmp_path, nodes=(8,))
+    (root / "sys/fs/cgroup").mkdir(parents=True)
+    (root / "sys/fs/cgroup/cpuset.cpus.effective").write_text("4-7\n")
+    assert read(root).cpus_usable == (4, 5, 6, 7)
+
+
+def test_no_cpuset_anywhere_is_said_not_silent(tmp_path):
+    machine = read(build_sysfs(tmp_path, nodes=(4,)))
+    assert machine.cpus_usable == (0, 1, 2, 3)
+    text = render_text(machine)
+    assert (
+        "Cpuset: none found (no proc/self/mountinfo or proc/mounts, and none of /sys/fs/cgroup/cpuset.cpus.effective, "
+        "/sys/fs/cgroup/cpuset/cpuset.cpus, /dev/cpuset/cpus): every online CPU counts as allowed"
+    ) in text
+
+
 def test_offline_cpus_and_missing_cpu_online_file(tmp_path):
     root = build_sysfs(tmp_path, nodes=(4,), smt=2, offline=[5, 6], online_file=False)
     assert not (root / "sys/devices/system/cpu/online").exists()

@@ -145,6 +145,8 @@ def render_text(machine: Machine) -> str:
     sources = dict(machine.sources)
     if "kind" in sources:  # which source decided the kinds (vsup.topology.kinds)
         lines.append(f"Core kinds: {sources['kind']}")
+    if "cpuset" in sources:
+        lines.append(f"Cpuset: {sources['cpuset']}")
     isa = machine.isa
     flags = " ".join(
         f"{name} {'yes' if getattr(isa, name) else 'no'}"
