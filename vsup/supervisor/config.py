@@ -38,6 +38,7 @@ class PlacementConfig(_Section):
     membind: Literal["bind", "preferred"] = "bind"
     launcher: Literal["auto", "numactl", "taskset", "none"] = Field("auto", description="auto: numactl when installed, else taskset")
     nodes: list[int] | None = Field(None, min_length=1, description="only place instances on these NUMA nodes; default: every node with usable CPUs")
+    efficiency_cores: Literal["housekeeping", "instances", "unused"] = Field("housekeeping", description="hybrid CPUs: what efficiency cores do besides the reserve (docs/placement.md)")
 
     @field_validator("reserve_cores")
     @classmethod

@@ -10,7 +10,7 @@ import click
 from vsup.supervisor.commands.options import fsroot_option
 from vsup.supervisor.config import VsupConfig, load_config
 from vsup.supervisor.errors import VsupError
-from vsup.supervisor.planning import plan_from_config
+from vsup.supervisor.planning import Origins, plan_from_config
 from vsup.supervisor.plan_render import render_shell, render_table
 
 
@@ -87,12 +87,14 @@ def _node_list(text: str) -> tuple[int, ...] | None:
               help="What wraps each instance. [default: auto = numactl when installed, else taskset]")
 @click.option("--nodes", type=_Checked(_node_list, "a comma list of NUMA node ids, e.g. 0,1"), default=None,
               help="Only place instances on these NUMA nodes.")
+@click.option("--efficiency-cores", type=_choice("housekeeping", "instances", "unused"), default=None,
+              help="Hybrid CPUs: what efficiency cores do besides the reserve. [default: housekeeping]")
 @click.option("--base-port", type=_Checked(_at_least(1), "a TCP port, 1-65535"), default=None,
               help="Port of instance 0; instance i listens on base port + i. [default: 8100]")
 @click.option("--format", "output_format", type=_choice("table", "json", "shell"), default="table", show_default=True,
               help="table: core map per node; json: the plan; shell: runnable launch lines.")
 def plan_command(instances, fsroot, config_path, model, model_size_gib, kvcache_gib, cores_per_instance, reserve_cores,
-                 housekeeping_core, smt, membind, launcher, nodes, base_port, output_format) -> None:
+                 housekeeping_core, smt, membind, launcher, nodes, efficiency_cores, base_port, output_format) -> None:
     """Show how N vLLM instances would be placed: cores, memory nodes, OpenMP binding, memory."""
     cfg = load_config(config_path) if config_path else VsupConfig(model=model or "MODEL")
     placement_overrides = {
@@ -107,6 +109,7 @@ def plan_command(instances, fsroot, config_path, model, model_size_gib, kvcache_
             "membind": membind,
             "launcher": launcher,
             "nodes": list(nodes) if nodes is not None else None,
+            "efficiency_cores": efficiency_cores,
         }.items()
         if value is not None
     }
@@ -121,7 +124,10 @@ def plan_command(instances, fsroot, config_path, model, model_size_gib, kvcache_
         top["vllm"] = cfg.vllm.model_copy(update={"base_port": base_port})
     cfg = cfg.model_copy(update=top)
 
-    machine, the_plan = plan_from_config(cfg, fsroot)
+    # the settings given as flags: errors about them name the flag, the others the config key and line
+    flags = {"model_size_bytes" if key == "model_size_gib" else key for key in placement_overrides}
+    flags |= {key for key, value in (("instances", instances), ("base_port", base_port)) if value is not None}
+    machine, the_plan = plan_from_config(cfg, fsroot, origins=Origins(config_path, frozenset(flags)))
     if output_format == "json":
         click.echo(json.dumps(the_plan.to_json(), indent=2))
     elif output_format == "shell":

@@ -82,14 +82,14 @@ def run_command(config_path: str, log_level: str | None, log_format: str, fsroot
     """Start the planned instances and the proxy; keep them healthy until SIGTERM/SIGINT."""
     # the supervisor's modules (aiohttp, the proxy, psutil) load only when vsup really runs
     from vsup.supervisor.launch import build_command
-    from vsup.supervisor.planning import plan_from_config
+    from vsup.supervisor.planning import Origins, plan_from_config
     from vsup.supervisor.proxy.runloop import run
     from vsup.supervisor.supervisor import Supervisor
 
     began = time.monotonic()
     config = load_config(config_path)
     setup_logging(log_level or config.log.level, log_format)
-    _machine, plan = plan_from_config(config, fsroot)
+    _machine, plan = plan_from_config(config, fsroot, origins=Origins(config_path))
     for inst in plan.instances:
         argv, _env = build_command(inst, config, os.environ)
         check_programs(argv, len(inst.argv))
