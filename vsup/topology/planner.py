@@ -25,6 +25,7 @@ How cores are chosen (docs/placement.md has the user's version):
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -450,9 +451,12 @@ def _spread(machine: Machine, bins: list[_Bin]):
         row = machine.node(a).distances
         return row[column[b]] if len(row) == len(column) else 0
 
+    @functools.lru_cache(maxsize=None)
     def spread(j: int, i: int) -> int:
-        members = node_of[j:i]
-        return max((distance(a, b) for a in members for b in members), default=0)
+        if i - j <= 1:
+            return 0
+        newest = node_of[i - 1]  # the group bins[j:i-1] plus one more node
+        return max(spread(j, i - 1), max(distance(node_of[k], newest) for k in range(j, i - 1)))
 
     return spread
 
