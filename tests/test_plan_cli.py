@@ -234,3 +234,15 @@ def test_membind_preferred_on_a_spanning_instance_prefers_all_its_nodes_when_num
     data = json.loads(result.stdout)
     assert data["instances"][0]["argv"][-1] == ("--preferred-many=0,1" if many else "--preferred=0")
     assert any("no --preferred-many" in w for w in data["warnings"]) == (not many)
+
+
+def test_callers_that_do_not_know_the_origin_get_the_config_key(xeon, tmp_path):
+    # vsup doctor plans a loaded config without saying where it came from: the key, no flag, no claim of a default
+    from vsup.supervisor.config import parse_config
+    from vsup.supervisor.planning import plan_from_config
+    from vsup.topology.errors import PlanError
+
+    cfg = parse_config("model: m\ninstances: 2\nplacement:\n  model_size_gib: 1\n  kvcache_gib: 1.5\n")
+    with pytest.raises(PlanError) as info:
+        plan_from_config(cfg, xeon)
+    assert str(info.value).startswith("placement.kvcache_gib: 1.5 is not valid: vLLM's VLLM_CPU_KVCACHE_SPACE takes whole GiB")

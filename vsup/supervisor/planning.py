@@ -112,18 +112,21 @@ def plan_from_config(cfg: VsupConfig, fsroot: str | Path = "/", *, numactl_avail
     try:
         return machine, plan(machine, settings_from_config(cfg, numactl_available=numactl_available))
     except SettingError as exc:
-        raise reworded(exc, origins or Origins()) from None
+        raise reworded(exc, origins) from None
 
 
-def reworded(exc: SettingError, origins: Origins) -> PlanError:
+def reworded(exc: SettingError, origins: Origins | None) -> PlanError:
     """The planner's error about one setting, naming where its value came from: the flag as the
     planner words it, else `<file>:<line>: <key>: <value> is not valid: ...` like a config error,
-    else the key and that its value is the default."""
-    if exc.setting in origins.flags or exc.setting not in CONFIG_KEYS:
+    else the key and that its value is the default. Origins None (the caller does not know them):
+    the config key alone."""
+    if exc.setting not in CONFIG_KEYS or (origins is not None and exc.setting in origins.flags):
         return exc
     key = CONFIG_KEYS[exc.setting]
-    line = key_line(origins.config_path, key) if origins.config_path else None
-    if line is not None:
+    line = key_line(origins.config_path, key) if origins is not None and origins.config_path else None
+    if origins is None:
+        where = key
+    elif line is not None:
         where = f"{origins.config_path}:{line}: {key}"
     elif origins.config_path:
         where = f"{key} (not in {origins.config_path}: the default)"
