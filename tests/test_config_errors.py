@@ -103,7 +103,7 @@ def test_base_port_overflow_from_the_config_names_the_key(tmp_path, fsroot, inst
     config = write(tmp_path, f"model: fake-model\ninstances: {instances}\n{SMALL}vllm:\n  base_port: 65535\n")
     for result in (plan(config, fsroot), run(config, fsroot)):
         message = one_error_line(result)
-        assert message.startswith(f"{config}:{line(config, 'base_port:')}: vllm.base_port: 65535: 2 instances need ports up to 65536"), message
+        assert message.startswith(f"{config}:{line(config, 'base_port:')}: vllm.base_port: 65535 is not valid: 2 instances need ports up to 65536"), message
         assert "--base-port" not in message
 
 

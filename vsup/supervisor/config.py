@@ -53,6 +53,7 @@ class PlacementConfig(_Section):
     membind: Literal["bind", "preferred"] = Field("bind", description="numactl memory policy: bind (strict) or preferred (fall back to other nodes)")
     launcher: Literal["auto", "numactl", "taskset", "none"] = Field("auto", description="numactl, taskset or none; auto: numactl when installed, else taskset")
     nodes: list[int] | None = Field(None, min_length=1, description="only place instances on these NUMA nodes, e.g. [0, 1]; null: every node with usable CPUs")
+    efficiency_cores: Literal["housekeeping", "instances", "unused"] = Field("housekeeping", description="hybrid CPUs, efficiency cores left after the reserve: housekeeping (in the instances' masks, outside OpenMP, for the API server and EngineCore), instances (teams of their own), unused; never inside a performance-core OpenMP team")
 
     @field_validator("reserve_cores")
     @classmethod

@@ -22,6 +22,16 @@ def format_gib(value: float | int | None) -> str:
     return f"{gib:.0f} GiB" if gib == int(gib) else f"{gib:.1f} GiB"
 
 
+# The `vsup plan` flag of each PlanSettings field: what the planner's errors call a setting
+# (vsup.supervisor.planning names the config key and its line instead when the value came from a file).
+FLAGS = {
+    "instances": "--instances", "base_port": "--base-port", "model_size_bytes": "--model-size-gib",
+    "kvcache_gib": "--kvcache-gib", "reserve_cores": "--reserve-cores", "housekeeping_core": "--housekeeping-core", "smt": "--smt",
+    "cores_per_instance": "--cores-per-instance", "membind": "--membind", "launcher": "--launcher",
+    "nodes": "--nodes", "efficiency_cores": "--efficiency-cores",
+}
+
+
 @dataclass(frozen=True)
 class PlanSettings:
     instances: int | Literal["auto"] = "auto"
@@ -38,6 +48,10 @@ class PlanSettings:
     membind: Literal["bind", "preferred"] = "bind"
     launcher: Literal["numactl", "taskset", "none"] = "numactl"
     nodes: tuple[int, ...] | None = None  # only place instances on these NUMA nodes
+    # hybrid CPUs: what efficiency cores do besides the reserve (vsup.topology.hybrid)
+    efficiency_cores: Literal["housekeeping", "instances", "unused"] = "housekeeping"
+    # the installed numactl has --preferred-many (an instance spanning nodes prefers all of them)
+    numactl_preferred_many: bool = False
 
 
 @dataclass(frozen=True)
@@ -57,6 +71,7 @@ class InstancePlan:
     weights_bytes: int | None
     kvcache_bytes: int
     overhead_bytes: int
+    kind: str = ""  # hybrid CPUs: "performance" or "efficiency", the one kind of its OpenMP team
 
     @property
     def memory_bytes(self) -> int:
@@ -85,6 +100,7 @@ class InstancePlan:
             "kvcache_bytes": self.kvcache_bytes,
             "overhead_bytes": self.overhead_bytes,
             "memory_bytes": self.memory_bytes,
+            "kind": self.kind,
         }
 
 
@@ -149,4 +165,5 @@ class Plan:
             "warnings": list(self.warnings),
             "memory": [node.to_json() for node in self.memory],
             "memory_limit": self.memory_limit.to_json() if self.memory_limit else None,
+            "efficiency_cores": self.settings.efficiency_cores,
         }

@@ -143,6 +143,11 @@ def render_text(machine: Machine) -> str:
         p = sum(1 for c in cores if c.kind == PERFORMANCE)
         e = sum(1 for c in cores if c.kind == EFFICIENCY)
         lines.append(f"Hybrid: {_n(p, 'performance core')} (P:), {_n(e, 'efficiency core')} (E:)")
+    sources = dict(machine.sources)
+    if "kind" in sources:  # which source decided the kinds (vsup.topology.kinds)
+        lines.append(f"Core kinds: {sources['kind']}")
+    if "cpuset" in sources:
+        lines.append(f"Cpuset: {sources['cpuset']}")
     isa = machine.isa
     flags = " ".join(
         f"{name} {'yes' if getattr(isa, name) else 'no'}"

@@ -85,7 +85,9 @@ def read_machine(fsroot: str | Path = "/", *, live: bool | None = None) -> Machi
 
     cpuset = read_cpuset(fs)
     if cpuset.cpus_file:
-        sources.append(("cpuset", cpuset.cpus_file))
+        sources.append(("cpuset", cpuset.cpus_file + (f", {cpuset.note}" if cpuset.note else "")))
+    elif cpuset.note:  # none found, or only cpuset.mems: say so rather than nothing
+        sources.append(("cpuset", cpuset.note))
     allowed = online if cpuset.cpus is None else online & cpuset.cpus
     affinity: frozenset[int] | None = None
     if live:

@@ -88,12 +88,14 @@ def _node_list(text: str) -> tuple[int, ...] | None:
               help="What wraps each instance. [default: auto = numactl when installed, else taskset]")
 @click.option("--nodes", type=_Checked(_node_list, "a comma list of NUMA node ids, e.g. 0,1"), default=None,
               help="Only place instances on these NUMA nodes.")
+@click.option("--efficiency-cores", type=_choice("housekeeping", "instances", "unused"), default=None,
+              help="Hybrid CPUs: what efficiency cores do besides the reserve. [default: housekeeping]")
 @click.option("--base-port", type=_Checked(_at_least(1), "a TCP port, 1-65535"), default=None,
               help="Port of instance 0; instance i listens on base port + i. [default: 8100]")
 @click.option("--format", "output_format", type=_choice("table", "json", "shell"), default="table", show_default=True,
               help="table: core map per node; json: the plan; shell: runnable launch lines.")
 def plan_command(instances, fsroot, config_path, model, model_size_gib, kvcache_gib, cores_per_instance, reserve_cores,
-                 housekeeping_core, smt, membind, launcher, nodes, base_port, output_format) -> None:
+                 housekeeping_core, smt, membind, launcher, nodes, efficiency_cores, base_port, output_format) -> None:
     """Show how N vLLM instances would be placed: cores, memory nodes, OpenMP binding, memory."""
     cfg = load_config(config_path) if config_path else VsupConfig(model=model or "MODEL")
     placement_overrides = {
@@ -108,6 +110,7 @@ def plan_command(instances, fsroot, config_path, model, model_size_gib, kvcache_
             "membind": membind,
             "launcher": launcher,
             "nodes": list(nodes) if nodes is not None else None,
+            "efficiency_cores": efficiency_cores,
         }.items()
         if value is not None
     }
@@ -124,8 +127,11 @@ def plan_command(instances, fsroot, config_path, model, model_size_gib, kvcache_
         flags["vllm.base_port"] = "--base-port"
     cfg = cfg.model_copy(update=top)
 
-    # the same checks as `vsup run`: what plan accepts, run does not reject for the same reason
-    machine, the_plan = checked_plan(cfg, fsroot, os.environ, flags=flags,
+    # the same checks as `vsup run`: what plan accepts, run does not reject for the same reason.
+    # Settings given as flags: errors about them name the flag, the others the config key and line.
+    planned = {"model_size_bytes" if key == "model_size_gib" else key for key in placement_overrides}
+    planned |= {key for key, value in (("instances", instances), ("base_port", base_port)) if value is not None}
+    machine, the_plan = checked_plan(cfg, fsroot, os.environ, flags=flags, planned=frozenset(planned),
                                      runs_here=Path(fsroot).resolve() == Path("/"))
     if output_format == "json":
         click.echo(json.dumps(the_plan.to_json(), indent=2))
