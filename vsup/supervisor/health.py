@@ -1,4 +1,10 @@
-"""One /health probe of an instance: 200 within the timeout, or the reason it was not."""
+"""One /health probe of an instance: 200 within the timeout, or the reason it was not.
+
+A 200 only counts when it comes from the instance. vsup's own proxy marks every answer it gives
+itself with the `X-Vsup-Proxy` header (its pid); a marked answer means the probe reached a vsup
+proxy on the instance's address (e.g. `proxy.port` equal to the instance's port), not the instance,
+and is refused: the instance never counts as ready before it has bound its own port.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,9 @@ import asyncio
 from dataclasses import dataclass
 
 import aiohttp
+
+
+PROXY_HEADER = "X-Vsup-Proxy"  # on every response the vsup proxy answers itself; value: its pid
 
 
 @dataclass(frozen=True)
@@ -20,6 +29,10 @@ async def probe_health(session: aiohttp.ClientSession, base_url: str, timeout: f
         async with asyncio.timeout(timeout):
             async with session.get(f"{base_url}/health", allow_redirects=False) as response:
                 await response.read()  # small body; reading it lets the connection be reused
+                proxy = response.headers.get(PROXY_HEADER)
+                if proxy is not None:
+                    return HealthResult(False, f"HTTP {response.status} from a vsup proxy (pid {proxy[:20]}), not from the instance "
+                                               "(is a proxy port the instance's port?)")
                 return HealthResult(response.status == 200, f"HTTP {response.status}")
     except TimeoutError:
         return HealthResult(False, f"timeout after {timeout:g}s")
