@@ -146,14 +146,14 @@ class Supervisor:
                     await self._async_step(f"stopping instance {inst.name}'s processes",
                                            self.ops.stop_tree(inst.child, self.config.stop.timeout))
                     inst.child = None
-            if self.proxy is not None:
-                await self.proxy.stop()  # no-op after the drain; closes it when startup failed later
+            if self.proxy is not None:  # no-op after the drain; closes it when startup failed later
+                await self._async_step("closing the proxy", self.proxy.stop())
             if self.control is not None:
-                await self.control.stop()
-            await session.close()
+                await self._async_step("removing the control socket", self.control.stop())
+            await self._async_step("closing the HTTP session", session.close())
             for log in self._logs:
-                log.close()
-            self.notifier.close()
+                self._step(f"closing the log {log.name}", log.close)
+            self._step("closing the sd_notify socket", self.notifier.close)
 
     def _build_instances(self) -> None:
         log_config = self.config.log
