@@ -76,7 +76,7 @@ async def test_a_failing_shutdown_step_still_stops_every_instance(tmp_path, monk
             raise RuntimeError("the drain broke")
         monkeypatch.setattr(ProxyServer, "drain_and_stop", broken_drain)
     the_plan = plan(make_machine(cores_per_node=4), settings_from_config(config))
-    sup = Supervisor(config, the_plan, notifier=notifier, environ={}, ops=ops)
+    sup = Supervisor(config, the_plan, notifier=notifier, environ={"TMPDIR": str(tmp_path)}, ops=ops)
     running = asyncio.create_task(sup.run())
     await until(lambda: len(sup.instances) == 2 and all(i.state is State.READY for i in sup.instances), ops.clock,
                 "both instances ready")
@@ -89,6 +89,7 @@ async def test_a_failing_shutdown_step_still_stops_every_instance(tmp_path, monk
     assert all(p.returncode is not None for p in ops.processes)
     assert [i.state for i in sup.instances] == [State.STOPPED, State.STOPPED]
     assert not (tmp_path / "control.sock").exists()
+    assert not list(tmp_path.glob("vsup-*/vsup-*.json"))  # every instance stopped: the state file is gone
     step = "telling systemd" if failing == "notify" else "draining the proxy"
     assert f"stopping: {step} failed; going on with the next step" in caplog.text
 
@@ -97,7 +98,7 @@ async def test_restart_requests_after_the_stop_began_are_refused_and_change_noth
     config = make_config(tmp_path)
     ops = FakeOps(load_time=2.0, stop_time=3.0)
     sup = Supervisor(config, plan(make_machine(cores_per_node=4), settings_from_config(config)),
-                     notifier=Notifier(None), environ={}, ops=ops)
+                     notifier=Notifier(None), environ={"TMPDIR": str(tmp_path)}, ops=ops)
     running = asyncio.create_task(sup.run())
     await until(lambda: len(sup.instances) == 2 and all(i.state is State.READY for i in sup.instances), ops.clock,
                 "both instances ready")

@@ -20,7 +20,6 @@ import contextlib
 import json
 import os
 import socket
-import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -30,6 +29,7 @@ from aiohttp import web
 
 from vsup.supervisor.config import VsupConfig
 from vsup.supervisor.errors import VsupError
+from vsup.supervisor.rundir import ensure_private, private_dir, systemd_dir
 
 
 class Controlled(Protocol):
@@ -49,14 +49,10 @@ class Controlled(Protocol):
 SYSTEMD_DEFAULT = Path("/run/vsup/control.sock")  # RuntimeDirectory=vsup, seen from a shell
 
 
-def private_dir(environ: Mapping[str, str] = os.environ) -> Path:
-    return Path(environ.get("TMPDIR") or "/tmp") / f"vsup-{os.getuid()}"
-
-
 def _runtime_socket(environ: Mapping[str, str]) -> Path | None:
     """Under systemd: `$RUNTIME_DIRECTORY/control.sock` (its first directory)."""
-    runtime = environ.get("RUNTIME_DIRECTORY", "").split(":")[0]
-    return Path(runtime) / "control.sock" if runtime else None
+    runtime = systemd_dir(environ)
+    return runtime / "control.sock" if runtime else None
 
 
 def control_socket_path(config: VsupConfig, environ: Mapping[str, str] = os.environ) -> Path:
@@ -76,12 +72,8 @@ def client_socket_candidates(environ: Mapping[str, str] = os.environ) -> list[Pa
 def _prepare_directory(path: Path, environ: Mapping[str, str]) -> None:
     directory = path.parent
     if directory == private_dir(environ):
-        directory.mkdir(mode=0o700, exist_ok=True)
-        info = directory.lstat()
         # another user could have created it first in a shared /tmp: never put our socket there
-        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
-            raise VsupError(f"control socket directory {directory} is not a private directory of this user "
-                            "(mode 0700, owned by us); remove it or set control.socket")
+        ensure_private(directory, "control socket", "set control.socket")
     elif not directory.is_dir():
         raise VsupError(f"control.socket {str(path)!r}: directory {directory} does not exist; create it or choose another path")
 

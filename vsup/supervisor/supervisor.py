@@ -26,6 +26,7 @@ from typing import Any
 
 import aiohttp
 
+from vsup.supervisor import leftovers
 from vsup.supervisor.backends import Backend, BackendPool
 from vsup.supervisor.config import VsupConfig
 from vsup.supervisor.control import ControlServer, control_socket_path
@@ -38,6 +39,7 @@ from vsup.supervisor.operations import Operations, SystemOperations
 from vsup.supervisor.placement import pin_self, placement_drift, read_placement
 from vsup.supervisor.processes import Child, become_subreaper, reap_orphans, sweep_stale_shm, tree_pids
 from vsup.supervisor.proxy import ProxyServer
+from vsup.supervisor.rundir import prepare_runtime_dir
 from vsup.topology.cpulist import format_list
 from vsup.topology.plan_model import InstancePlan, Plan
 
@@ -99,6 +101,7 @@ class Supervisor:
         if not become_subreaper():
             logger.warning("could not become a child subreaper; orphaned instance processes are reaped by init")
         self._sweep_shm("left by an earlier run")
+        state_file = self._write_state()
         session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, force_close=False),
             timeout=aiohttp.ClientTimeout(total=None),
@@ -154,6 +157,19 @@ class Supervisor:
             for log in self._logs:
                 self._step(f"closing the log {log.name}", log.close)
             self._step("closing the sd_notify socket", self.notifier.close)
+            if state_file is not None and all(inst.child is None for inst in self.instances):
+                self._step("removing the state file", state_file.unlink, True)
+
+    def _write_state(self) -> Path | None:
+        """The state file that lets the next vsup clean up if this one is killed (leftovers.py)."""
+        try:
+            return leftovers.write_state(prepare_runtime_dir(self.environ), config=self.config_path,
+                                         proxy=f"{self.config.proxy.host}:{self.config.proxy.port}",
+                                         ports=[p.port for p in self.plan.instances])
+        except (VsupError, OSError) as exc:
+            logger.warning("cannot write the state file (%s): if this vsup is killed, the next one cannot "
+                           "clean up what it leaves running", exc)
+            return None
 
     def _build_instances(self) -> None:
         log_config = self.config.log
