@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -68,7 +69,7 @@ def check_port_free(host: str, port: int, what: str) -> None:
         except OSError as exc:
             from vsup.supervisor.leftovers import describe_port_holder
 
-            holder = describe_port_holder(port)
+            holder = describe_port_holder(port) if exc.errno == errno.EADDRINUSE else None
             raise VsupError(f"{what}: port {port} on {host} is not free ({exc.strerror})"
                             + (f": {holder}" if holder else "") + "; stop what uses it or choose another port") from None
 
