@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -521,6 +522,7 @@ def test_sigterm_still_stops_everything_after_the_reader_of_its_output_is_gone(t
     proc = subprocess.Popen([sys.executable, "-m", "tests.fakevllm", "serve", "m", "--port", str(port)],
                             cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
+    children: list[psutil.Process] = []
     try:
         record = None
         for line in proc.stdout:
@@ -529,15 +531,19 @@ def test_sigterm_still_stops_everything_after_the_reader_of_its_output_is_gone(t
             if b"Application startup complete." in line:
                 break
         proc.stdout.close()  # the reader goes away
-        children = [psutil.Process(record["engine_pid"]), *psutil.Process(record["engine_pid"]).children()]
+        engine = psutil.Process(record["engine_pid"])
+        children += [engine, *engine.children()]
         proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=15)
-        gone, alive = psutil.wait_procs(children, timeout=15)
+        assert proc.wait(timeout=15) == 0  # before: stuck in its SIGTERM handler's print
+        _, alive = psutil.wait_procs([engine], timeout=15)
         assert not alive and not any(os.path.exists(p) for p in record["shm"])
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+        for child in children:
+            with contextlib.suppress(psutil.Error):
+                child.kill()  # a Worker whose EngineCore was SIGKILLed too early on a loaded box
 
 
 def test_concurrent_streams_share_one_instance(fake_vllm):

@@ -345,13 +345,13 @@ class Instance:
         """Wait for `work`, the process's exit, an intent, or `timeout` seconds (on the ops clock),
         whichever comes first. An exit wins over everything else that is ready at the same time."""
         if self._exit is not None and self._exit.done():
-            if work is not None and asyncio.iscoroutine(work):
-                work.close()
-            return Wake.EXITED, self._exit.result()
-        if self.intent is not None:
-            if work is not None and asyncio.iscoroutine(work):
-                work.close()
-            return Wake.ASKED, None
+            early: tuple[Wake, Any] | None = (Wake.EXITED, self._exit.result())
+        else:
+            early = (Wake.ASKED, None) if self.intent is not None else None
+        if early is not None:
+            if asyncio.iscoroutine(work):
+                work.close()  # never started: no "coroutine was never awaited" warning
+            return early
         self._wake.clear()
         wake = asyncio.ensure_future(self._wake.wait())
         job = asyncio.ensure_future(work) if work is not None else None

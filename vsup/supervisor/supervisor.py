@@ -9,8 +9,11 @@ The `Supervisor` owns the pieces and the wiring between them:
 - a tick loop sends WATCHDOG=1 (so a stuck loop stops pinging), keeps STATUS= current and extends
   systemd's start timeout while models load;
 - SIGTERM/SIGINT: STOPPING=1, the proxy drains, the instances stop in parallel (stop_tree with
-  stop.timeout each), exit 0. SIGHUP gives failed instances a new chance (config reload is not
-  supported: restart the service to apply a changed config).
+  stop.timeout each), exit 0. Each step is guarded: one that raises is logged and the next runs,
+  so the instances are always stopped (exit 1 then). SIGHUP gives failed instances a new chance
+  (config reload is not supported: restart the service to apply a changed config);
+- a state file in the runtime directory lets the next vsup clean up if this one is killed
+  (leftovers.py); the instances' processes and clock come from an `Operations` object.
 """
 
 from __future__ import annotations
