@@ -53,7 +53,8 @@ class Operations(Protocol):
         also when the process has already exited."""
 
     async def probe(self, url: str, timeout: float) -> HealthResult:
-        """One readiness/health probe of the instance at `url`, bounded by `timeout`."""
+        """One readiness/health probe of the instance at `url`, bounded by `timeout`; an answer
+        that is not the instance's own (a vsup proxy's) is a failure."""
 
 
 class SystemOperations:
@@ -76,4 +77,4 @@ class SystemOperations:
         return await stop_tree(process, timeout)
 
     async def probe(self, url: str, timeout: float) -> HealthResult:
-        return await probe_health(self.session, url, timeout)
+        return await probe_health(self.session, url, timeout, expect_instance=True)
