@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -13,6 +14,7 @@ import threading
 import time
 
 import openai
+import psutil
 import pytest
 from openai import OpenAI
 
@@ -510,6 +512,38 @@ def test_a_full_stdout_pipe_blocks_the_server_like_vllm(tmp_path):
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def test_sigterm_still_stops_everything_after_the_reader_of_its_output_is_gone(tmp_path):
+    """Its supervisor was killed (the pipe has no reader any more), then SIGTERM came, as from
+    PR_SET_PDEATHSIG: like vLLM, whose logging swallows a broken stream, it still shuts down."""
+    port = free_port()
+    env = dict(os.environ, FAKE_VLLM_EVENTS=str(tmp_path / "events.jsonl"), PYTHONPATH=str(REPO_ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "tests.fakevllm", "serve", "m", "--port", str(port)],
+                            cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    children: list[psutil.Process] = []
+    try:
+        record = None
+        for line in proc.stdout:
+            if line.startswith(b"FAKE_VLLM_START "):
+                record = json.loads(line.split(b" ", 1)[1])
+            if b"Application startup complete." in line:
+                break
+        proc.stdout.close()  # the reader goes away
+        engine = psutil.Process(record["engine_pid"])
+        children += [engine, *engine.children()]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0  # before: stuck in its SIGTERM handler's print
+        _, alive = psutil.wait_procs([engine], timeout=15)
+        assert not alive and not any(os.path.exists(p) for p in record["shm"])
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for child in children:
+            with contextlib.suppress(psutil.Error):
+                child.kill()  # a Worker whose EngineCore was SIGKILLed too early on a loaded box
 
 
 def test_concurrent_streams_share_one_instance(fake_vllm):

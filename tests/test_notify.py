@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import uuid
@@ -134,3 +135,19 @@ def test_extend_timeout_rejects_non_positive(listener):
     _, value = listener
     with pytest.raises(ValueError, match="positive"):
         Notifier.from_env({"NOTIFY_SOCKET": value}).extend_timeout(0)
+
+
+@pytest.mark.parametrize("seconds", [math.inf, 1e300, 2**64])
+def test_extend_timeout_beyond_what_systemd_holds_sends_the_largest_value(listener, seconds):
+    # `stop.timeout: .inf` once made the stop path die here (OverflowError) with every instance running
+    sock, value = listener
+    notifier = Notifier.from_env({"NOTIFY_SOCKET": value})
+    notifier.extend_timeout(seconds)
+    assert receive(sock) == f"EXTEND_TIMEOUT_USEC={2**64 - 2}"
+    notifier.close()
+
+
+def test_extend_timeout_rejects_nan(listener):
+    _, value = listener
+    with pytest.raises(ValueError, match="positive"):
+        Notifier.from_env({"NOTIFY_SOCKET": value}).extend_timeout(math.nan)

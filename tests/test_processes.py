@@ -13,6 +13,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -182,6 +183,80 @@ async def test_missing_or_unrunnable_program_is_a_clear_error(tmp_path, instance
         await spawn([sys.executable, "-c", "pass"], base_env(), log=instance_log, cwd="/no/such/dir")
     with pytest.raises(VsupError, match="the command is empty"):
         await spawn([], base_env(), log=instance_log)
+
+
+async def test_a_script_without_an_interpreter_line_is_a_clear_error(tmp_path, instance_log):
+    script = tmp_path / "vllm"
+    script.write_bytes(b"\x00\x01not a program\n")
+    script.chmod(0o755)
+    with pytest.raises(VsupError, match=r"cannot start '.*/vllm': Exec format error; check vllm.command"):
+        await spawn([str(script)], base_env(), log=instance_log)
+    assert not our_zombies()  # the child that failed to exec was reaped
+
+
+# A process that runs spawn() the way vsup does, then waits to be killed. argv: the child's marker file.
+SPAWNER = r"""
+import asyncio, logging, os, sys
+from vsup.supervisor.logs import InstanceLog
+from vsup.supervisor.processes import spawn
+CHILD = (
+    "import signal, sys, time\n"
+    "def term(*_):\n"
+    "    open(sys.argv[1], 'w').write('SIGTERM')\n"
+    "    sys.exit(0)\n"
+    "signal.signal(signal.SIGTERM, term)\n"
+    "open(sys.argv[1], 'w').write('ready')\n"
+    "time.sleep(3600)\n"
+)
+async def main():
+    log = InstanceLog("i0", None, max_bytes=1 << 20, backups=0, echo=False, logger=logging.getLogger("spawner"))
+    child = await spawn([sys.executable, "-c", CHILD, sys.argv[1]], dict(os.environ), log=log)
+    print(child.pid, flush=True)
+    await asyncio.sleep(3600)
+asyncio.run(main())
+"""
+
+
+def test_the_leader_gets_sigterm_when_its_spawner_is_sigkilled(tmp_path, cleanup_pids):
+    marker = tmp_path / "marker"
+    spawner = subprocess.Popen([sys.executable, "-c", SPAWNER, str(marker)], stdin=subprocess.DEVNULL,
+                               stdout=subprocess.PIPE, env=base_env())
+    try:
+        pid = int(spawner.stdout.readline())
+        leader = proctree.read_stat(pid)
+        cleanup_pids.append(leader)
+        deadline = time.monotonic() + SLACK
+        while not (marker.exists() and marker.read_text() == "ready"):
+            assert time.monotonic() < deadline, "the child never got ready"
+            time.sleep(0.02)
+        assert leader.ppid == spawner.pid and " -I -S -c " not in " ".join(psutil.Process(pid).cmdline())  # exec'd
+        spawner.kill()  # like vsup under `kill -9` or the OOM killer
+        spawner.wait(10)
+    finally:
+        if spawner.poll() is None:
+            spawner.kill()
+            spawner.wait(10)
+        spawner.stdout.close()
+    deadline = time.monotonic() + SLACK
+    while proctree.alive(leader) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not proctree.alive(leader), "the instance leader outlived the vsup that started it"
+    assert marker.read_text() == "SIGTERM"  # a catchable signal: vLLM stops its EngineCore/Worker on it
+
+
+def test_spawn_refuses_to_run_off_the_main_thread(instance_log):
+    errors = []
+
+    def in_thread():
+        try:
+            asyncio.run(spawn([sys.executable, "-c", "pass"], base_env(), log=instance_log))
+        except RuntimeError as exc:
+            errors.append(str(exc))
+
+    worker = threading.Thread(target=in_thread)
+    worker.start()
+    worker.join(30)
+    assert errors and "main thread" in errors[0] and "PR_SET_PDEATHSIG" in errors[0]
 
 
 async def test_wait_survives_a_cancelled_waiter(tmp_path, instance_log):

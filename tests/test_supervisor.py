@@ -405,3 +405,52 @@ def test_restart_of_an_unknown_instance_is_a_clear_error(vsup):
     run.wait_ready(1)
     result = cli("restart", "5", "--socket", run.socket)
     assert result.returncode == 2 and "no instance 5" in result.stderr and "0..0" in result.stderr
+
+
+# ---- when vsup itself is killed ----------------------------------------------------------------------
+
+def test_a_sigkilled_vsup_takes_its_instances_along_and_the_next_run_sweeps_what_stayed(vsup, tmp_path):
+    # instance 1 ignores SIGTERM (a hung vLLM): the one thing that can outlive its vsup
+    run = vsup(faults={1: {"IGNORE_SIGTERM": 1}})
+    zero, one = run.wait_ready(2)["instances"]
+    records = [start_record(run, 0, zero["pid"]), start_record(run, 1, one["pid"])]
+    trees = [run.tree(zero["pid"]), run.tree(one["pid"])]
+    assert all(len(tree) == 3 for tree in trees)  # API server, EngineCore, Worker
+    (state_file,) = tmp_path.glob("vsup-*/vsup-*.json")
+
+    os.kill(run.proc.pid, signal.SIGKILL)  # kill -9, or the OOM killer
+    run.proc.wait(10)
+    # instance 0 goes with its vsup: its leader gets SIGTERM and stops its EngineCore (the fake's
+    # Worker follows unless its EngineCore was SIGKILLed first on a loaded box: swept below then)
+    leader_and_engine = [zero["pid"], records[0]["engine_pid"]]
+    deadline = time.monotonic() + 30
+    while any(alive(p) for p in leader_and_engine) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(p) for p in leader_and_engine), "instance 0 outlived its vsup"
+    assert not any(os.path.exists(p) for p in records[0]["shm"])  # vLLM's own clean exit on SIGTERM
+    assert all(alive(p) for p in trees[1]) and not port_is_free(run.port(1)) and state_file.exists()
+
+    # a vsup with another runtime directory cannot know it: it refuses, naming the holder
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    refused = subprocess.run([*VSUP, "run", "--config", str(run.config_path)], capture_output=True, text=True,
+                             timeout=60, stdin=subprocess.DEVNULL, env={**os.environ, "TMPDIR": str(elsewhere)})
+    assert refused.returncode == 2, refused.stderr
+    assert f"port {run.port(1)} on 127.0.0.1 is not free" in refused.stderr
+    assert f"held by pid {one['pid']} (" in refused.stderr
+    assert f"left behind by vsup pid {run.proc.pid}, which is no longer running" in refused.stderr
+    assert all(alive(p) for p in trees[1])
+
+    # the next vsup in the same runtime directory stops and sweeps it, then serves on the same ports
+    again = VsupRun(tmp_path, run.config)
+    try:
+        again.wait_ready(2, timeout=60)
+        log = again.log()
+        assert f"leftovers: vsup pid {run.proc.pid} is no longer running" in log
+        assert all(f"pid {p} (" in log for p in trees[1]) and "SIGKILL needed" in log
+        assert not any(alive(p) for p in trees[0] + trees[1])  # nothing of the killed vsup is left
+        assert not any(os.path.exists(p) for p in records[1]["shm"])
+        assert not state_file.exists()
+        assert completion_through_proxy(run.proxy_port)
+    finally:
+        again.close()

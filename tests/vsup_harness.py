@@ -111,6 +111,8 @@ class VsupRun:
         self.base_port = config["vllm"]["base_port"]
         self.proxy_port = config["proxy"]["port"]
         full_env = {k: v for k, v in os.environ.items() if not k.startswith(("FAKE_VLLM_", "PORT"))}
+        # its own runtime directory (state file): a vsup only ever sweeps what vsups of this test left
+        full_env["TMPDIR"] = str(tmp)
         full_env.update(env or {})
         self.seen_pids: set[int] = set()
         with open(self.log_path, "ab") as log:

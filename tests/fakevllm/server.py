@@ -37,10 +37,20 @@ def _dumps(obj: Any) -> str:
     return json.dumps(obj, separators=(",", ":"))
 
 
+def say(text: str, stream=None) -> None:
+    """One output line, flushed at once (a supervisor reads these through a pipe). Never raises:
+    like vLLM's logging (logging.Handler.handleError swallows a broken stream), a reader that went
+    away — a supervisor that was killed — must not stop the server, above all not its shutdown."""
+    try:
+        print(text, file=stream or sys.stdout, flush=True)
+    except OSError:
+        pass
+
+
 def log(level: str, where: str, message: str, stream=None) -> None:
-    """One vLLM-looking log line, flushed at once (a supervisor reads these through a pipe)."""
+    """One vLLM-looking log line."""
     stamp = time.strftime("%m-%d %H:%M:%S")
-    print(f"{level} {stamp} [{where}] {message}", file=stream or sys.stdout, flush=True)
+    say(f"{level} {stamp} [{where}] {message}", stream)
 
 
 def _mems_allowed() -> str | None:
@@ -209,9 +219,9 @@ class FakeVllm:
 
         self.ready_at = time.monotonic()
         log("INFO", "api_server.py", f"Starting vLLM API server 0 on http://{self.args.host}:{self.args.port}")
-        print(f"INFO:     Started server process [{os.getpid()}]", flush=True)
-        print("INFO:     Waiting for application startup.", flush=True)
-        print("INFO:     Application startup complete.", flush=True)
+        say(f"INFO:     Started server process [{os.getpid()}]")
+        say("INFO:     Waiting for application startup.")
+        say("INFO:     Application startup complete.")
         self.events.emit("ready", port=self.args.port)
         self._schedule_faults(loop)
         watcher = asyncio.ensure_future(self._watch_engine()) if self.engine else None
@@ -223,7 +233,7 @@ class FakeVllm:
         log("INFO", "launcher.py", "Shutting down FastAPI HTTP server.")
         await runner.cleanup()
         self.release()
-        print("INFO:     Application shutdown complete.", flush=True)
+        say("INFO:     Application shutdown complete.")
         self.events.emit("stopped", code=self.exit_code)
         return self.exit_code
 
@@ -315,7 +325,7 @@ class FakeVllm:
         if self.faults.access_log:
             peer = request.transport.get_extra_info("peername") if request.transport else None
             where = f"{peer[0]}:{peer[1]}" if peer else "-"
-            print(f'INFO:     {where} - "{request.method} {request.path_qs} HTTP/1.1" {response.status}', flush=True)
+            say(f'INFO:     {where} - "{request.method} {request.path_qs} HTTP/1.1" {response.status}')
         return response
 
     def _error(self, err: api.ApiError, rid: str | None = None, path: str | None = None) -> web.Response:
@@ -595,7 +605,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             signal.signal(sig, lambda signum, frame: server.early_signals.append(signal.Signals(signum).name))
     record = server.start_processes()
-    print(f"{START_MARKER} {_dumps(record)}", flush=True)
+    say(f"{START_MARKER} {_dumps(record)}")
     server.events.emit("started", **record)
     if faults.noise > 0:
         _start_noise(faults.noise)

@@ -20,31 +20,39 @@ import contextlib
 import json
 import os
 import socket
-import stat
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import aiohttp
 from aiohttp import web
 
 from vsup.supervisor.config import VsupConfig
 from vsup.supervisor.errors import VsupError
+from vsup.supervisor.rundir import ensure_private, private_dir, systemd_dir
 
-if TYPE_CHECKING:
-    from vsup.supervisor.supervisor import Supervisor
+
+class Controlled(Protocol):
+    """What the control endpoint needs of the running vsup (the Supervisor), and no more."""
+
+    @property
+    def instance_count(self) -> int: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+    def instance_statuses(self, indices: list[int]) -> list[dict[str, Any]]: ...
+
+    async def restart(self, indices: list[int], rolling: bool) -> list[dict[str, Any]]:
+        """VsupError (-> 409) when it cannot be done now."""
+
 
 SYSTEMD_DEFAULT = Path("/run/vsup/control.sock")  # RuntimeDirectory=vsup, seen from a shell
 
 
-def private_dir(environ: Mapping[str, str] = os.environ) -> Path:
-    return Path(environ.get("TMPDIR") or "/tmp") / f"vsup-{os.getuid()}"
-
-
 def _runtime_socket(environ: Mapping[str, str]) -> Path | None:
     """Under systemd: `$RUNTIME_DIRECTORY/control.sock` (its first directory)."""
-    runtime = environ.get("RUNTIME_DIRECTORY", "").split(":")[0]
-    return Path(runtime) / "control.sock" if runtime else None
+    runtime = systemd_dir(environ)
+    return runtime / "control.sock" if runtime else None
 
 
 def control_socket_path(config: VsupConfig, environ: Mapping[str, str] = os.environ) -> Path:
@@ -64,12 +72,8 @@ def client_socket_candidates(environ: Mapping[str, str] = os.environ) -> list[Pa
 def _prepare_directory(path: Path, environ: Mapping[str, str]) -> None:
     directory = path.parent
     if directory == private_dir(environ):
-        directory.mkdir(mode=0o700, exist_ok=True)
-        info = directory.lstat()
         # another user could have created it first in a shared /tmp: never put our socket there
-        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
-            raise VsupError(f"control socket directory {directory} is not a private directory of this user "
-                            "(mode 0700, owned by us); remove it or set control.socket")
+        ensure_private(directory, "control socket", "set control.socket")
     elif not directory.is_dir():
         raise VsupError(f"control.socket {str(path)!r}: directory {directory} does not exist; create it or choose another path")
 
@@ -85,9 +89,9 @@ def _answers(path: Path) -> bool:
 
 
 class ControlServer:
-    def __init__(self, path: Path, supervisor: Supervisor, environ: Mapping[str, str] = os.environ) -> None:
+    def __init__(self, path: Path, target: Controlled, environ: Mapping[str, str] = os.environ) -> None:
         self.path = Path(path)
-        self.supervisor = supervisor
+        self.target = target
         self.environ = environ
         self._runner: web.AppRunner | None = None
         self._sock: socket.socket | None = None
@@ -133,7 +137,7 @@ class ControlServer:
             self.path.unlink()
 
     async def _status(self, request: web.Request) -> web.Response:
-        return web.json_response(self.supervisor.status())
+        return web.json_response(self.target.status())
 
     async def _restart(self, request: web.Request) -> web.Response:
         try:
@@ -143,27 +147,24 @@ class ControlServer:
         if not isinstance(body, dict):
             return _error(400, "the request body must be a JSON object")
         target, rolling, wait = body.get("target"), bool(body.get("rolling")), body.get("wait", True)
-        count = len(self.supervisor.instances)
+        count = self.target.instance_count
         if target == "all":
             indices = list(range(count))
         elif isinstance(target, int) and not isinstance(target, bool):
             indices = [target]
         else:
             return _error(400, f"target {target!r} is not an instance index or \"all\"")
-        try:
-            for index in indices:
-                self.supervisor.instance(index)
-        except VsupError as exc:
-            return _error(400, str(exc))
+        if target != "all" and not 0 <= target < count:
+            return _error(400, f"no instance {target}: this vsup runs instances 0..{count - 1}")
         # The restart runs as its own task: a client that goes away must not cut a rolling restart
         # in half.
-        job = asyncio.create_task(self.supervisor.restart(indices, rolling))
+        job = asyncio.create_task(self.target.restart(indices, rolling))
         self._jobs.add(job)
         job.add_done_callback(self._jobs.discard)
         job.add_done_callback(_consume)
         if not wait:
             await asyncio.sleep(0)
-            return web.json_response({"instances": [self.supervisor.instance_status(self.supervisor.instances[i]) for i in indices]})
+            return web.json_response({"instances": self.target.instance_statuses(indices)})
         try:
             result = await asyncio.shield(job)
         except VsupError as exc:

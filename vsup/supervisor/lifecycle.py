@@ -21,9 +21,14 @@ A failure is any exit (code 0 too: vLLM exits 0 when its EngineCore dies), a sta
 or `health.failures` failed /health polls in a row. Only `ready` is in the proxy's rotation;
 ready requires both a live process and /health 200.
 
-`Instance` drives one instance through the table from a single asyncio task (`run`); requests
-from outside (`start`, `restart`, `stop`) only set a wish and wake the task, so every transition
-happens in one place and is logged with its reason.
+`Instance` drives one instance through the table from a single asyncio task (`run`). Requests
+from outside (`start`, `restart`, `stop`) only record an `Intent` and wake the task, so every
+transition happens in one place and is logged with its reason. The instance holds one intent at a
+time, and a stronger one is never replaced by a weaker: halt beats restart beats run (`ask`).
+What an intent does in each state is the table `ON_INTENT`; how a stop ends is `AFTER_STOP`.
+Everything the driver does to the world (spawn, stop a tree, probe, clock) goes through an
+`Operations` object (vsup/supervisor/operations.py), so the tests drive it with fakes on a
+virtual clock.
 """
 
 from __future__ import annotations
@@ -31,21 +36,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from enum import StrEnum
-from typing import Any
-
-import aiohttp
+from enum import Enum, IntEnum, StrEnum
+from typing import TYPE_CHECKING, Any
 
 from vsup.supervisor.backoff import RestartPolicy
 from vsup.supervisor.config import VsupConfig
 from vsup.supervisor.errors import VsupError
-from vsup.supervisor.health import HealthResult, probe_health
-from vsup.supervisor.logs import InstanceLog
-from vsup.supervisor.processes import Child, spawn, stop_tree
+
+if TYPE_CHECKING:
+    from vsup.supervisor.health import HealthResult
+    from vsup.supervisor.logs import InstanceLog
+    from vsup.supervisor.operations import Operations, Process
 
 logger = logging.getLogger("vsup.lifecycle")
 
@@ -112,7 +116,7 @@ def next_state(state: State, event: Event) -> State:
 
 @dataclass(frozen=True)
 class Transition:
-    at: float  # time.monotonic()
+    at: float  # Operations.now()
     old: State
     new: State
     event: Event
@@ -135,6 +139,56 @@ def describe_exit(status: int | None) -> str:
     return f"killed by {name}{hint}"
 
 
+class Intent(IntEnum):
+    """What was asked of an instance from outside. The value is the precedence: an instance holds
+    one intent, and a request never replaces a stronger one (a restart cannot undo a pending halt,
+    a start cannot undo a pending restart)."""
+
+    RUN = 1  # be running: the first start, a new chance for a failed instance (SIGHUP)
+    RESTART = 2  # stop if running, then start again at once (`vsup restart`)
+    HALT = 3  # stop and stay stopped (shutdown)
+
+
+S, E, I = State, Event, Intent
+# What an intent does in the states that wait for one: the event it fires, or None (nothing to
+# do; the intent is simply done). An intent that fires STOP from a running state stays held until
+# `stopping` has finished, which then ends the stop as AFTER_STOP says.
+ON_INTENT: dict[tuple[State, Intent], Event | None] = {
+    (S.STOPPED, I.RUN): E.START,
+    (S.STOPPED, I.RESTART): E.START,
+    (S.STOPPED, I.HALT): None,
+    (S.FAILED, I.RUN): E.START,
+    (S.FAILED, I.RESTART): E.START,
+    (S.FAILED, I.HALT): E.STOP,
+    (S.BACKOFF, I.RUN): E.START,
+    (S.BACKOFF, I.RESTART): E.START,
+    (S.BACKOFF, I.HALT): E.STOP,
+    (S.STARTING, I.RUN): None,
+    (S.STARTING, I.RESTART): E.STOP,
+    (S.STARTING, I.HALT): E.STOP,
+    (S.READY, I.RUN): None,
+    (S.READY, I.RESTART): E.STOP,
+    (S.READY, I.HALT): E.STOP,
+    (S.UNHEALTHY, I.RUN): None,
+    (S.UNHEALTHY, I.RESTART): E.STOP,
+    (S.UNHEALTHY, I.HALT): E.STOP,
+}
+# How `stopping` ends, by the intent held when the tree is gone; with none (or RUN) the stop was a
+# failure, and the restart policy chooses between CLEANED_UP and CRASH_LOOP.
+AFTER_STOP: dict[Intent, Event] = {I.HALT: E.HALTED, I.RESTART: E.RESTART}
+RUNNING = frozenset({S.STARTING, S.READY, S.UNHEALTHY})  # a process exists
+del S, E, I
+
+
+class Wake(Enum):
+    """Why `Instance._race` returned."""
+
+    DONE = "done"  # the awaited work finished (its result comes along)
+    EXITED = "exited"  # the process exited (its status comes along)
+    ASKED = "asked"  # an intent is waiting
+    TIMEOUT = "timeout"  # the deadline passed
+
+
 # While starting, /health is polled this often (but never more often than health.interval).
 STARTUP_POLL = 0.5
 HISTORY = 50  # transitions kept per instance for `vsup status`
@@ -153,10 +207,9 @@ class Instance:
         *,
         port: int,
         config: VsupConfig,
-        log: InstanceLog,
-        session: aiohttp.ClientSession,
+        log: InstanceLog | None,
+        ops: Operations,
         on_transition: Listener | None = None,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.index = index
         self.name = str(index)
@@ -166,26 +219,26 @@ class Instance:
         self.url = f"http://127.0.0.1:{port}"
         self.config = config
         self.log = log
-        self.session = session
+        self.ops = ops
         self.policy = RestartPolicy(config.restart)
         self._listeners: list[Listener] = [on_transition] if on_transition else []
-        self._clock = clock
 
         self.state = State.STOPPED
-        self.since = clock()  # when the current state was entered
-        self.child: Child | None = None
+        self.since = ops.now()  # when the current state was entered
+        self.intent: Intent | None = None  # the one request from outside not yet carried out
+        self.failure: str | None = None  # why the current run is ending, if it failed (None: on request)
+        self.child: Process | None = None
+        self.started_at: float | None = None  # when the current process was started
         self.starts = 0  # how many times the process was started
+        self.halts = 0  # how many halts were carried out (stop() waits for the next)
         self.last_exit: str | None = None  # why the last run ended
         self.next_start_at: float | None = None  # in backoff: when the next start is due
         self.history: deque[Transition] = deque(maxlen=HISTORY)
         self.health_failures = 0  # consecutive failed polls while ready
         self._ready_since: float | None = None  # when this run became ready (backoff reset)
-        self._wish: str | None = None  # "run" | "restart" | "halt": set from outside, applied by run()
-        self._stop_intent = "failure"  # why the current stop happens: failure | restart | halt
         self._wake = asyncio.Event()
         self._changed = asyncio.Event()
-        self._exit_task: asyncio.Future[int] | None = None
-        self._halting = False
+        self._exit: asyncio.Future[int] | None = None  # the running process's wait()
 
     # ---- requests from outside (the supervisor, the control endpoint) --------------------------
 
@@ -195,64 +248,65 @@ class Instance:
 
     @property
     def pid(self) -> int | None:
-        return self.child.pid if self.child and self.child.returncode is None else None
+        return self.child.pid if self.child is not None and self.child.returncode is None else None
+
+    def subscribe(self, listener: Listener) -> None:
+        """Call `listener(instance, transition)` after every transition."""
+        self._listeners.append(listener)
+
+    def ask(self, intent: Intent) -> None:
+        """Record `intent` unless a stronger one is pending, and wake the driver."""
+        if self.intent is None or intent >= self.intent:
+            self.intent = intent
+        self._wake.set()
+        self._notify_changed()
 
     def start(self) -> None:
-        """Ask for the instance to run (from stopped or failed); no-op while it runs."""
-        self._halting = False
-        self._request("run")
+        """Ask for the instance to run (from stopped or failed; in backoff: at once); no-op while it runs."""
+        self.ask(Intent.RUN)
 
     async def restart(self) -> State:
-        """Restart now (a failed instance gets a new chance) and wait until it is ready again,
-        or failed, or stopped by a shutdown. Returns that state."""
-        first = self.starts
-        self._halting = False
-        self._request("restart")
-        await self.wait_for(lambda: self._halting or (self.starts > first and self.state in (State.READY, State.FAILED)))
+        """Restart now (a failed instance gets a new chance) and wait until it is ready again, or
+        failed, or halted by a shutdown. Returns that state."""
+        first, halts = self.starts, self.halts
+        self.ask(Intent.RESTART)
+        await self.wait_for(lambda: self.halts > halts or (self.starts > first and self.state in (State.READY, State.FAILED)))
         return self.state
 
     async def stop(self) -> None:
-        """Stop the instance (stop_tree with stop.timeout) and wait until it is stopped."""
-        self._halting = True
-        self._request("halt")
-        await self.wait_for(lambda: self.state is State.STOPPED and self._wish is None)
+        """Stop the instance (stop_tree with stop.timeout) and wait until that is done."""
+        halts = self.halts
+        self.ask(Intent.HALT)
+        await self.wait_for(lambda: self.halts > halts)
 
     async def wait_for(self, predicate: Callable[[], bool]) -> None:
         while not predicate():
             changed = self._changed
             await changed.wait()
 
-    def _request(self, wish: str) -> None:
-        if wish == "run" and self._wish in ("restart", "halt"):
-            return  # a stronger wish is pending
-        self._wish = wish
-        self._wake.set()
-        self._notify_changed()
-
     # ---- the driver ------------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """The instance's one task: applies wishes and events until cancelled."""
+        """The instance's one task: carries out intents and events until cancelled."""
         phases: dict[State, Callable[[], Awaitable[None]]] = {
-            State.STOPPED: self._idle,
-            State.FAILED: self._idle,
+            State.STOPPED: self._at_rest,
+            State.FAILED: self._at_rest,
+            State.BACKOFF: self._backoff,
             State.STARTING: self._starting,
             State.READY: self._ready,
             State.UNHEALTHY: self._unhealthy,
             State.STOPPING: self._stopping,
-            State.BACKOFF: self._backoff,
         }
         try:
             while True:
                 await phases[self.state]()
         finally:
-            if self._exit_task is not None:
-                self._exit_task.cancel()
+            self._forget_exit()
 
     def _fire(self, event: Event, reason: str) -> None:
         old = self.state
         new = next_state(old, event)
-        now = self._clock()
+        now = self.ops.now()
         transition = Transition(now, old, new, event, reason)
         self.state, self.since = new, now
         self.history.append(transition)
@@ -260,120 +314,151 @@ class Instance:
         logger.log(level, "instance %s: %s -> %s (%s: %s)", self.name, old.value, new.value, event.value, reason)
         if new is State.STARTING:
             self.starts += 1
+            self.failure = None
             self._ready_since = None
         elif new is State.READY:
             self._ready_since = now
             self.health_failures = 0
+        elif new is State.STOPPED:
+            self.halts += 1  # every way into stopped carries out a halt
         if new is not State.BACKOFF:
             self.next_start_at = None
         for listener in list(self._listeners):
             listener(self, transition)
         self._notify_changed()
 
+    def _fail(self, event: Event, why: str) -> None:
+        """A failure of the running process: remembered for the stop that follows."""
+        self.failure = self.last_exit = why
+        self._fire(event, why)
+
     def _notify_changed(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
 
-    async def _race(self, awaitable: Awaitable[Any] | None, timeout: float | None) -> tuple[str, Any]:
-        """Wait for `awaitable`, the process's exit, a wish from outside, or `timeout`, whichever
-        comes first. Returns ("done", result) | ("exit", status) | ("wish", None) | ("timeout", None)."""
-        if self._wish is not None:
-            return "wish", None
-        if self._exit_task is not None and self._exit_task.done():
-            return "exit", self._exit_task.result()
+    def _forget_exit(self) -> None:
+        if self._exit is not None:
+            self._exit.cancel()
+            self._exit = None
+
+    async def _race(self, work: Awaitable[Any] | None, timeout: float | None) -> tuple[Wake, Any]:
+        """Wait for `work`, the process's exit, an intent, or `timeout` seconds (on the ops clock),
+        whichever comes first. An exit wins over everything else that is ready at the same time."""
+        if self._exit is not None and self._exit.done():
+            early: tuple[Wake, Any] | None = (Wake.EXITED, self._exit.result())
+        else:
+            early = (Wake.ASKED, None) if self.intent is not None else None
+        if early is not None:
+            if asyncio.iscoroutine(work):
+                work.close()  # never started: no "coroutine was never awaited" warning
+            return early
         self._wake.clear()
         wake = asyncio.ensure_future(self._wake.wait())
-        work = asyncio.ensure_future(awaitable) if awaitable is not None else None
-        waiting = {wake} | ({work} if work else set()) | ({self._exit_task} if self._exit_task else set())
+        job = asyncio.ensure_future(work) if work is not None else None
+        timer = asyncio.ensure_future(self.ops.sleep(timeout)) if timeout is not None else None
+        waiting = {f for f in (wake, job, timer, self._exit) if f is not None}
         try:
-            done, _ = await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            wake.cancel()
-            if work is not None and not work.done():
-                work.cancel()
-        if self._exit_task is not None and self._exit_task in done:
-            return "exit", self._exit_task.result()
-        if work is not None and work in done:
-            return "done", work.result()
-        if wake in done or self._wish is not None:
-            return "wish", None
-        return "timeout", None
+            for future in (wake, job, timer):
+                if future is not None and not future.done():
+                    future.cancel()
+        if self._exit is not None and self._exit in done:
+            return Wake.EXITED, self._exit.result()
+        if job is not None and job in done:
+            return Wake.DONE, job.result()
+        if wake in done:
+            return Wake.ASKED, None
+        return Wake.TIMEOUT, None
 
-    def _interrupt(self, kind: str, status: Any) -> bool:
-        """Handle an exit or a wish while the process runs; True when the state changed."""
-        if kind == "exit":
-            self.last_exit = describe_exit(status)
-            self._stop_intent = "failure"
-            self._fire(Event.EXITED, self.last_exit)
+    def _interrupted(self, wake: Wake, value: Any) -> bool:
+        """Handle an exit or an intent that arrived while the process runs; True when the state changed."""
+        if wake is Wake.EXITED:
+            self._fail(Event.EXITED, describe_exit(value))
             return True
-        if kind == "wish":
-            wish, self._wish = self._wish, None
-            if wish == "restart":
-                self._stop_intent = "restart"
-                self._fire(Event.STOP, "restart requested")
-                return True
-            if wish == "halt":
-                self._stop_intent = "halt"
-                self._wish = "halt"  # kept until stopping has handled it
-                self._fire(Event.STOP, "stop requested")
-                return True
-        return False  # "done" / "timeout", or "run" while running: nothing to do
+        if wake is Wake.ASKED:
+            return self._apply_intent()
+        return False
 
-    async def _idle(self) -> None:
-        """stopped / failed: wait for a wish."""
+    def _apply_intent(self) -> bool:
+        """Carry out the held intent in the current state (`ON_INTENT`); True when the state changed."""
+        intent = self.intent
+        if intent is None:
+            return False
+        event = ON_INTENT[(self.state, intent)]
+        if not (self.state in RUNNING and event is Event.STOP):
+            self.intent = None  # carried out here; a stop keeps it until `stopping` ends the stop
+        if event is None:
+            if self.state is State.STOPPED:
+                self.halts += 1  # halting a stopped instance: nothing to do, but done
+            self._notify_changed()
+            return False
+        if event is Event.STOP:
+            reason = "restart requested" if intent is Intent.RESTART else "stop requested"
+        elif self.state is State.FAILED:
+            self.policy.reset()
+            reason = "restart requested: a new chance after the crash loop"
+        elif self.state is State.BACKOFF:
+            reason = "restart requested: skipping the rest of the backoff delay"
+        else:
+            reason = "restart requested" if intent is Intent.RESTART else "start requested"
+        self._fire(event, reason)
+        return True
+
+    # ---- one coroutine per state ---------------------------------------------------------------
+
+    async def _at_rest(self) -> None:
+        """stopped / failed: wait for an intent."""
         await self._race(None, None)
-        wish, self._wish = self._wish, None
-        if wish in ("run", "restart"):
-            if self.state is State.FAILED:
-                self.policy.reset()
-                self._fire(Event.START, "restart requested: a new chance after the crash loop")
-            else:
-                self._fire(Event.START, "start requested" if wish == "run" else "restart requested")
-        elif wish == "halt" and self.state is State.FAILED:
-            self._fire(Event.STOP, "stop requested")
-        self._notify_changed()
+        self._apply_intent()
+
+    async def _backoff(self) -> None:
+        due = self.next_start_at if self.next_start_at is not None else self.ops.now()
+        wake, _ = await self._race(None, max(0.0, due - self.ops.now()))
+        if wake is Wake.TIMEOUT:
+            self._fire(Event.DELAY_OVER, f"waited {self.ops.now() - self.since:.2f}s")
+        else:
+            self._apply_intent()
 
     async def _starting(self) -> None:
-        started = self._clock()
-        deadline = started + self.config.health.startup_timeout
-        self._stop_intent = "failure"
+        health = self.config.health
+        started = self.ops.now()
+        deadline = started + health.startup_timeout
         try:
-            self.child = await spawn(self.argv, self.env, log=self.log)
+            self.child = await self.ops.spawn(self.argv, self.env, self.log)
         except VsupError as exc:
-            self.child, self._exit_task = None, None
-            self.last_exit = f"could not start: {exc}"
-            self._fire(Event.EXITED, self.last_exit)
+            self.child = None
+            self._fail(Event.EXITED, f"could not start: {exc}")
             return
-        self._exit_task = asyncio.ensure_future(self.child.wait())
-        poll = min(STARTUP_POLL, self.config.health.interval)
+        self.started_at = self.ops.now()
+        self._exit = asyncio.ensure_future(self.child.wait())
+        poll = min(STARTUP_POLL, health.interval)
         last = "no answer yet"
         while True:
-            remaining = deadline - self._clock()
+            remaining = deadline - self.ops.now()
             if remaining <= 0:
-                self.last_exit = f"not healthy after the startup timeout of {self.config.health.startup_timeout:g}s (last /health: {last})"
-                self._fire(Event.STARTUP_TIMEOUT, self.last_exit)
+                self._fail(Event.STARTUP_TIMEOUT,
+                           f"not healthy after the startup timeout of {health.startup_timeout:g}s (last /health: {last})")
                 return
-            kind, result = await self._race(probe_health(self.session, self.url, self.config.health.timeout), remaining)
-            if self._interrupt(kind, result):
+            wake, result = await self._race(self.ops.probe(self.url, health.timeout), remaining)
+            if self._interrupted(wake, result):
                 return
-            if kind == "done":
+            if wake is Wake.DONE:
                 last = result.detail
                 if result.ok and self.child.returncode is None:
-                    self._fire(Event.HEALTHY, f"pid {self.child.pid} alive and /health 200 after {self._clock() - started:.1f}s")
+                    self._fire(Event.HEALTHY, f"pid {self.child.pid} alive and /health 200 after {self.ops.now() - started:.1f}s")
                     return
-            kind, result = await self._race(asyncio.sleep(poll), max(0.0, deadline - self._clock()))
-            if self._interrupt(kind, result):
+            wake, result = await self._race(self.ops.sleep(min(poll, max(0.0, deadline - self.ops.now()))), None)
+            if self._interrupted(wake, result):
                 return
 
     async def _ready(self) -> None:
         health = self.config.health
-        kind, result = await self._race(asyncio.sleep(health.interval), None)
-        if self._interrupt(kind, result):
+        wake, result = await self._race(self.ops.sleep(health.interval), None)
+        if self._interrupted(wake, result) or wake is not Wake.DONE:
             return
-        kind, result = await self._race(probe_health(self.session, self.url, health.timeout), None)
-        if self._interrupt(kind, result):
-            return
-        if kind != "done":
+        wake, result = await self._race(self.ops.probe(self.url, health.timeout), None)
+        if self._interrupted(wake, result) or wake is not Wake.DONE:
             return
         outcome: HealthResult = result
         if outcome.ok:
@@ -382,21 +467,18 @@ class Instance:
         self.health_failures += 1
         logger.warning("instance %s: /health failed (%s), %d of %d", self.name, outcome.detail, self.health_failures, health.failures)
         if self.health_failures >= health.failures:
-            self.last_exit = f"unhealthy: {self.health_failures} failed /health polls in a row (last: {outcome.detail})"
-            self._fire(Event.UNHEALTHY, self.last_exit)
+            self._fail(Event.UNHEALTHY, f"unhealthy: {self.health_failures} failed /health polls in a row (last: {outcome.detail})")
 
     async def _unhealthy(self) -> None:
-        # A wish to halt wins over the restart an unhealthy instance gets anyway.
-        self._stop_intent = "halt" if self._wish == "halt" else "failure"
-        if self._wish == "restart":
-            self._wish = None
-            self._stop_intent = "restart"
-        self._fire(Event.STOP, "restarting the unhealthy instance" if self._stop_intent != "halt" else "stop requested")
+        # stopped anyway; a held restart or halt only changes how the stop ends (AFTER_STOP)
+        if self._apply_intent():
+            return
+        self._fire(Event.STOP, "restarting the unhealthy instance")
 
     async def _stopping(self) -> None:
         child = self.child
         if child is not None:
-            report = await stop_tree(child, self.config.stop.timeout)
+            report = await self.ops.stop_tree(child, self.config.stop.timeout)
             how = "gracefully" if report.graceful else "after SIGKILL"
             logger.info(
                 "instance %s: process tree of pid %d gone %s in %.1fs%s%s%s",
@@ -405,19 +487,17 @@ class Instance:
                 f"; swept escaped {report.escaped}" if report.escaped else "",
                 f"; removed {len(report.shm_removed)} /dev/shm files" if report.shm_removed else "",
             )
-            if self._stop_intent != "failure":
+            if self.failure is None:
                 self.last_exit = f"stopped on request ({describe_exit(report.exit_status)})"
         self.child = None
-        if self._exit_task is not None:
-            self._exit_task.cancel()
-            self._exit_task = None
-        wish, self._wish = self._wish, None
-        if wish == "halt" or self._halting:
-            self._fire(Event.HALTED, "stopped on request")
-        elif wish == "restart" or self._stop_intent == "restart":
-            self._fire(Event.RESTART, "restart requested")
+        self.started_at = None
+        self._forget_exit()
+        intent, self.intent = self.intent, None
+        event = AFTER_STOP.get(intent) if intent is not None else None
+        if event is not None:
+            self._fire(event, "stopped on request" if event is Event.HALTED else "restart requested")
         else:
-            now = self._clock()
+            now = self.ops.now()
             decision = self.policy.on_failure(now, self._ready_since)
             if decision.give_up:
                 window = self.config.restart.crash_loop_window
@@ -429,15 +509,3 @@ class Instance:
             else:
                 self.next_start_at = now + decision.delay
                 self._fire(Event.CLEANED_UP, f"next start in {decision.delay:.2f}s (failure {decision.attempt})")
-
-    async def _backoff(self) -> None:
-        due = self.next_start_at if self.next_start_at is not None else self._clock()
-        kind, _ = await self._race(asyncio.sleep(max(0.0, due - self._clock())), None)
-        if kind == "wish":
-            wish, self._wish = self._wish, None
-            if wish == "halt":
-                self._fire(Event.STOP, "stop requested")
-            elif wish in ("run", "restart"):
-                self._fire(Event.START, "restart requested: skipping the rest of the backoff delay")
-            return
-        self._fire(Event.DELAY_OVER, f"waited {self._clock() - self.since:.2f}s")

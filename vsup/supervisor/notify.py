@@ -17,6 +17,10 @@ from collections.abc import Mapping
 
 log = logging.getLogger("vsup.notify")
 
+# systemd keeps times as unsigned 64-bit microseconds, the largest value meaning "infinity"; a
+# longer wish (stop.timeout: .inf) is sent as the largest finite one, never as an overflow.
+MAX_USEC = 2**64 - 2
+
 
 def _socket_address(value: str) -> str | None:
     if value.startswith("@") and len(value) > 1:
@@ -97,10 +101,12 @@ class Notifier:
             self.send("WATCHDOG=1")
 
     def extend_timeout(self, seconds: float) -> None:
-        """Ask systemd for `seconds` more before TimeoutStartSec/TimeoutStopSec fires (repeat before it runs out)."""
-        if seconds <= 0:
+        """Ask systemd for `seconds` more before TimeoutStartSec/TimeoutStopSec fires (repeat before
+        it runs out). Beyond what systemd can hold (infinity included), the largest value it can."""
+        if not seconds > 0:  # NaN too
             raise ValueError(f"extend_timeout needs a positive number of seconds, got {seconds!r}")
-        self.send(f"EXTEND_TIMEOUT_USEC={int(seconds * 1_000_000)}")
+        usec = seconds * 1_000_000
+        self.send(f"EXTEND_TIMEOUT_USEC={MAX_USEC if usec >= MAX_USEC else int(usec)}")
 
     def stopping(self, status: str | None = None) -> None:
         lines = ["STOPPING=1"]

@@ -7,6 +7,15 @@ wraps) with its own protocol because asyncio's Process.wait() returns only once 
 too, and a SIGKILLed vLLM API server's orphaned EngineCore keeps them open: `Child.wait()` returns
 when the leader itself exits.
 
+The leader dies with vsup: it gets SIGTERM when vsup ends, even by SIGKILL (PR_SET_PDEATHSIG), and
+vLLM then stops its EngineCore and Worker itself. The signal must be set in the child between
+fork and exec, and never with preexec_fn (Python code in the forked child of a threaded process
+can deadlock), so the child first runs `_EXEC_SHIM` with vsup's interpreter: it sets the signal,
+checks that vsup did not die before that, and execs the command (same pid), reporting an exec
+failure through a pipe as subprocess does. PR_SET_PDEATHSIG follows the *thread* that forked the
+child, not the process: spawn runs on the main thread (the event loop's), which lives as long as
+vsup, and refuses to run on another.
+
 `stop_tree`: SIGTERM to the group (and to members that left it), `timeout` seconds of grace for
 all of them, SIGKILL for what is left (again for anything forked meanwhile), reap the orphans
 handed to us, then remove the /dev/shm files the tree had mapped or open. It works as well when
@@ -16,11 +25,14 @@ the leader is already dead. See docs/processes.md.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import secrets
 import signal
 import subprocess
+import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -116,37 +128,101 @@ def _path_of(env: dict[str, str]) -> str:
     return env.get("PATH", os.defpath)
 
 
+# argv: vsup's pid, the signal, the error pipe's fd, the command. Exit 127 after an exec failure
+# (its errno went up the pipe), 1 when vsup was gone before the signal was set.
+_EXEC_SHIM = """\
+import ctypes, os, sys
+parent, sig, report = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+os.set_inheritable(report, False)
+ctypes.CDLL(None, use_errno=True).prctl(1, sig, 0, 0, 0)  # PR_SET_PDEATHSIG
+if os.getppid() != parent:
+    os._exit(1)
+try:
+    os.execvp(sys.argv[4], sys.argv[4:])
+except OSError as exc:
+    os.write(report, str(exc.errno).encode())
+    os._exit(127)
+"""
+DEATH_SIGNAL = signal.SIGTERM  # what an instance leader gets when vsup dies: vLLM stops its tree on it
+
+
+def _cannot_start(argv: list[str], env: dict[str, str], code: int, strerror: str | None = None) -> VsupError:
+    if code == errno.ENOENT:
+        where = "" if "/" in argv[0] else f" on PATH ({_path_of(env)})"
+        return VsupError(
+            f"cannot start {argv[0]!r}: program not found{where}; install it or give its full path "
+            "(vllm.command, or the numactl/taskset launcher of the plan)"
+        )
+    if code == errno.EACCES:
+        return VsupError(f"cannot start {argv[0]!r}: permission denied; make it executable (chmod +x) or fix vllm.command")
+    # e.g. ENOEXEC: a script without a #! line
+    return VsupError(f"cannot start {argv[0]!r}: {strerror or os.strerror(code)}; check vllm.command")
+
+
+async def _read_until_eof(fd: int) -> bytes:
+    """Everything written to the pipe `fd` until its last writer closes it; closes `fd`."""
+    loop = asyncio.get_running_loop()
+    os.set_blocking(fd, False)
+    data = bytearray()
+    eof: asyncio.Future[None] = loop.create_future()
+
+    def readable() -> None:
+        try:
+            chunk = os.read(fd, 4096)
+        except BlockingIOError:
+            return
+        if chunk:
+            data.extend(chunk)
+        elif not eof.done():
+            eof.set_result(None)
+
+    loop.add_reader(fd, readable)
+    try:
+        await eof
+    finally:
+        loop.remove_reader(fd)
+        os.close(fd)
+    return bytes(data)
+
+
 async def spawn(argv: list[str], env: dict[str, str], *, log: InstanceLog, cwd: str | None = None) -> Child:
-    """Start argv in a new session with stdout/stderr drained into `log`."""
+    """Start argv in a new session with stdout/stderr drained into `log`; the leader gets
+    DEATH_SIGNAL when vsup dies. Runs on the main thread only (see the module docstring)."""
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError("spawn() runs on the main thread only: PR_SET_PDEATHSIG would stop the child "
+                           "when the thread that started it ends")
     if not argv or not argv[0]:
         raise VsupError("cannot start an instance: the command is empty; set vllm.command (default: vllm serve)")
     if cwd is not None and not os.path.isdir(cwd):
         raise VsupError(f"cannot start {argv[0]!r}: working directory {cwd!r} does not exist")
-    token = f"{os.getpid()}-{secrets.token_hex(6)}"  # which vsup started it, and which start
+    token = proctree.new_token()  # which vsup started it, and which start
     child_env = dict(env)
     child_env[proctree.TOKEN_VAR] = token
     loop = asyncio.get_running_loop()
+    report_r, report_w = os.pipe()  # both close-on-exec; the child's copy is passed explicitly
+    shim = [sys.executable, "-I", "-S", "-c", _EXEC_SHIM, str(os.getpid()), str(int(DEATH_SIGNAL)), str(report_w)]
     try:
         transport, protocol = await loop.subprocess_exec(
             lambda: _OutputProtocol(log, loop),
-            *argv,
+            *shim, *argv,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             env=child_env,
             cwd=cwd,
+            pass_fds=(report_w,),
             start_new_session=True,  # never preexec_fn: not fork-safe with threads
         )
-    except FileNotFoundError:
-        where = "" if "/" in argv[0] else f" on PATH ({_path_of(child_env)})"
-        raise VsupError(
-            f"cannot start {argv[0]!r}: program not found{where}; install it or give its full path "
-            "(vllm.command, or the numactl/taskset launcher of the plan)"
-        ) from None
-    except PermissionError:
-        raise VsupError(f"cannot start {argv[0]!r}: permission denied; make it executable (chmod +x) or fix vllm.command") from None
-    except OSError as exc:  # e.g. ENOEXEC: a script without a #! line
-        raise VsupError(f"cannot start {argv[0]!r}: {exc.strerror or exc}; check vllm.command") from None
+    except OSError as exc:
+        os.close(report_r)
+        raise _cannot_start(argv, child_env, exc.errno or 0, exc.strerror) from None
+    finally:
+        os.close(report_w)
+    report = await _read_until_eof(report_r)  # empty: the exec went through
+    if report:
+        await protocol.exited  # it exits right after writing; reaped by the loop's child watcher
+        transport.close()
+        raise _cannot_start(argv, child_env, int(report))
     child = Child(
         pid=transport.get_pid(),
         argv=list(argv),

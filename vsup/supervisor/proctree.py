@@ -4,7 +4,9 @@ An instance's processes are found by four marks, because any one of them can be 
 - process group and session == the leader's pid (start_new_session=True; vLLM's EngineCore and
   Worker stay in them, and they outlive a SIGKILLed leader: the ids do not go away while in use);
 - `VSUP_TREE=<token>` in /proc/<pid>/environ (inherited by every descendant, even one that called
-  setsid() and was then orphaned to init);
+  setsid() and was then orphaned to init); the token is `<vsup pid>-<vsup start time>-<random>`,
+  so it also names the vsup that started the tree (pid + start time: never a reused pid), which
+  lets a later vsup tell the trees of a vsup that is gone (vsup/supervisor/leftovers.py);
 - pids seen in an earlier look (pid + start time, so a reused pid is never mistaken);
 - parent links: the descendants of all of the above.
 
@@ -22,6 +24,7 @@ import asyncio
 import ctypes
 import errno
 import os
+import secrets
 import signal
 import time
 from collections.abc import Iterable, Mapping
@@ -86,6 +89,73 @@ def _carries_token(pid: int, needle: bytes) -> bool:
     return needle in environ or environ.startswith(needle[1:])  # needle is "\0VAR=token\0"
 
 
+def own_mark() -> str:
+    """`<pid>-<start time>-` of this process: the start of every token it hands out."""
+    me = os.getpid()
+    st = read_stat(me)
+    return f"{me}-{st.start if st else 0}-"
+
+
+def new_token() -> str:
+    """A token for one start of one instance of this vsup."""
+    return own_mark() + secrets.token_hex(6)
+
+
+def token_owner(token: str) -> tuple[int, int] | None:
+    """(pid, start time) of the vsup that handed out `token`; None if it is not one of ours."""
+    pid, _, rest = token.partition("-")
+    start, _, _ = rest.partition("-")
+    return (int(pid), int(start)) if pid.isdigit() and start.isdigit() else None
+
+
+def is_running(pid: int, start: int) -> bool:
+    """True while the process with this pid and start time exists and is not a zombie."""
+    st = read_stat(pid)
+    return st is not None and st.start == start and not st.zombie
+
+
+def read_token(pid: int) -> str | None:
+    """The VSUP_TREE token in the environment of `pid`, if it has one (and we may read it)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            environ = f.read()
+    except OSError:
+        return None
+    key = TOKEN_VAR.encode() + b"="
+    for entry in environ.split(b"\0"):
+        if entry.startswith(key):
+            return entry[len(key):].decode("utf-8", "replace")
+    return None
+
+
+def find_marked(prefix: str) -> dict[int, ProcStat]:
+    """Live processes of ours whose token starts with `prefix`, and all their descendants."""
+    everything = scan()
+    me, uid = os.getpid(), os.getuid()
+    roots = {
+        pid for pid, st in everything.items()
+        if pid not in (1, me) and not st.zombie and _owned_by(pid, uid) and (read_token(pid) or "").startswith(prefix)
+    }
+    return _with_descendants(roots, everything)
+
+
+def _with_descendants(roots: set[int], everything: dict[int, ProcStat]) -> dict[int, ProcStat]:
+    me = os.getpid()
+    children: dict[int, list[int]] = {}
+    for pid, st in everything.items():
+        children.setdefault(st.ppid, []).append(pid)
+    tree: dict[int, ProcStat] = {}
+    todo = list(roots)
+    while todo:
+        pid = todo.pop()
+        st = everything.get(pid)
+        if pid in tree or st is None or st.zombie or pid in (1, me):
+            continue
+        tree[pid] = st
+        todo.extend(children.get(pid, ()))
+    return tree
+
+
 def find_tree(leader: int, *, token: str | None = None, known: Mapping[int, int] | None = None) -> dict[int, ProcStat]:
     """Live (not zombie) processes of the instance whose leader pid / group / session is `leader`.
 
@@ -105,19 +175,7 @@ def find_tree(leader: int, *, token: str | None = None, known: Mapping[int, int]
             roots.add(pid)
         elif needle is not None and _owned_by(pid, uid) and _carries_token(pid, needle):
             roots.add(pid)
-    children: dict[int, list[int]] = {}
-    for pid, st in everything.items():
-        children.setdefault(st.ppid, []).append(pid)
-    tree: dict[int, ProcStat] = {}
-    todo = list(roots)
-    while todo:
-        pid = todo.pop()
-        st = everything.get(pid)
-        if pid in tree or st is None or st.zombie or pid in (1, me):
-            continue
-        tree[pid] = st
-        todo.extend(children.get(pid, ()))
-    return tree
+    return _with_descendants(roots, everything)
 
 
 def _owned_by(pid: int, uid: int) -> bool:
@@ -130,8 +188,7 @@ def _owned_by(pid: int, uid: int) -> bool:
 
 def alive(st: ProcStat) -> bool:
     """True while this very process (same start time) exists and is not a zombie."""
-    now = read_stat(st.pid)
-    return now is not None and now.start == st.start and not now.zombie
+    return is_running(st.pid, st.start)
 
 
 def signal_group(pgid: int, sig: int) -> bool:

@@ -9,8 +9,11 @@ The `Supervisor` owns the pieces and the wiring between them:
 - a tick loop sends WATCHDOG=1 (so a stuck loop stops pinging), keeps STATUS= current and extends
   systemd's start timeout while models load;
 - SIGTERM/SIGINT: STOPPING=1, the proxy drains, the instances stop in parallel (stop_tree with
-  stop.timeout each), exit 0. SIGHUP gives failed instances a new chance (config reload is not
-  supported: restart the service to apply a changed config).
+  stop.timeout each), exit 0. Each step is guarded: one that raises is logged and the next runs,
+  so the instances are always stopped (exit 1 then). SIGHUP gives failed instances a new chance
+  (config reload is not supported: restart the service to apply a changed config);
+- a state file in the runtime directory lets the next vsup clean up if this one is killed
+  (leftovers.py); the instances' processes and clock come from an `Operations` object.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Any
 
 import aiohttp
 
+from vsup.supervisor import leftovers
 from vsup.supervisor.backends import Backend, BackendPool
 from vsup.supervisor.config import VsupConfig
 from vsup.supervisor.control import ControlServer, control_socket_path
@@ -34,9 +38,11 @@ from vsup.supervisor.launch import build_command
 from vsup.supervisor.lifecycle import Instance, State, Transition
 from vsup.supervisor.logs import InstanceLog
 from vsup.supervisor.notify import Notifier
+from vsup.supervisor.operations import Operations, SystemOperations
 from vsup.supervisor.placement import pin_self, placement_drift, read_placement
-from vsup.supervisor.processes import become_subreaper, reap_orphans, stop_tree, sweep_stale_shm, tree_pids
+from vsup.supervisor.processes import Child, become_subreaper, reap_orphans, sweep_stale_shm, tree_pids
 from vsup.supervisor.proxy import ProxyServer
+from vsup.supervisor.rundir import prepare_runtime_dir
 from vsup.topology.cpulist import format_list
 from vsup.topology.plan_model import InstancePlan, Plan
 
@@ -61,19 +67,21 @@ class Supervisor:
         config_path: str | None = None,
         notifier: Notifier | None = None,
         environ: Mapping[str, str] = os.environ,
+        ops: Operations | None = None,
     ) -> None:
         self.config = config
         self.plan = plan
         self.config_path = config_path
         self.notifier = notifier or Notifier.from_env(environ)
         self.environ = dict(environ)
+        self.ops = ops  # None: SystemOperations over run()'s HTTP session
         self.pool = BackendPool(Backend(str(p.index), f"http://127.0.0.1:{p.port}") for p in plan.instances)
         self.instances: list[Instance] = []
         self.plans: dict[str, InstancePlan] = {str(p.index): p for p in plan.instances}
         self.placement: dict[str, list[str] | None] = {}  # name -> drift lines ([] ok, None not checked)
         self.proxy: ProxyServer | None = None
         self.control: ControlServer | None = None
-        self.started_at = time.monotonic()
+        self.started_at = self._now()
         self._stop_requested = asyncio.Event()
         self._stopping = False
         self._ready_sent = False
@@ -96,12 +104,15 @@ class Supervisor:
         if not become_subreaper():
             logger.warning("could not become a child subreaper; orphaned instance processes are reaped by init")
         self._sweep_shm("left by an earlier run")
+        state_file = self._write_state()
         session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, force_close=False),
             timeout=aiohttp.ClientTimeout(total=None),
         )
+        if self.ops is None:
+            self.ops = SystemOperations(session)
         try:
-            self._build_instances(session)
+            self._build_instances()
             api_key = self.environ.get("VSUP_API_KEY") or self.config.proxy.api_key
             self.proxy = ProxyServer(self.config.proxy, self.pool, api_key=api_key)
             await self.proxy.start()
@@ -125,7 +136,8 @@ class Supervisor:
                                  exc_info=task.exception())
                     code = 1
             waiter.cancel()
-            await self._shutdown(drivers)
+            if not await self._shutdown(drivers):
+                code = 1
             return code
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -133,16 +145,36 @@ class Supervisor:
             for task in self._tasks:
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
-            if self.proxy is not None:
-                await self.proxy.stop()  # no-op after the drain; closes it when startup failed later
+            # last resort, when run() itself was interrupted before the shutdown: no instance
+            # process outlives vsup's own stop
+            for inst in self.instances:
+                if inst.child is not None:
+                    await self._async_step(f"stopping instance {inst.name}'s processes",
+                                           self.ops.stop_tree(inst.child, self.config.stop.timeout))
+                    inst.child = None
+            if self.proxy is not None:  # no-op after the drain; closes it when startup failed later
+                await self._async_step("closing the proxy", self.proxy.stop())
             if self.control is not None:
-                await self.control.stop()
-            await session.close()
+                await self._async_step("removing the control socket", self.control.stop())
+            await self._async_step("closing the HTTP session", session.close())
             for log in self._logs:
-                log.close()
-            self.notifier.close()
+                self._step(f"closing the log {log.name}", log.close)
+            self._step("closing the sd_notify socket", self.notifier.close)
+            if state_file is not None and all(inst.child is None for inst in self.instances):
+                self._step("removing the state file", state_file.unlink, True)
 
-    def _build_instances(self, session: aiohttp.ClientSession) -> None:
+    def _write_state(self) -> Path | None:
+        """The state file that lets the next vsup clean up if this one is killed (leftovers.py)."""
+        try:
+            return leftovers.write_state(prepare_runtime_dir(self.environ), config=self.config_path,
+                                         proxy=f"{self.config.proxy.host}:{self.config.proxy.port}",
+                                         ports=[p.port for p in self.plan.instances])
+        except (VsupError, OSError) as exc:
+            logger.warning("cannot write the state file (%s): if this vsup is killed, the next one cannot "
+                           "clean up what it leaves running", exc)
+            return None
+
+    def _build_instances(self) -> None:
         log_config = self.config.log
         directory = log_config.dir if log_config.dir is not None else default_log_dir(self.environ)
         for plan in self.plan.instances:
@@ -153,7 +185,7 @@ class Supervisor:
             )
             self._logs.append(log)
             instance = Instance(plan.index, argv, env, port=plan.port, config=self.config, log=log,
-                                session=session, on_transition=self._on_transition)
+                                ops=self.ops, on_transition=self._on_transition)
             self.instances.append(instance)
             self.placement[instance.name] = None
 
@@ -170,25 +202,61 @@ class Supervisor:
             # once would spike memory together)
             await inst.wait_for(lambda inst=inst: self._stopping or (inst.starts >= 1 and inst.state is not State.STARTING))
 
-    async def _shutdown(self, drivers: list[asyncio.Task]) -> None:
+    async def _shutdown(self, drivers: list[asyncio.Task]) -> bool:
+        """Drain, then stop every instance. No step can skip the ones after it: an exception in
+        one is logged and the next runs (the instances are stopped whatever happened before).
+        Returns True when every step went through."""
         self._stopping = True
         drain = self.config.proxy.drain_timeout
-        stop_budget = drain + self.config.stop.timeout + 10
-        self.notifier.stopping(f"stopping: draining the proxy, then {len(self.instances)} instances")
-        self.notifier.extend_timeout(stop_budget)
+        ok = self._step("telling systemd", self._announce_stop, drain)
         logger.info("stopping: draining the proxy (up to %gs), then the instances (stop.timeout %gs each, in parallel)",
                     drain, self.config.stop.timeout)
         if self.proxy is not None:
-            await self.proxy.drain_and_stop(drain)
-        live = [inst for inst, task in zip(self.instances, drivers) if not task.done()]
-        # an instance whose driver crashed still has its processes: stop those directly
-        orphaned = [inst.child for inst, task in zip(self.instances, drivers) if task.done() and inst.child is not None]
-        await asyncio.gather(*(inst.stop() for inst in live),
-                             *(stop_tree(child, self.config.stop.timeout) for child in orphaned))
+            ok &= await self._async_step("draining the proxy", self.proxy.drain_and_stop(drain))
+        results = await asyncio.gather(*(self._stop_instance(inst, task) for inst, task in zip(self.instances, drivers)))
+        ok &= all(results)
         for task in drivers:
             task.cancel()
         await asyncio.gather(*drivers, return_exceptions=True)
-        logger.info("stopped after %.1fs", time.monotonic() - self.started_at)
+        logger.info("stopped after %.1fs", self._now() - self.started_at)
+        return ok
+
+    def _announce_stop(self, drain: float) -> None:
+        self.notifier.stopping(f"stopping: draining the proxy, then {len(self.instances)} instances")
+        self.notifier.extend_timeout(drain + self.config.stop.timeout + 10)
+
+    async def _stop_instance(self, inst: Instance, driver: asyncio.Task) -> bool:
+        """Stop one instance through its driver; if the driver is gone (crashed) or ends while
+        stopping, stop its processes directly. True when that went without an error."""
+        timeout = self.config.stop.timeout
+        if not driver.done():
+            stopping = asyncio.ensure_future(inst.stop())
+            await asyncio.wait({stopping, driver}, return_when=asyncio.FIRST_COMPLETED)
+            if stopping.done() and stopping.exception() is None:
+                return True
+            stopping.cancel()
+            logger.error("instance %s: stopping it through its driver did not finish; stopping its processes directly", inst.name)
+        if inst.child is None:
+            return driver.cancelled() or driver.exception() is None
+        return await self._async_step(f"stopping instance {inst.name}'s processes", self.ops.stop_tree(inst.child, timeout))
+
+    @staticmethod
+    def _step(what: str, function, *args) -> bool:
+        try:
+            function(*args)
+            return True
+        except Exception:
+            logger.exception("stopping: %s failed; going on with the next step", what)
+            return False
+
+    @staticmethod
+    async def _async_step(what: str, awaitable) -> bool:
+        try:
+            await awaitable
+            return True
+        except Exception:
+            logger.exception("stopping: %s failed; going on with the next step", what)
+            return False
 
     def _on_stop_signal(self, sig: int) -> None:
         if self._stop_requested.is_set():
@@ -236,7 +304,7 @@ class Supervisor:
     def _check_placement(self, inst: Instance) -> None:
         plan = self.plans[inst.name]
         launcher = self.plan.settings.launcher
-        if launcher == "none" or not plan.argv or inst.child is None:
+        if launcher == "none" or not plan.argv or not isinstance(inst.child, Child):
             return  # nothing was pinned, so nothing can drift
         # taskset pins CPUs only: memory placement is not part of such a plan
         nodes = plan.nodes if launcher == "numactl" and plan.nodes else None
@@ -288,7 +356,14 @@ class Supervisor:
                 self.notifier.extend_timeout(max(EXTEND_BY, 3 * interval))
             await asyncio.sleep(interval)
 
-    # ---- requests from the control endpoint --------------------------------------------------------
+    def _now(self) -> float:
+        return self.ops.now() if self.ops is not None else time.monotonic()
+
+    # ---- requests from the control endpoint (control.Controlled) ---------------------------------
+
+    @property
+    def instance_count(self) -> int:
+        return len(self.instances)
 
     def instance(self, index: int) -> Instance:
         if not 0 <= index < len(self.instances):
@@ -315,12 +390,15 @@ class Supervisor:
                 break
         return done
 
+    def instance_statuses(self, indices: list[int]) -> list[dict[str, Any]]:
+        return [self.instance_status(self.instance(i)) for i in indices]
+
     def status(self) -> dict[str, Any]:
         proxy = self.proxy
         return {
             "vsup": {
                 "pid": os.getpid(),
-                "uptime": round(time.monotonic() - self.started_at, 3),
+                "uptime": round(self._now() - self.started_at, 3),
                 "config": self.config_path,
                 "proxy": f"{self.config.proxy.host}:{proxy.port if proxy else self.config.proxy.port}",
                 "in_flight": proxy.total_in_flight() if proxy else 0,
@@ -333,10 +411,9 @@ class Supervisor:
         }
 
     def instance_status(self, inst: Instance) -> dict[str, Any]:
-        now = time.monotonic()
+        now = self._now()
         plan = self.plans[inst.name]
         drift = self.placement.get(inst.name)
-        running = inst.child is not None and inst.pid is not None
         in_flight = self.proxy.in_flight().get(inst.name, 0) if self.proxy else 0
         return {
             "index": inst.index,
@@ -345,7 +422,7 @@ class Supervisor:
             "port": inst.port,
             "cpus": list(plan.cpus),
             "nodes": list(plan.nodes),
-            "uptime": round(now - inst.child.started_at, 3) if running else None,
+            "uptime": round(now - inst.started_at, 3) if inst.pid is not None and inst.started_at is not None else None,
             "in_state_for": round(now - inst.since, 3),
             "restarts": inst.restarts,
             "last_exit": inst.last_exit,

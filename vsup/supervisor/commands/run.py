@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -66,8 +67,11 @@ def check_port_free(host: str, port: int, what: str) -> None:
         try:
             probe.bind((host, port))
         except OSError as exc:
-            raise VsupError(f"{what}: port {port} on {host} is not free ({exc.strerror}); "
-                            "stop what uses it or choose another port") from None
+            from vsup.supervisor.leftovers import describe_port_holder
+
+            holder = describe_port_holder(port) if exc.errno == errno.EADDRINUSE else None
+            raise VsupError(f"{what}: port {port} on {host} is not free ({exc.strerror})"
+                            + (f": {holder}" if holder else "") + "; stop what uses it or choose another port") from None
 
 
 @click.command("run")
@@ -83,6 +87,7 @@ def run_command(config_path: str, log_level: str | None, log_format: str, fsroot
     # the supervisor's modules (aiohttp, the proxy, psutil) load only when vsup really runs
     from vsup.supervisor.commands.preflight import checked_plan
     from vsup.supervisor.launch import build_command
+    from vsup.supervisor.leftovers import sweep as sweep_leftovers
     from vsup.supervisor.proxy.runloop import run
     from vsup.supervisor.supervisor import Supervisor
 
@@ -90,6 +95,9 @@ def run_command(config_path: str, log_level: str | None, log_format: str, fsroot
     config = load_config(config_path)
     setup_logging(log_level or config.log.level, log_format)
     _machine, plan = checked_plan(config, fsroot, os.environ, runs_here=True)
+    # what a killed vsup left running may hold the ports: stop it first (never a live vsup's)
+    sweep_leftovers(os.environ, config.stop.timeout)
+    check_port_free(config.proxy.host, config.proxy.port, "proxy.port")
     for inst in plan.instances:  # what this machine must have now, beyond the config checks
         argv, _env = build_command(inst, config, os.environ)
         check_programs(argv, len(inst.argv))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import json
+import os
 import logging
 
 import aiohttp
@@ -18,6 +19,7 @@ from aiohttp import web
 from vsup.supervisor.backends import Backend, BackendPool
 from vsup.supervisor.config import ProxyConfig
 from vsup.supervisor.errors import VsupError
+from vsup.supervisor.health import PROXY_HEADER
 from vsup.supervisor.proxy import aiohttp_internals, errors
 from vsup.supervisor.proxy.auth import BearerAuth
 from vsup.supervisor.proxy.balancer import make_balancer
@@ -51,6 +53,7 @@ class ProxyServer:
         self._port: int | None = None
         self.metrics = ProxyMetrics(self.in_flight, pool.states, pool.is_ready)
         self._own = {"/health": self._health, "/ready": self._ready, "/metrics": self._metrics}
+        self._pid = str(os.getpid())
         pool.subscribe(self._on_backend_change)
 
     # -- the contract --------------------------------------------------------------------------
@@ -171,7 +174,10 @@ class ProxyServer:
             return errors.not_found(path)
         if request.method not in ("GET", "HEAD"):
             return errors.error_response(405, f"{path} answers GET only", "invalid_request_error", "method_not_allowed", headers={"Allow": "GET"})
-        return await own(request)
+        response = await own(request)
+        # marks what the proxy answers itself: a health probe that reaches it is not talking to an instance
+        response.headers[PROXY_HEADER] = self._pid
+        return response
 
     async def _models(self) -> web.StreamResponse:
         if self.draining:

@@ -1,0 +1,145 @@
+"""Fakes for the lifecycle driver's seam (vsup/supervisor/operations.py) on a virtual clock.
+
+`VirtualClock` is time that moves only when every task is waiting on it (trio's autojump clock,
+by hand): `run_until(predicate)` lets the event loop settle, and while the predicate is false
+jumps to the earliest sleeper's deadline. A restart policy's 60 s delay or a 600 s startup
+timeout thus take microseconds, and the order of events is exact.
+
+`FakeOps` plays processes and /health: each spawned `FakeProcess` "loads" for `load_time`
+virtual seconds (its port refuses connections), then answers its `health` (200 by default,
+another status, or "hang": the probe runs into its timeout). The test makes a process exit with
+`process.exit(status)`. `stop_tree` takes `stop_time` virtual seconds and ends the process with
+SIGTERM's status unless it exited on its own meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import signal
+from collections.abc import Callable
+
+from vsup.supervisor.errors import VsupError
+from vsup.supervisor.health import HealthResult
+from vsup.supervisor.processes import StopReport
+
+SETTLE = 60  # event-loop turns that let every ready task run before the clock may move
+
+
+class VirtualClock:
+    def __init__(self) -> None:
+        self.time = 0.0
+        self._sleepers: list[tuple[float, int, asyncio.Future[None]]] = []
+        self._order = itertools.count()
+
+    def now(self) -> float:
+        return self.time
+
+    async def sleep(self, seconds: float) -> None:
+        future = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._sleepers, (self.time + max(0.0, seconds), next(self._order), future))
+        await future
+
+    async def settle(self) -> None:
+        for _ in range(SETTLE):
+            await asyncio.sleep(0)
+
+    async def run_until(self, predicate: Callable[[], bool], limit: float = 10_000.0, what: str = "condition") -> None:
+        """Run (jumping the clock) until predicate() holds; fails when nothing is left to wait
+        for or the virtual time passes `limit` seconds from now."""
+        end = self.time + limit
+        while True:
+            await self.settle()
+            if predicate():
+                return
+            if not self._jump(end):
+                raise AssertionError(f"{what} never happened (virtual time {self.time:g}s)")
+
+    async def advance(self, seconds: float) -> None:
+        """Let exactly `seconds` of virtual time pass, firing every sleeper due meanwhile."""
+        end = self.time + seconds
+        await self.settle()
+        while self._jump(end):
+            await self.settle()
+        self.time = end
+        await self.settle()
+
+    def _jump(self, end: float) -> bool:
+        while self._sleepers and self._sleepers[0][2].done():  # cancelled sleeps
+            heapq.heappop(self._sleepers)
+        if not self._sleepers or self._sleepers[0][0] > end:
+            return False
+        self.time = max(self.time, self._sleepers[0][0])
+        while self._sleepers and self._sleepers[0][0] <= self.time:
+            future = heapq.heappop(self._sleepers)[2]
+            if not future.done():
+                future.set_result(None)
+        return True
+
+
+class FakeProcess:
+    def __init__(self, pid: int, argv: list[str], started: float, load_time: float) -> None:
+        self.pid = pid
+        self.argv = argv
+        self.ready_at = started + load_time
+        self.health: int | str = 200
+        self._exit: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+    @property
+    def returncode(self) -> int | None:
+        return self._exit.result() if self._exit.done() else None
+
+    async def wait(self) -> int:
+        return await asyncio.shield(self._exit)
+
+    def exit(self, status: int) -> None:
+        if not self._exit.done():
+            self._exit.set_result(status)
+
+
+class FakeOps:
+    def __init__(self, clock: VirtualClock | None = None, *, load_time: float = 3.0, stop_time: float = 0.5) -> None:
+        self.clock = clock or VirtualClock()
+        self.load_time = load_time
+        self.stop_time = stop_time
+        self.spawn_error: str | None = None  # the next spawns fail with VsupError(this)
+        self.processes: list[FakeProcess] = []
+        self.stopped: list[int] = []  # pids stop_tree was called for, in order
+        self.probes = 0
+        self._pids = itertools.count(1000)
+
+    def now(self) -> float:
+        return self.clock.now()
+
+    async def sleep(self, seconds: float) -> None:
+        await self.clock.sleep(seconds)
+
+    @property
+    def current(self) -> FakeProcess | None:
+        return self.processes[-1] if self.processes else None
+
+    async def spawn(self, argv, env, log) -> FakeProcess:
+        if self.spawn_error is not None:
+            raise VsupError(self.spawn_error)
+        process = FakeProcess(next(self._pids), list(argv), self.now(), self.load_time)
+        self.processes.append(process)
+        return process
+
+    async def stop_tree(self, process: FakeProcess, timeout: float) -> StopReport:
+        began = self.now()
+        self.stopped.append(process.pid)
+        await self.clock.sleep(min(self.stop_time, timeout))
+        process.exit(-signal.SIGTERM)
+        return StopReport(graceful=True, exit_status=process.returncode, killed=[], escaped=[], shm_removed=[],
+                          duration=self.now() - began)
+
+    async def probe(self, url: str, timeout: float) -> HealthResult:
+        self.probes += 1
+        process = self.current
+        if process is None or process.returncode is not None or self.now() < process.ready_at:
+            return HealthResult(False, "cannot connect: connection refused")
+        if process.health == "hang":
+            await self.clock.sleep(timeout)
+            return HealthResult(False, f"timeout after {timeout:g}s")
+        return HealthResult(process.health == 200, f"HTTP {process.health}")

@@ -1,0 +1,405 @@
+"""The lifecycle driver (`lifecycle.Instance`) in-process, against fake operations on a virtual clock
+(tests/lifecycle_fakes.py): every transition path and the races between exits, intents and
+timers, each in milliseconds. The same driver runs real processes in tests/test_supervisor.py."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import pytest
+
+from tests.lifecycle_fakes import FakeOps
+from vsup.supervisor.config import VsupConfig
+from vsup.supervisor.lifecycle import (
+    AFTER_STOP,
+    ON_INTENT,
+    STARTUP_POLL,
+    TRANSITIONS,
+    Event,
+    Instance,
+    Intent,
+    State,
+    next_state,
+)
+
+pytestmark = pytest.mark.timeout(10)
+
+RESTART = {"initial_delay": 1.0, "max_delay": 8.0, "multiplier": 2.0, "jitter": 0.0, "stable_after": 100.0,
+           "crash_loop_failures": 50, "crash_loop_window": 600.0}
+HEALTH = {"interval": 5.0, "timeout": 2.0, "failures": 3, "startup_timeout": 60.0}
+
+
+def make_config(health=None, restart=None, stop_timeout: float = 10.0) -> VsupConfig:
+    return VsupConfig.model_validate({
+        "model": "m",
+        "health": {**HEALTH, **(health or {})},
+        "restart": {**RESTART, **(restart or {})},
+        "stop": {"timeout": stop_timeout},
+    })
+
+
+class Driven:
+    """One Instance over FakeOps, its task running; `path` is the list of (from, event, to)."""
+
+    def __init__(self, ops: FakeOps, config: VsupConfig) -> None:
+        self.ops = ops
+        self.clock = ops.clock
+        self.inst = Instance(0, ["vllm", "serve", "m"], {}, port=8100, config=config, log=None, ops=ops)
+        self.task = asyncio.create_task(self.inst.run())
+
+    @property
+    def path(self) -> list[tuple[str, str, str]]:
+        return [(t.old.value, t.event.value, t.new.value) for t in self.inst.history]
+
+    def events(self) -> list[str]:
+        return [t.event.value for t in self.inst.history]
+
+    async def until(self, predicate, what: str = "condition", limit: float = 10_000.0) -> None:
+        if self.task.done():
+            self.task.result()  # the driver crashed: show why
+        await self.clock.run_until(lambda: predicate() or self.task.done(), limit, what)
+        if self.task.done():
+            self.task.result()
+            raise AssertionError(f"the driver ended while waiting for {what}")
+
+    async def until_state(self, state: State, limit: float = 10_000.0) -> None:
+        await self.until(lambda: self.inst.state is state, f"state {state.value}", limit)
+
+    async def ready(self) -> None:
+        self.inst.start()
+        await self.until_state(State.READY)
+
+    async def close(self) -> None:
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+
+
+@pytest.fixture
+async def driven():
+    made: list[Driven] = []
+
+    def make(*, load_time: float = 3.0, stop_time: float = 0.5, **config) -> Driven:
+        d = Driven(FakeOps(load_time=load_time, stop_time=stop_time), make_config(**config))
+        made.append(d)
+        return d
+
+    yield make
+    for d in made:
+        await d.close()
+
+
+async def run_concurrently(d: Driven, coroutine) -> asyncio.Task:
+    """Start a request coroutine (restart(), stop()) beside the driver and let it take effect."""
+    task = asyncio.create_task(coroutine)
+    await d.clock.settle()
+    return task
+
+
+# ---- the tables ----------------------------------------------------------------------------------
+
+def test_every_waiting_state_knows_every_intent_and_each_reaction_is_a_valid_transition():
+    waiting = set(State) - {State.STOPPING}  # stopping finishes its tree stop first, then AFTER_STOP decides
+    assert set(ON_INTENT) == {(state, intent) for state in waiting for intent in Intent}
+    for (state, _), event in ON_INTENT.items():
+        if event is not None:
+            assert (state, event) in TRANSITIONS
+    for event in AFTER_STOP.values():
+        next_state(State.STOPPING, event)
+
+
+def test_intent_precedence_is_halt_then_restart_then_run():
+    assert Intent.HALT > Intent.RESTART > Intent.RUN
+
+
+async def test_a_stronger_intent_is_never_replaced_by_a_weaker(driven):
+    d = driven()
+    inst = d.inst
+    inst.ask(Intent.HALT)
+    inst.ask(Intent.RESTART)
+    inst.start()
+    assert inst.intent is Intent.HALT
+    await d.clock.settle()
+    assert inst.state is State.STOPPED and inst.starts == 0  # the halt won: nothing started
+
+
+# ---- starting --------------------------------------------------------------------------------------
+
+async def test_first_start_is_ready_only_once_health_answers(driven):
+    d = driven(load_time=3.0)
+    d.inst.start()
+    await d.until_state(State.STARTING)
+    assert d.inst.pid == d.ops.current.pid
+    await d.clock.advance(2.9)
+    assert d.inst.state is State.STARTING  # the port is still closed while the model loads
+    await d.until_state(State.READY)
+    assert d.path == [("stopped", "start", "starting"), ("starting", "healthy", "ready")]
+    ready = d.inst.history[-1]
+    assert 3.0 <= ready.at <= 3.0 + STARTUP_POLL and "/health 200" in ready.reason
+    assert d.ops.probes == pytest.approx(3.0 / STARTUP_POLL + 1, abs=1)  # polled every STARTUP_POLL s
+    assert d.inst.starts == 1 and d.inst.restarts == 0 and d.inst.last_exit is None
+
+
+async def test_start_while_running_changes_nothing(driven):
+    d = driven()
+    await d.ready()
+    d.inst.start()
+    await d.clock.advance(30)
+    assert d.inst.state is State.READY and d.inst.starts == 1 and d.inst.intent is None
+
+
+async def test_startup_timeout_stops_the_tree_and_backs_off(driven):
+    d = driven(load_time=1e9, health={"startup_timeout": 20})
+    d.inst.start()
+    await d.until_state(State.BACKOFF)
+    assert d.path == [("stopped", "start", "starting"), ("starting", "startup_timeout", "stopping"),
+                      ("stopping", "cleaned_up", "backoff")]
+    timed_out = d.inst.history[1]
+    assert timed_out.at == pytest.approx(20.0) and "startup timeout of 20s" in timed_out.reason
+    assert "connection refused" in timed_out.reason  # the last /health answer is named
+    assert d.ops.stopped == [d.ops.processes[0].pid]
+    assert d.inst.last_exit.startswith("not healthy after the startup timeout")
+
+
+async def test_exit_while_starting_is_a_failure_and_the_delay_doubles_up_to_the_cap(driven):
+    d = driven(load_time=1e9)
+    d.inst.start()
+    delays = []
+    for attempt in range(6):
+        await d.until(lambda a=attempt: len(d.ops.processes) == a + 1 and d.inst.state is State.STARTING, "a start")
+        await d.clock.advance(0.2)
+        d.ops.current.exit(3)
+        await d.until_state(State.BACKOFF)
+        delays.append(d.inst.next_start_at - d.clock.now())
+    assert delays == pytest.approx([1.0, 2.0, 4.0, 8.0, 8.0, 8.0])
+    assert d.inst.last_exit == "exited with code 3"
+    assert d.events().count("exited") == 6 and d.events().count("delay_over") == 5
+
+
+async def test_a_program_that_cannot_start_is_a_failure_without_a_tree_to_stop(driven):
+    d = driven()
+    d.ops.spawn_error = "cannot start 'vllm': program not found"
+    d.inst.start()
+    await d.until_state(State.BACKOFF)
+    assert d.path[1] == ("starting", "exited", "stopping")
+    assert d.inst.last_exit == "could not start: cannot start 'vllm': program not found"
+    assert d.ops.stopped == []  # nothing was started, nothing to stop
+    d.ops.spawn_error = None
+    await d.until_state(State.READY)  # the next start, after the delay, works
+
+
+# ---- ready ------------------------------------------------------------------------------------------
+
+async def test_exit_of_a_ready_instance_restarts_it_after_the_backoff(driven):
+    d = driven()
+    await d.ready()
+    first = d.ops.current
+    first.exit(-signal.SIGKILL)
+    await d.until_state(State.STOPPING)
+    assert d.inst.state is State.STOPPING  # out of rotation at once, not at the next poll
+    await d.until(lambda: d.inst.state is State.READY and d.ops.current is not first, "ready again")
+    assert d.path[2:] == [("ready", "exited", "stopping"), ("stopping", "cleaned_up", "backoff"),
+                          ("backoff", "delay_over", "starting"), ("starting", "healthy", "ready")]
+    assert d.ops.stopped == [first.pid]  # the orphans of a dead leader are swept too
+    assert d.inst.restarts == 1 and d.inst.last_exit.startswith("killed by SIGKILL")
+
+
+@pytest.mark.parametrize("answer, detail", [(500, "HTTP 500"), ("hang", "timeout after 2s")])
+async def test_failed_polls_in_a_row_make_it_unhealthy_and_it_is_restarted(driven, answer, detail):
+    d = driven()
+    await d.ready()
+    sick = d.ops.current
+    sick.health = answer
+    cycle = HEALTH["interval"] + (HEALTH["timeout"] if answer == "hang" else 0)  # sleep, then the probe
+    await d.clock.advance(2 * cycle + 1)  # two failed polls ...
+    assert d.inst.health_failures == 2 and d.inst.state is State.READY
+    sick.health = 200
+    await d.clock.advance(cycle + 1)  # ... one good one resets the count
+    assert d.inst.health_failures == 0 and d.inst.state is State.READY
+    sick.health = answer
+    await d.until(lambda: d.inst.state is State.READY and d.ops.current is not sick, "restarted")
+    assert d.path[2:5] == [("ready", "unhealthy", "unhealthy"), ("unhealthy", "stop", "stopping"),
+                           ("stopping", "cleaned_up", "backoff")]
+    unhealthy = d.inst.history[2]
+    assert detail in unhealthy.reason and "3 failed /health polls" in unhealthy.reason
+    assert d.inst.history[3].reason == "restarting the unhealthy instance"
+    assert d.ops.stopped == [sick.pid]
+    assert d.inst.last_exit.startswith("unhealthy: 3 failed")
+
+
+# ---- restart policy: crash loop and stable reset ---------------------------------------------------
+
+async def test_failures_within_the_crash_loop_window_fail_the_instance_until_asked(driven):
+    d = driven(load_time=0.5, restart={"crash_loop_failures": 3, "crash_loop_window": 30.0})
+    d.inst.start()
+    for _ in range(3):
+        await d.until(lambda: d.inst.state is State.READY, "ready")
+        d.ops.current.exit(1)
+        await d.until(lambda: d.inst.state in (State.BACKOFF, State.FAILED), "handled")
+    assert d.inst.state is State.FAILED
+    assert d.path[-1] == ("stopping", "crash_loop", "failed")
+    assert "3 failures within 30s" in d.inst.history[-1].reason
+    await d.clock.advance(1000)
+    assert d.inst.state is State.FAILED and d.inst.starts == 3  # stays down on its own
+    d.inst.start()  # SIGHUP / `vsup restart`: a new chance, with a clean count
+    await d.until_state(State.READY)
+    assert d.inst.history[-2].reason == "restart requested: a new chance after the crash loop"
+    assert d.inst.policy.attempt == 0
+
+
+async def test_failures_spread_wider_than_the_window_never_make_a_crash_loop(driven):
+    d = driven(load_time=0.5, restart={"crash_loop_failures": 3, "crash_loop_window": 30.0, "stable_after": 1e6})
+    d.inst.start()
+    for _ in range(6):
+        await d.until(lambda: d.inst.state is State.READY, "ready")
+        await d.clock.advance(20)  # each run lives 20 s: two failures at most in any 30 s
+        d.ops.current.exit(1)
+        await d.until_state(State.BACKOFF)
+    assert State.FAILED.value not in [to for _, _, to in d.path]
+
+
+async def test_a_stable_run_resets_the_backoff_and_the_crash_count(driven):
+    d = driven(load_time=0.5, restart={"stable_after": 100.0})
+    d.inst.start()
+    for _ in range(3):  # three quick failures: the delay grows to 4 s
+        await d.until(lambda: d.inst.state is State.READY, "ready")
+        d.ops.current.exit(1)
+        await d.until_state(State.BACKOFF)
+    assert d.inst.next_start_at - d.clock.now() == pytest.approx(4.0) and d.inst.policy.attempt == 3
+    await d.until_state(State.READY)
+    await d.clock.advance(99)  # not yet stable
+    d.ops.current.exit(1)
+    await d.until_state(State.BACKOFF)
+    assert d.inst.next_start_at - d.clock.now() == pytest.approx(8.0) and d.inst.policy.attempt == 4
+    await d.until_state(State.READY)
+    await d.clock.advance(100)  # stable
+    d.ops.current.exit(1)
+    await d.until_state(State.BACKOFF)
+    assert d.inst.next_start_at - d.clock.now() == pytest.approx(1.0) and d.inst.policy.attempt == 1
+
+
+# ---- requests and races ----------------------------------------------------------------------------
+
+async def test_restart_of_a_ready_instance_starts_it_again_at_once(driven):
+    d = driven()
+    await d.ready()
+    old = d.ops.current
+    waiter = await run_concurrently(d, d.inst.restart())
+    await d.until(waiter.done, "restart done")
+    assert waiter.result() is State.READY
+    assert d.path[2:] == [("ready", "stop", "stopping"), ("stopping", "restart", "starting"),
+                          ("starting", "healthy", "ready")]
+    assert d.inst.history[2].reason == "restart requested"
+    assert d.ops.stopped == [old.pid] and d.ops.current is not old
+    assert d.inst.last_exit == "stopped on request (killed by SIGTERM)"
+    assert d.inst.policy.attempt == 0  # a requested restart is not a failure
+
+
+async def test_restart_during_starting_stops_the_loading_process_and_starts_a_new_one(driven):
+    d = driven(load_time=30)
+    d.inst.start()
+    await d.until_state(State.STARTING)
+    loading = d.ops.current
+    await d.clock.advance(10)
+    waiter = await run_concurrently(d, d.inst.restart())
+    await d.until(waiter.done, "restart done")
+    assert waiter.result() is State.READY
+    assert d.path[1:3] == [("starting", "stop", "stopping"), ("stopping", "restart", "starting")]
+    assert d.ops.stopped == [loading.pid] and len(d.ops.processes) == 2 and d.inst.starts == 2
+
+
+async def test_restart_during_backoff_skips_the_rest_of_the_delay(driven):
+    d = driven(restart={"initial_delay": 50.0})
+    await d.ready()
+    d.ops.current.exit(1)
+    await d.until_state(State.BACKOFF)
+    waiter = await run_concurrently(d, d.inst.restart())
+    await d.until(waiter.done, "restart done", limit=20)
+    assert d.path[4] == ("backoff", "start", "starting")
+    assert d.inst.history[4].reason == "restart requested: skipping the rest of the backoff delay"
+
+
+async def test_stop_during_backoff_stops_without_starting_again(driven):
+    d = driven()
+    await d.ready()
+    d.ops.current.exit(1)
+    await d.until_state(State.BACKOFF)
+    stopper = await run_concurrently(d, d.inst.stop())
+    await d.until(stopper.done, "stopped")
+    assert d.path[-1] == ("backoff", "stop", "stopped")
+    await d.clock.advance(1000)
+    assert d.inst.state is State.STOPPED and len(d.ops.processes) == 1
+
+
+@pytest.mark.parametrize("state", [State.STARTING, State.READY, State.FAILED, State.STOPPED])
+async def test_stop_from_each_state_ends_stopped(driven, state):
+    d = driven(load_time=5, restart={"crash_loop_failures": 1})
+    if state is not State.STOPPED:
+        d.inst.start()
+        await d.until_state(State.STARTING)
+        if state is State.FAILED:
+            d.ops.current.exit(1)
+        await d.until_state(state)
+    stopper = await run_concurrently(d, d.inst.stop())
+    await d.until(stopper.done, "stopped")
+    assert d.inst.state is State.STOPPED and d.inst.intent is None and d.inst.pid is None
+    if state in (State.STARTING, State.READY):
+        assert d.path[-2:] == [(state.value, "stop", "stopping"), ("stopping", "halted", "stopped")]
+        assert d.ops.stopped == [d.ops.current.pid]
+
+
+async def test_halt_beats_a_restart_in_progress(driven):
+    d = driven(stop_time=5.0)
+    await d.ready()
+    restarting = await run_concurrently(d, d.inst.restart())
+    assert d.inst.state is State.STOPPING  # the tree stop of the restart is under way ...
+    stopper = await run_concurrently(d, d.inst.stop())  # ... when the shutdown comes
+    await d.until(lambda: stopper.done() and restarting.done(), "both answered")
+    assert restarting.result() is State.STOPPED  # the restart's waiter is told, not left hanging
+    assert d.path[-1] == ("stopping", "halted", "stopped") and len(d.ops.processes) == 1
+    d.inst.ask(Intent.RESTART)  # after the halt a new request is honoured again
+    await d.until_state(State.READY)
+
+
+async def test_a_restart_cannot_undo_a_pending_halt(driven):
+    d = driven(stop_time=5.0)
+    await d.ready()
+    stopper = await run_concurrently(d, d.inst.stop())
+    restarting = await run_concurrently(d, d.inst.restart())
+    await d.until(lambda: stopper.done() and restarting.done(), "both answered")
+    assert d.inst.state is State.STOPPED and restarting.result() is State.STOPPED
+    assert len(d.ops.processes) == 1
+
+
+async def test_exit_during_the_stop_is_no_second_event(driven):
+    d = driven(stop_time=8.0)
+    await d.ready()
+    stopper = await run_concurrently(d, d.inst.stop())
+    await d.clock.advance(1)
+    d.ops.current.exit(0)  # the process goes by itself while stop_tree waits for it
+    await d.until(stopper.done, "stopped")
+    assert d.path[-2:] == [("ready", "stop", "stopping"), ("stopping", "halted", "stopped")]
+    assert d.inst.last_exit == "stopped on request (exited with code 0 (vLLM exits 0 when its engine dies))"
+
+
+async def test_an_exit_and_a_restart_at_the_same_moment_the_exit_is_seen_first(driven):
+    d = driven()
+    await d.ready()
+    d.ops.current.exit(-signal.SIGKILL)
+    d.inst.ask(Intent.RESTART)
+    await d.until(lambda: d.inst.state is State.READY and d.inst.starts == 2, "restarted")
+    assert d.path[2:4] == [("ready", "exited", "stopping"), ("stopping", "restart", "starting")]
+    assert d.inst.last_exit.startswith("killed by SIGKILL")  # the failure stays the reason
+    assert State.BACKOFF.value not in [to for _, _, to in d.path]  # asked for: no backoff
+
+
+@pytest.mark.parametrize("intent, ends", [(Intent.HALT, ("stopping", "halted", "stopped")),
+                                         (Intent.RESTART, ("stopping", "restart", "starting"))])
+async def test_an_intent_arriving_with_unhealthy_decides_how_the_stop_ends(driven, intent, ends):
+    d = driven()
+    await d.ready()
+    d.inst.subscribe(lambda inst, t: t.new is State.UNHEALTHY and inst.ask(intent))
+    d.ops.current.health = 500
+    await d.until(lambda: len(d.path) >= 5, "the stop ended")
+    assert d.path[2:5] == [("ready", "unhealthy", "unhealthy"), ("unhealthy", "stop", "stopping"), ends]
+    assert d.inst.last_exit.startswith("unhealthy")  # it failed: that stays the reason

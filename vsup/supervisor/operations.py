@@ -1,0 +1,80 @@
+"""The lifecycle driver's seam: everything an `Instance` does to the world, in one small object.
+
+The driver (vsup/supervisor/lifecycle.py) never starts a process, sends a signal, opens a socket
+or reads a clock itself; it asks an `Operations` object — the role of supervisord's `options`
+object and of trio's `deliver_cancel` parameter. `SystemOperations` is the real one (processes.py,
+a /health GET, the monotonic clock); the unit tests pass fakes on a virtual clock, so every
+transition and race runs in-process in milliseconds.
+
+Five operations, and no more: a new lifecycle feature (warm-up, drain, reload) is a new state or
+intent in the driver built from these, not a new hook here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Protocol
+
+from vsup.supervisor.health import HealthResult, probe_health
+from vsup.supervisor.processes import Child, StopReport, spawn, stop_tree
+
+if TYPE_CHECKING:
+    import aiohttp
+
+    from vsup.supervisor.logs import InstanceLog
+
+
+class Process(Protocol):
+    """A started instance process, as the driver sees it."""
+
+    pid: int
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit status once the process has exited (negative: killed by that signal)."""
+
+    async def wait(self) -> int:
+        """Wait for the exit; cancelling a waiter must not disturb the process or other waiters."""
+
+
+class Operations(Protocol):
+    def now(self) -> float:
+        """Seconds on a monotonic clock."""
+
+    async def sleep(self, seconds: float) -> None:
+        """Sleep on the same clock as `now`."""
+
+    async def spawn(self, argv: list[str], env: dict[str, str], log: InstanceLog) -> Process:
+        """Start the instance's command; VsupError (one line) when it cannot be started."""
+
+    async def stop_tree(self, process: Process, timeout: float) -> StopReport:
+        """Stop the whole process tree (SIGTERM, `timeout` of grace, SIGKILL, sweep, /dev/shm);
+        also when the process has already exited."""
+
+    async def probe(self, url: str, timeout: float) -> HealthResult:
+        """One readiness/health probe of the instance at `url`, bounded by `timeout`; an answer
+        that is not the instance's own (a vsup proxy's) is a failure."""
+
+
+class SystemOperations:
+    """The real world: child processes, /health over HTTP, time.monotonic."""
+
+    def __init__(self, session: aiohttp.ClientSession) -> None:
+        self.session = session
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+    async def spawn(self, argv: list[str], env: dict[str, str], log: InstanceLog) -> Child:
+        return await spawn(argv, env, log=log)
+
+    async def stop_tree(self, process: Process, timeout: float) -> StopReport:
+        assert isinstance(process, Child), process
+        return await stop_tree(process, timeout)
+
+    async def probe(self, url: str, timeout: float) -> HealthResult:
+        return await probe_health(self.session, url, timeout, expect_instance=True)

@@ -1,0 +1,48 @@
+"""Where a running vsup keeps its files: its state file and, by default, its control socket.
+
+Under systemd (`RuntimeDirectory=vsup`) that is `$RUNTIME_DIRECTORY` (/run/vsup). Elsewhere it is
+a private directory of the user, `$TMPDIR/vsup-<uid>` or `/tmp/vsup-<uid>`, mode 0700 and checked
+on every use: in a shared /tmp another user could have created it first.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Mapping
+from pathlib import Path
+
+from vsup.supervisor.errors import VsupError
+
+
+def private_dir(environ: Mapping[str, str] = os.environ) -> Path:
+    return Path(environ.get("TMPDIR") or "/tmp") / f"vsup-{os.getuid()}"
+
+
+def systemd_dir(environ: Mapping[str, str] = os.environ) -> Path | None:
+    """`$RUNTIME_DIRECTORY` (its first directory) under systemd, else None."""
+    runtime = environ.get("RUNTIME_DIRECTORY", "").split(":")[0]
+    return Path(runtime) if runtime else None
+
+
+def runtime_dir(environ: Mapping[str, str] = os.environ) -> Path:
+    return systemd_dir(environ) or private_dir(environ)
+
+
+def ensure_private(directory: Path, what: str, alternative: str) -> None:
+    """Create the private directory if needed; VsupError if it is not ours alone."""
+    directory.mkdir(mode=0o700, parents=False, exist_ok=True)
+    info = directory.lstat()
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise VsupError(f"{what} directory {directory} is not a private directory of this user "
+                        f"(mode 0700, owned by us); remove it or {alternative}")
+
+
+def prepare_runtime_dir(environ: Mapping[str, str] = os.environ) -> Path:
+    """The runtime directory, created (private) or checked (systemd's); VsupError naming it."""
+    directory = runtime_dir(environ)
+    if directory == private_dir(environ):
+        ensure_private(directory, "runtime", "point TMPDIR elsewhere")
+    elif not directory.is_dir():
+        raise VsupError(f"RUNTIME_DIRECTORY {str(directory)!r} does not exist")
+    return directory
