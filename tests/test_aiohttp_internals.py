@@ -1,14 +1,18 @@
 """The aiohttp internals the proxy relies on: the installed aiohttp matches them, the pin in
-pyproject.toml is the range the check enforces, and a mismatch is one clear error."""
+pyproject.toml is the range the check enforces, a mismatch is one clear error, and each internal
+still behaves as the proxy needs on the wire (these fail loudly when an aiohttp upgrade changes one)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import re
 import tomllib
 from pathlib import Path
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from vsup.supervisor.errors import VsupError
 from vsup.supervisor.proxy import aiohttp_internals
@@ -37,3 +41,75 @@ def test_the_refusal_names_what_to_install(monkeypatch):
     monkeypatch.setattr(aiohttp_internals, "problems", lambda: ["aiohttp 3.15.0 is outside the tested range aiohttp>=3.9,<3.15"])
     with pytest.raises(VsupError, match=r"pip install 'aiohttp>=3\.9,<3\.15'"):
         aiohttp_internals.check()
+
+
+# ---------------------------------------------------------------------------------- on the wire
+# The shape checks above see names; these see behaviour: a real round trip through a tiny
+# aiohttp web.Server built the way the proxy builds it, read byte for byte by a raw socket.
+
+
+@contextlib.asynccontextmanager
+async def tiny_server(handler):
+    loop = asyncio.get_running_loop()
+    server = web.Server(handler, request_factory=aiohttp_internals.make_request_factory(loop, 1024), access_log=None)
+    runner = web.ServerRunner(server)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield runner.addresses[0][1]
+    finally:
+        await runner.cleanup()
+
+
+async def raw_exchange(port: int, request: bytes) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(request)
+    await writer.drain()
+    try:
+        return await asyncio.wait_for(reader.read(), 5)  # the handlers below close after one response
+    finally:
+        writer.close()
+
+
+async def stream_through_a_body_sink(request: web.BaseRequest) -> web.StreamResponse:
+    assert request.content_length == 2 and await request.read() == b"{}"  # the factory's request works
+    out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    out.force_close()
+    await out.prepare(request)
+    sink = aiohttp_internals.BodySink.of(request)
+    assert sink is not None
+    assert sink.write(b"data: one\n\n") is False  # far below the high-water mark
+    sink.write(b"data: two\n\n")
+    await sink.drain()
+    await out.write_eof()
+    return out
+
+
+async def test_a_body_sink_frames_chunks_the_way_aiohttp_ends_them():
+    async with tiny_server(stream_through_a_body_sink) as port:
+        answer = await raw_exchange(port, b"POST /s HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 OK\r\n") and b"Transfer-Encoding: chunked" in head, head
+    assert body == b"b\r\ndata: one\n\n\r\nb\r\ndata: two\n\n\r\n0\r\n\r\n", body
+
+
+async def test_a_body_sink_writes_plain_bytes_to_an_http_1_0_client():
+    async with tiny_server(stream_through_a_body_sink) as port:
+        answer = await raw_exchange(port, b"POST /s HTTP/1.0\r\nContent-Length: 2\r\n\r\n{}")
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert b"Transfer-Encoding" not in head, head
+    assert body == b"data: one\n\ndata: two\n\n", body
+
+
+async def test_a_body_sink_is_none_once_the_client_left():
+    seen = []
+
+    async def handler(request):
+        request.transport.close()
+        seen.append(aiohttp_internals.BodySink.of(request))
+        return web.Response()
+
+    async with tiny_server(handler) as port:
+        await raw_exchange(port, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert seen == [None]

@@ -3,7 +3,8 @@
 - `web.BaseRequest` is built positionally by our request factory (server.py): the low-level
   `web.Server` gives the factory (message, payload, protocol, writer, task) and we add the loop.
 - Streamed bodies are written straight to `request.transport`, framed by hand when
-  `request.writer.chunked` says the response is chunked (upstream.py's relay, forward.py).
+  `request.writer.chunked` says the response is chunked (BodySink, below; fed by upstream.py's
+  relay), and ended with `StreamResponse.write_eof()`, whose last chunk must match that framing.
 
 Neither is public API, so the range of aiohttp versions vsup is tested with is pinned in
 pyproject.toml (SUPPORTED below is the same range) and `check()` refuses to start the proxy
@@ -52,6 +53,44 @@ def check() -> None:
             "the proxy relies on aiohttp internals and cannot run with this aiohttp: "
             + "; ".join(found) + f". Install a tested one: pip install '{REQUIREMENT}'"
         )
+
+
+# Pause relaying from an instance while the client's socket has this much unsent.
+CLIENT_HIGH_WATER = 256 * 1024
+
+
+class BodySink:
+    """The body of a prepared StreamResponse, written straight to the client's transport: from the
+    upstream socket's data callback, with no task switch and no `await` per piece (what
+    StreamResponse.write would cost on every streamed token). Framed as HTTP/1.1 chunks when
+    aiohttp chose chunked encoding for the response (`request.writer.chunked`), so that
+    `StreamResponse.write_eof()` ends it correctly."""
+
+    __slots__ = ("_transport", "_chunked", "drain")
+
+    def __init__(self, transport, chunked: bool, drain) -> None:
+        self._transport = transport
+        self._chunked = chunked
+        self.drain = drain  # waits until the client's buffer is below aiohttp's low-water mark
+
+    @classmethod
+    def of(cls, request: web.BaseRequest) -> "BodySink | None":
+        """The sink of a request whose response is prepared; None when the client already left."""
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            return None
+        writer = request.writer
+        return cls(transport, writer.chunked, writer.drain)
+
+    def write(self, data: bytes) -> bool:
+        """Send one piece; True when the client reads slower than we write (the caller should
+        stop reading upstream until `await drain()`). A client already gone is a no-op: its
+        handler is being cancelled."""
+        transport = self._transport
+        if transport.is_closing():
+            return False
+        transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data)
+        return transport.get_write_buffer_size() > CLIENT_HIGH_WATER
 
 
 def make_request_factory(loop, max_body_bytes: int):

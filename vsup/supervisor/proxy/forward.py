@@ -29,6 +29,7 @@ from multidict import CIMultiDict
 from vsup.supervisor.backends import Backend, BackendPool
 from vsup.supervisor.config import ProxyConfig
 from vsup.supervisor.proxy import errors
+from vsup.supervisor.proxy.aiohttp_internals import BodySink
 from vsup.supervisor.proxy.errors import RETRY_AFTER_SECONDS
 from vsup.supervisor.proxy.metrics import ProxyMetrics, route_label
 from vsup.supervisor.proxy.upstream import ConnectFailed, StaleConnection, UpstreamBroken, UpstreamClient, UpstreamResponse
@@ -445,12 +446,16 @@ class Forwarder:
         exchange.idle_limit = self.config.idle_timeout
         try:
             await out.prepare(request)
-            transport = request.transport
-            if transport is None:  # the client left before its headers went out
+            sink = BodySink.of(request)
+            if sink is None:  # the client left before its headers went out
                 self.metrics.disconnect("streaming")
                 return out
-            writer = request.writer
-            await upstream.relay(transport, writer.chunked, writer.drain, exchange)
+            await upstream.relay(sink, exchange)
+            if exchange.first_data_at is not None:
+                self.metrics.ttfb(True, exchange.first_data_at - exchange.sent_at)
+            self.metrics.duration(True, time.monotonic() - started)
+            # A client that leaves after the last piece makes this raise too (it is no error of ours).
+            await out.write_eof()
         except asyncio.CancelledError:
             if exchange.reason is None:
                 raise  # the client went away
@@ -462,11 +467,6 @@ class Forwarder:
             return await self._end_stream(request, out, sse, backend, f"instance {backend.name} failed mid-stream: {exc}")
         except ConnectionResetError:  # our write to the client failed: it is gone
             self.metrics.disconnect("streaming")
-            return out
-        if exchange.first_data_at is not None:
-            self.metrics.ttfb(True, exchange.first_data_at - exchange.sent_at)
-        self.metrics.duration(True, time.monotonic() - started)
-        await out.write_eof()
         return out
 
     def _abort_message(self, exchange: Exchange, backend: Backend) -> str:
