@@ -145,16 +145,27 @@ async def test_instance_dying_mid_stream_ends_with_an_error_event():
         dying.cleanup()
 
 
-async def test_instance_dying_during_a_non_streaming_request_is_502():
-    [dying] = start_fakes(["d"], env={"FAKE_VLLM_CRASH_AFTER": "1", "FAKE_VLLM_CRASH_MID_STREAM": "1"})
+async def test_instance_dying_during_a_non_streaming_request():
+    # It dies before sending a byte (a non-streaming answer comes at the end): nothing it started
+    # can reach the client, so another instance answers; with none left, 503 + Retry-After.
+    crashing = {"FAKE_VLLM_CRASH_AFTER": "1", "FAKE_VLLM_CRASH_MID_STREAM": "1"}
+    [dying] = start_fakes(["d"], env=crashing)
+    [other] = start_fakes(["o"])
     try:
         async with running_proxy(ready_pool([dying])) as proxy:
             with pytest.raises(openai.APIStatusError) as caught:
                 await client(proxy).chat.completions.create(**CHAT, max_tokens=20)
-            assert caught.value.status_code == 502
-            assert caught.value.body["type"] == "upstream_error"
+            assert caught.value.status_code == 503 and caught.value.response.headers["Retry-After"] == "1"
+            assert "instance d: the instance closed the connection" in caught.value.message
+        dying.cleanup()
+        [dying] = start_fakes(["d"], env=crashing)
+        async with running_proxy(ready_pool([dying, other])) as proxy:
+            raw = await client(proxy).chat.completions.with_raw_response.create(**CHAT, max_tokens=20)
+            assert raw.headers["x-fake-instance"] == "o"
+            assert metric_value(await metrics_text(proxy), "vsup_proxy_retries_total", reason="gone") == 1
     finally:
         dying.cleanup()
+        other.cleanup()
 
 
 async def test_idle_timeout_ends_the_stream_with_an_error_event(fake):

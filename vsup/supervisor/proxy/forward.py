@@ -47,6 +47,15 @@ _PROXY_PREFIX = b"proxy-"
 # How long a connection broken before its first byte waits for the supervisor to report the
 # instance's exit (milliseconds in practice; generous for a loaded machine).
 GONE_GRACE = 1.0
+# Meanwhile, how often the instance's port is tried (refused: the process is gone).
+GONE_PROBE_PERIOD = 0.1
+# Passive ejection: an instance the proxy could not reach (connect refused, reset or timed out;
+# a connection broken before any byte with nothing listening any more) leaves the rotation for
+# at most this long; its owner's next "ready" (health check, restart) brings it back sooner.
+# nginx's fail_timeout default. Would be proxy.eject_seconds if it ever needs tuning.
+EJECT_SECONDS = 10.0
+# Retry reasons that mean "this instance cannot be reached" (and so was ejected).
+_UNREACHABLE = frozenset({"connect", "gone"})
 # Longest period of the timeout watchdog (shorter when a configured timeout is very short).
 WATCHDOG_TICK = 0.1
 
@@ -327,6 +336,7 @@ class Forwarder:
         tried: list[str] = []
         fallback: web.Response | None = None  # what to answer if every attempt fails
         reason: str | None = None
+        unreachable: list[str] = []  # why each ejected instance could not be reached
         backend: Backend | None = None
         while True:
             last = backend
@@ -337,6 +347,8 @@ class Forwarder:
                 # reaches a live server or is refused.
                 backend = last
             if backend is None:
+                if reason in _UNREACHABLE:
+                    return errors.no_reachable_instance(unreachable), ""  # 503: none left to try
                 if fallback is not None:
                     return fallback, tried[-1]
                 return errors.no_ready_instance(), ""
@@ -353,13 +365,20 @@ class Forwarder:
                     del self.in_flight[name]
             if isinstance(outcome, web.StreamResponse):
                 return outcome, name
-            fallback, reason = outcome
-            if reason is None or len(tried) > self.config.retries:
+            fallback, reason, why = outcome
+            if reason in _UNREACHABLE:
+                unreachable.append(f"instance {name}: {why}")
+            if reason is None:
+                return fallback, name
+            if len(tried) > self.config.retries:
+                if reason in _UNREACHABLE and not self.pool.ready():
+                    return errors.no_reachable_instance(unreachable), ""
                 return fallback, name
             self.metrics.retry(reason)
 
     async def _attempt(self, request, exchange: Exchange, backend: Backend, target: bytes, body: bytes, headers: bytes):
-        """One try on one instance: a response for the client, or (fallback, reason) to retry."""
+        """One try on one instance: a response for the client, or (fallback, reason, why): what
+        to answer if nothing better comes, why to retry (None: do not) and what went wrong."""
         exchange.phase = "queued"  # until a connection to the instance is ours
         loop = self.loop
         exchange.arm(self.config.first_byte_timeout, "proxy.first_byte_timeout", loop.time())
@@ -374,25 +393,21 @@ class Forwarder:
                 upstream = await self.client.send(conn, request.method, target, headers, body)
             except ConnectFailed as exc:
                 self.metrics.upstream_error(backend.name, "connect")
-                log.warning("instance %s: %s", backend.name, exc)
-                return errors.bad_gateway(f"instance {backend.name}: {exc}"), "connect"
+                self._eject(backend, str(exc))
+                return errors.bad_gateway(f"instance {backend.name}: {exc}"), "connect", str(exc)
             except StaleConnection as exc:
                 # The request met a dead or closing socket, not a live server: as safe to retry as
                 # a refused connect. The other idle connections to that process are likely stale too.
                 self.client.close_idle(backend.url)
                 self.metrics.upstream_error(backend.name, "stale")
                 log.warning("instance %s: %s", backend.name, exc)
-                return errors.bad_gateway(f"instance {backend.name} failed before answering: {exc}"), "stale"
+                return errors.bad_gateway(f"instance {backend.name} failed before answering: {exc}"), "stale", str(exc)
             except UpstreamBroken as exc:
                 self.metrics.upstream_error(backend.name, "broken")
-                # Broken before any byte: if the instance's process died (a kill -9 tears down its
-                # listening socket, resetting connections it had queued, a moment before the
-                # supervisor sees the exit), nothing from it can reach any client and another
-                # instance may answer. Give the supervisor GONE_GRACE to say so; an instance still
-                # in the rotation after that stays a 502 (it may be generating).
-                gone = await self.pool.wait_not_ready(backend.name, GONE_GRACE)
-                retry = "gone" if gone else None
-                return errors.bad_gateway(f"instance {backend.name} failed before answering: {exc}"), retry
+                failed = errors.bad_gateway(f"instance {backend.name} failed before answering: {exc}")
+                if await self._gone(backend, exc):
+                    return failed, "gone", f"{exc}; nothing listens on its port any more"
+                return failed, None, str(exc)
 
             if upstream.status == 503:
                 # vLLM says it cannot take the request now (e.g. shutting down): try another.
@@ -403,7 +418,7 @@ class Forwarder:
                 self.metrics.upstream_error(backend.name, "503")
                 relayed = web.Response(status=503, body=content, headers=response_headers(upstream.raw_headers))
                 relayed.headers.setdefault("Retry-After", str(RETRY_AFTER_SECONDS))
-                return relayed, "503"
+                return relayed, "503", "503 from the instance"
 
             headers, content_type, has_length = response_head(upstream.raw_headers)
             sse = content_type.startswith(b"text/event-stream")
@@ -418,6 +433,39 @@ class Forwarder:
         finally:
             if upstream is not None:
                 upstream.close()  # back to the pool after a complete response; otherwise dropped
+
+    async def _gone(self, backend: Backend, exc: UpstreamBroken) -> bool:
+        """A connection to `backend` broke before any byte: is its process gone? Then nothing
+        from it can reach any client and another instance may answer. A kill -9 tears down the
+        listening socket, resetting the connections queued on it, a moment before the
+        supervisor sees the exit (standalone, no supervisor will say so), and an exiting
+        process closes its sockets one by one: so within GONE_GRACE, either the owner takes it
+        out of the rotation or a connect to its port is refused (then it is ejected). An
+        instance that still accepts connections after that stays a 502: it may be generating
+        (an orphaned EngineCore holding the port keeps it so until the supervisor says)."""
+        loop = self.loop
+        deadline = loop.time() + GONE_GRACE
+        while True:
+            if not self.pool.is_ready(backend.name):
+                return True
+            if not await self.client.listening(backend.url):
+                self._eject(backend, f"{exc}, and nothing listens on its port any more")
+                return True
+            left = deadline - loop.time()
+            if left <= 0:
+                return False
+            if await self.pool.wait_not_ready(backend.name, min(GONE_PROBE_PERIOD, left)):
+                return True
+
+    def _eject(self, backend: Backend, why: str) -> None:
+        """Passive health: an instance the proxy cannot reach leaves the rotation now, so the
+        requests after this one do not pay for finding out again."""
+        if self.pool.eject(backend.name, EJECT_SECONDS):
+            self.metrics.ejection(backend.name)
+            log.warning("instance %s: %s: out of the rotation until its next good health check (at most %g s)",
+                        backend.name, why, EJECT_SECONDS)
+        else:
+            log.warning("instance %s: %s", backend.name, why)
 
     def _proxy_abort_response(self, exchange: Exchange, backend: Backend) -> web.StreamResponse:
         if exchange.reason == "timeout":

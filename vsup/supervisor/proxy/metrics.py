@@ -74,6 +74,7 @@ class ProxyMetrics:
         self.retries: dict[str, int] = {}
         self.disconnects: dict[str, int] = {}
         self.upstream_errors: dict[tuple[str, str], int] = {}
+        self.ejections: dict[str, int] = {}
         self._ttfb = {True: _Histogram(TTFB_BUCKETS), False: _Histogram(TTFB_BUCKETS)}
         self._duration = {True: _Histogram(DURATION_BUCKETS), False: _Histogram(DURATION_BUCKETS)}
         self.registry = CollectorRegistry(auto_describe=False)
@@ -93,6 +94,9 @@ class ProxyMetrics:
     def upstream_error(self, instance: str, kind: str) -> None:
         key = (instance, kind)
         self.upstream_errors[key] = self.upstream_errors.get(key, 0) + 1
+
+    def ejection(self, instance: str) -> None:
+        self.ejections[instance] = self.ejections.get(instance, 0) + 1
 
     def ttfb(self, stream: bool, seconds: float) -> None:
         self._ttfb[stream].observe(seconds)
@@ -117,6 +121,10 @@ class ProxyMetrics:
         family = CounterMetricFamily("vsup_proxy_upstream_errors", "Failed upstream attempts by kind (connect, stale, 503, broken, timeout)", labels=["instance", "kind"])
         for (instance, kind), count in self.upstream_errors.items():
             family.add_metric([instance, kind], count)
+        yield family
+        family = CounterMetricFamily("vsup_proxy_ejections", "Instances taken out of the rotation by the proxy after failing to reach them", labels=["instance"])
+        for instance, count in self.ejections.items():
+            family.add_metric([instance], count)
         yield family
         for name, doc, histograms in (
             ("vsup_proxy_upstream_ttfb_seconds", "Request sent -> first body byte from the instance", self._ttfb),

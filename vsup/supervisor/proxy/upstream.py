@@ -449,6 +449,21 @@ class UpstreamClient:
         released (after idle_connection() found none). Raises ConnectFailed."""
         return await self.pool(url).acquire()
 
+    async def listening(self, url: str) -> bool:
+        """Does anything accept connections at `url` now? False only when a connect is refused or
+        reset (nothing listens: the instance's process is gone or going); True when one opens
+        (it is closed at once) or cannot tell within connect_timeout."""
+        pool = self.pool(url)
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                transport, _ = await pool.loop.create_connection(asyncio.Protocol, pool.host, pool.port)
+        except TimeoutError:
+            return True
+        except OSError:
+            return False
+        transport.close()
+        return True
+
     async def send(self, conn: _Connection, method: str, target: bytes, headers: bytes, body: bytes) -> UpstreamResponse:
         """Send `METHOD target` with `headers` (already `Name: value\\r\\n` lines, no Host, no
         Content-Length) and `body`; return once the status line and headers are in. Raises
