@@ -1,7 +1,9 @@
 """Forwarding one client request to one instance, byte for byte.
 
 The life of a request, and what can end it:
-  queued       body read, size-checked, JSON-validated; an instance chosen    -> 400/413/503
+  body         the rest of a body that did not come with the headers; a client silent
+               for CLIENT_TIMEOUT, or still here when a drain starts         -> 408/503
+  queued       body size-checked, JSON-validated; an instance chosen         -> 400/413/503
   first_byte   sent upstream, waiting for the status line and the first body byte
                connect error, stale keep-alive connection, 503 from the instance, or a
                connection broken by an instance that leaves the rotation within GONE_GRACE -> the next
@@ -29,7 +31,8 @@ from multidict import CIMultiDict
 from vsup.supervisor.backends import Backend, BackendPool
 from vsup.supervisor.config import ProxyConfig
 from vsup.supervisor.proxy import errors
-from vsup.supervisor.proxy.aiohttp_internals import BodySink
+from vsup.supervisor.proxy.aiohttp_internals import BadRequest, BodySink, send_and_close
+from vsup.supervisor.proxy.clients import ClientPolicy
 from vsup.supervisor.proxy.errors import RETRY_AFTER_SECONDS
 from vsup.supervisor.proxy.metrics import ProxyMetrics, route_label
 from vsup.supervisor.proxy.upstream import ConnectFailed, StaleConnection, UpstreamBroken, UpstreamClient, UpstreamResponse
@@ -252,6 +255,7 @@ class Forwarder:
         balancer,
         client: UpstreamClient,
         metrics: ProxyMetrics,
+        clients: ClientPolicy,
         *,
         drop_authorization: bool,
     ) -> None:
@@ -260,13 +264,14 @@ class Forwarder:
         self.balancer = balancer
         self.client = client
         self.metrics = metrics
+        self.clients = clients
         self.drop_authorization = drop_authorization
         self.in_flight: dict[str, int] = {}
         self.active: set[Exchange] = set()
         self.draining = False
         self.loop = asyncio.get_running_loop()
         # The watchdog's period: a limit is enforced within one tick of its deadline.
-        self.tick = max(0.005, min(WATCHDOG_TICK, config.first_byte_timeout / 4, config.idle_timeout / 4))
+        self.tick = max(0.005, min(WATCHDOG_TICK, config.first_byte_timeout / 4, config.idle_timeout / 4, clients.timeout / 4))
         self._watchdog: asyncio.TimerHandle | None = None
 
     def _sweep(self) -> None:
@@ -312,20 +317,22 @@ class Forwarder:
             payload = request.content
             if payload.is_eof():
                 # The whole body came with the headers (any small JSON request): take it as is,
-                # without request.read()'s copy loop.
+                # without a copy loop.
                 body = payload.read_nowait()
                 if len(body) > limit:
                     return errors.too_large(None, limit), ""
             else:
-                try:
-                    body = await request.read()  # the app's client_max_size == max_body_bytes
-                except web.HTTPRequestEntityTooLarge:
-                    return errors.too_large(None, limit), ""
+                read = await self._read_body(request, exchange, limit)
+                if isinstance(read, web.Response):
+                    return read, ""
+                body = read
             if body and _is_json(request.headers.get("Content-Type", "")):
                 try:
                     document = parse_json(body)
                 except (ValueError, UnicodeDecodeError) as exc:
                     return errors.bad_request(f"the request body is not valid JSON: {exc}"), ""
+                except RecursionError:
+                    return errors.bad_request("the request body is not valid JSON: it is nested too deeply to parse"), ""
                 if not isinstance(document, dict):
                     return errors.bad_request(f"the request body must be a JSON object, got {type(document).__name__}"), ""
                 exchange.stream = document.get("stream") is True
@@ -375,6 +382,38 @@ class Forwarder:
                     return errors.no_reachable_instance(unreachable), ""
                 return fallback, name
             self.metrics.retry(reason)
+
+    async def _read_body(self, request: web.BaseRequest, exchange: Exchange, limit: int) -> bytes | web.Response:
+        """A body that did not come whole with the headers, read as it arrives: at most `limit`
+        bytes, and at most CLIENT_TIMEOUT of silence between two pieces (a client that stops
+        half-way must not hold its connection and an in-flight slot forever, nor delay a drain,
+        which aborts requests still in this phase). The answer to send instead when it fails."""
+        exchange.phase = "body"
+        loop = self.loop
+        exchange.arm(self.clients.timeout, "the client's request body", loop.time())
+        payload = request.content
+        parts: list[bytes] = []
+        size = 0
+        try:
+            while piece := await payload.readany():
+                exchange.last = loop.time()
+                size += len(piece)
+                if size > limit:
+                    return errors.too_large(None, limit)
+                parts.append(piece)
+        except BadRequest as exc:  # the parser rejected the body (bad chunk size, ...)
+            response = self.clients.malformed(400, exc, request.remote)
+        except asyncio.CancelledError:
+            if exchange.reason is None:
+                raise  # the client went away
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            if exchange.reason == "timeout":
+                response = self.clients.body_too_slow(request.remote)
+            else:
+                response = errors.unavailable("the proxy is shutting down; send the request again", RETRY_AFTER_SECONDS)
+        else:
+            return b"".join(parts)
+        return await send_and_close(request, response)  # the rest of the body will not be read
 
     async def _attempt(self, request, exchange: Exchange, backend: Backend, target: bytes, body: bytes, headers: bytes):
         """One try on one instance: a response for the client, or (fallback, reason, why): what
