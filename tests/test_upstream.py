@@ -493,3 +493,17 @@ async def test_a_free_slot_handed_to_a_waiter_being_cancelled_passes_to_the_next
         conn = await asyncio.wait_for(next_in_line, 5)
         assert conn is not first and pool.open == 1
         pool.release(conn, False)
+
+
+async def test_an_answer_left_unread_does_not_leak_into_the_next():
+    first = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nfirst"
+    second = b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nsecond"
+    async with RawServer(answering(first, second)) as server, upstream_client() as client:
+        conn = await client.connect(server.url)
+        response = await client.send(conn, "POST", b"/v1/x", JSON, b"{}")
+        await asyncio.sleep(0.05)  # the body is in, and nobody reads it (its client went away)
+        response.close()
+        assert client.idle_connection(server.url) is conn  # complete and clean: kept
+        client.pools[server.url].release(conn, True)
+        assert (await ask(client, server.url))[2] == b"second"
+        assert server.connections == 1

@@ -31,7 +31,7 @@ from multidict import CIMultiDict
 from vsup.supervisor.backends import Backend, BackendPool
 from vsup.supervisor.config import ProxyConfig
 from vsup.supervisor.proxy import errors
-from vsup.supervisor.proxy.aiohttp_internals import BadRequest, BodySink, send_and_close
+from vsup.supervisor.proxy.aiohttp_internals import BadRequest, BodySink, RawResponse, send_and_close
 from vsup.supervisor.proxy.clients import ClientPolicy
 from vsup.supervisor.proxy.errors import RETRY_AFTER_SECONDS
 from vsup.supervisor.proxy.metrics import ProxyMetrics, route_label
@@ -120,54 +120,60 @@ def request_headers(raw_headers: tuple[tuple[bytes, bytes], ...], drop_authoriza
     return b"".join(parts)
 
 
-# Per response header name: its str form to forward (None: drop), and whether it is one the
-# forwarder looks at.
+# Per response header name: whether to forward it, and whether it is one the forwarder looks at.
 _PLAIN, _IS_CONNECTION, _IS_CONTENT_TYPE, _IS_CONTENT_LENGTH = 0, 1, 2, 3
-_response_names: dict[bytes, tuple[str | None, int]] = {}
+_response_names: dict[bytes, tuple[bool, int]] = {}
 
 
-def _response_name(key: bytes) -> tuple[str | None, int]:
+def _response_name(key: bytes) -> tuple[bool, int]:
     low = key.lower()
     flag = {b"connection": _IS_CONNECTION, b"content-type": _IS_CONTENT_TYPE, b"content-length": _IS_CONTENT_LENGTH}.get(low, _PLAIN)
-    drop = low in _DROP_RESPONSE or low.startswith(_PROXY_PREFIX)
-    entry = (None if drop else key.decode("latin-1"), flag)
+    entry = (not (low in _DROP_RESPONSE or low.startswith(_PROXY_PREFIX)), flag)
     if len(_response_names) >= _NAME_CACHE_SIZE:
         _response_names.clear()
     _response_names[key] = entry
     return entry
 
 
-def response_head(raw_headers: list[tuple[bytes, bytes]]) -> tuple[list[tuple[str, str]], bytes, bool]:
-    """One pass over the instance's headers: those to forward (hop-by-hop ones dropped, as
-    (name, value) str pairs), its Content-Type, and whether it sent a Content-Length."""
-    out: list[tuple[str, str]] = []
+def response_head(raw_headers: list[tuple[bytes, bytes]]) -> tuple[list[tuple[bytes, bytes]], bytes, bool]:
+    """One pass over the instance's headers: those to forward (hop-by-hop ones dropped, as sent),
+    its Content-Type, and whether it sent a Content-Length."""
+    out: list[tuple[bytes, bytes]] = []
     content_type = b""
     has_length = False
     named = None
     names = _response_names
-    for key, value in raw_headers:
-        entry = names.get(key)
+    for pair in raw_headers:
+        entry = names.get(pair[0])
         if entry is None:
-            entry = _response_name(key)
-        name, flag = entry
+            entry = _response_name(pair[0])
+        keep, flag = entry
         if flag:
             if flag == _IS_CONTENT_TYPE:
-                content_type = value
+                content_type = pair[1]
             elif flag == _IS_CONTENT_LENGTH:
                 has_length = True
             else:
-                tokens = _connection_tokens(value) - _DROP_RESPONSE
+                tokens = _connection_tokens(pair[1]) - _DROP_RESPONSE
                 if tokens:
                     named = tokens | (named or frozenset())
-        if name is not None:
-            out.append((name, value.decode("utf-8", "replace")))
+        if keep:
+            out.append(pair)
     if named:
-        out = [(name, value) for name, value in out if name.lower().encode("latin-1") not in named]
+        out = [(name, value) for name, value in out if name.lower() not in named]
     return out, content_type, has_length
 
 
+def header_lines(pairs: list[tuple[bytes, bytes]]) -> bytes:
+    return b"".join([b"%b: %b\r\n" % pair for pair in pairs])
+
+
+def str_headers(pairs: list[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
+    return [(name.decode("latin-1"), value.decode("utf-8", "replace")) for name, value in pairs]
+
+
 def response_headers(raw_headers: list[tuple[bytes, bytes]]) -> CIMultiDict[str]:
-    return CIMultiDict(response_head(raw_headers)[0])
+    return CIMultiDict(str_headers(response_head(raw_headers)[0]))
 
 
 _json_types: dict[str, bool] = {}
@@ -370,7 +376,7 @@ class Forwarder:
                     self.in_flight[name] = left
                 else:
                     del self.in_flight[name]
-            if isinstance(outcome, web.StreamResponse):
+            if not isinstance(outcome, tuple):  # an answer for the client
                 return outcome, name
             fallback, reason, why = outcome
             if reason in _UNREACHABLE:
@@ -462,8 +468,8 @@ class Forwarder:
             headers, content_type, has_length = response_head(upstream.raw_headers)
             sse = content_type.startswith(b"text/event-stream")
             if sse or not has_length:
-                return await self._relay_stream(request, exchange, backend, upstream, headers, started, sse)
-            return await self._relay_body(exchange, backend, upstream, headers, started)
+                return await self._relay_stream(request, exchange, backend, upstream, str_headers(headers), started, sse)
+            return await self._relay_body(request, exchange, backend, upstream, headers, started)
         except asyncio.CancelledError:
             if exchange.reason is None:
                 raise  # the client went away: the finally below drops the upstream connection
@@ -511,17 +517,22 @@ class Forwarder:
             return errors.gateway_timeout(self._abort_message(exchange, backend))
         return errors.unavailable("the proxy is shutting down and the drain deadline passed", RETRY_AFTER_SECONDS)
 
-    async def _relay_body(self, exchange: Exchange, backend: Backend, upstream: UpstreamResponse, headers, started: float):
+    async def _relay_body(self, request, exchange: Exchange, backend: Backend, upstream: UpstreamResponse, headers, started: float):
         exchange.phase = "response"
         self.metrics.ttfb(False, time.monotonic() - started)
-        exchange.arm(self.config.idle_timeout, "proxy.idle_timeout", self.loop.time())
-        try:
-            content = await upstream.read()
-        except UpstreamBroken as exc:
-            self.metrics.upstream_error(backend.name, "broken")
-            return errors.bad_gateway(f"instance {backend.name} broke off its response: {exc}")
+        content = upstream.complete_body()  # a small answer is all in already: no await
+        if content is None:
+            exchange.arm(self.config.idle_timeout, "proxy.idle_timeout", self.loop.time())
+            try:
+                content = await upstream.read()
+            except UpstreamBroken as exc:
+                self.metrics.upstream_error(backend.name, "broken")
+                return errors.bad_gateway(f"instance {backend.name} broke off its response: {exc}")
         self.metrics.duration(False, time.monotonic() - started)
-        return web.Response(status=upstream.status, body=content, headers=headers)
+        status = upstream.status
+        if RawResponse.fits(request, status):  # every ordinary answer: one write, no web.Response
+            return RawResponse(status, header_lines(headers), content, request.keep_alive)
+        return web.Response(status=status, body=content, headers=str_headers(headers))
 
     async def _relay_stream(self, request, exchange: Exchange, backend: Backend, upstream: UpstreamResponse, headers, started: float, sse: bool):
         out = web.StreamResponse(status=upstream.status, headers=headers)

@@ -68,14 +68,18 @@ class _Connection(asyncio.Protocol):
         self.used = 0
         self.counted_out = False  # its slot in the pool's `open` count was given back
         self.clock = pool.loop.time
+        # One parser for the connection's life: after a clean, complete answer llhttp is at the
+        # start of the next one (a connection with any error is never reused).
+        self.parser = httptools.HttpResponseParser(self)
+        self.chunks: collections.deque[bytes] = collections.deque()
         self._reset()
 
     def _reset(self) -> None:
-        self.parser = httptools.HttpResponseParser(self)
+        """Ready for the next request."""
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
         self.headers_done = False
-        self.chunks: collections.deque[bytes] = collections.deque()
+        self.chunks.clear()  # a complete answer whose reader went away may have left its body
         self.queued = 0
         self.complete = False
         self.replied = False  # a byte of the current answer arrived (a reset after that is no stale connection)
@@ -269,7 +273,22 @@ class UpstreamResponse:
         finally:
             conn.sink = conn.exchange = None
 
+    def complete_body(self) -> bytes | None:
+        """The whole body if all of it is in already (a small answer comes in one piece with its
+        headers), without an await; None if more is to come."""
+        conn = self._conn
+        if not conn.complete or conn.reading_paused:
+            return None
+        chunks = conn.chunks
+        body = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        conn.queued = 0
+        return body
+
     async def read(self) -> bytes:
+        body = self.complete_body()
+        if body is not None:
+            return body
         parts = []
         while chunk := await self.read_chunk():
             parts.append(chunk)
@@ -478,7 +497,8 @@ class UpstreamClient:
             while not conn.headers_done:
                 if conn.error is not None:
                     raise conn.error
-                await conn.wait()
+                conn.waiter = waiter = conn.pool.loop.create_future()  # conn.wait(), inlined: once per request
+                await waiter
         except UpstreamBroken as exc:
             conn.pool.release(conn, False)
             if conn.used > 1 and not conn.replied:
