@@ -14,7 +14,7 @@ import pytest
 from vsup.supervisor.backends import Backend, BackendPool
 from vsup.supervisor.proxy.balancer import LeastOutstanding, RoundRobin, make_balancer
 from vsup.supervisor.proxy.errors import error_body
-from vsup.supervisor.proxy.forward import request_headers, response_headers
+from vsup.supervisor.proxy.forward import parse_json, request_headers, response_headers
 from tests.fakevllm.fixtures import free_port, start_fake
 from tests.proxy_support import (
     LEAN, MESSAGES, client, metric_value, metrics_text, ready_pool, running_proxy, served_by, start_fakes, url, wait_for,
@@ -94,6 +94,20 @@ async def test_an_ejected_backend_leaves_the_rotation_until_its_owner_says_ready
     assert seen == [("a", "ready", False), ("a", "ready", True)]
     pool.set_state("b", "stopping", False)
     assert pool.eject("b", 60) is False  # not in the rotation: nothing to eject
+
+
+@pytest.mark.parametrize("body", [
+    b'{"a": 1}', b'{"a": 1}  \n', b' {"a": 1}', b'{"a": 1} x', '{"a": 1}\u2003'.encode(), b"[1]", b'{"a": }',
+    b'\xef\xbb\xbf{"a": 1}', b'{"a": "\xff"}', b"{}", b'{"a": [1, {"b": null}], "stream": true}', b"",
+])
+def test_parse_json_is_json_loads(body):
+    def outcome(parse):
+        try:
+            return "ok", parse(body)
+        except (ValueError, UnicodeDecodeError) as exc:
+            return type(exc).__name__, str(exc)
+
+    assert outcome(parse_json) == outcome(json.loads)
 
 
 def test_error_body_is_openai_shaped():
