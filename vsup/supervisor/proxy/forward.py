@@ -6,9 +6,10 @@ The life of a request, and what can end it:
   queued       body size-checked, JSON-validated; an instance chosen         -> 400/413/503
   first_byte   sent upstream, waiting for the status line and the first body byte
                connect error, stale keep-alive connection, 503 from the instance, or a
-               connection broken by an instance that leaves the rotation within GONE_GRACE -> the next
-               instance (only here: nothing has reached the client yet, so a retry cannot
-               duplicate a generation)
+               connection broken by an instance shown gone within GONE_GRACE (out of the
+               rotation, or its port refuses connections) -> the next instance (only here:
+               nothing has reached the client yet, so a retry cannot duplicate a generation);
+               an unreachable instance is ejected; none left               -> 503
                first_byte_timeout                                            -> 504
   streaming    SSE relayed chunk by chunk as it arrives; idle_timeout between chunks, no overall
                cap; the instance dying                                       -> error event, clean end
@@ -453,9 +454,8 @@ class Forwarder:
             except UpstreamBroken as exc:
                 self.metrics.upstream_error(backend.name, "broken")
                 failed = errors.bad_gateway(f"instance {backend.name} failed before answering: {exc}")
-                if await self._gone(backend, exc):
-                    return failed, "gone", f"{exc}; nothing listens on its port any more"
-                return failed, None, str(exc)
+                gone = await self._gone(backend, exc)
+                return failed, "gone" if gone else None, f"{exc}; {gone}" if gone else str(exc)
 
             if upstream.status == 503:
                 # vLLM says it cannot take the request now (e.g. shutting down): try another.
@@ -488,7 +488,7 @@ class Forwarder:
             if upstream is not None:
                 upstream.close()  # back to the pool after a complete response; otherwise dropped
 
-    async def _gone(self, backend: Backend, exc: UpstreamBroken) -> bool:
+    async def _gone(self, backend: Backend, exc: UpstreamBroken) -> str | None:
         """A connection to `backend` broke before any byte: is its process gone? Then nothing
         from it can reach any client and another instance may answer. A kill -9 tears down the
         listening socket, resetting the connections queued on it, a moment before the
@@ -496,20 +496,21 @@ class Forwarder:
         process closes its sockets one by one: so within GONE_GRACE, either the owner takes it
         out of the rotation or a connect to its port is refused (then it is ejected). An
         instance that still accepts connections after that stays a 502: it may be generating
-        (an orphaned EngineCore holding the port keeps it so until the supervisor says)."""
+        (an orphaned EngineCore holding the port keeps it so until the supervisor says).
+        Returns how it was shown gone, or None."""
         loop = self.loop
         deadline = loop.time() + GONE_GRACE
         while True:
             if not self.pool.is_ready(backend.name):
-                return True
+                return "it left the rotation"
             if not await self.client.listening(backend.url):
                 self._eject(backend, f"{exc}, and nothing listens on its port any more")
-                return True
+                return "nothing listens on its port any more"
             left = deadline - loop.time()
             if left <= 0:
-                return False
+                return None
             if await self.pool.wait_not_ready(backend.name, min(GONE_PROBE_PERIOD, left)):
-                return True
+                return "it left the rotation"
 
     def _eject(self, backend: Backend, why: str) -> None:
         """Passive health: an instance the proxy cannot reach leaves the rotation now, so the
