@@ -3,7 +3,7 @@
 through nginx round-robin when `nginx` is installed), at a fixed client concurrency.
 
     .venv/bin/python bench/proxy_bench.py [--concurrency 16] [--requests 4000] [--streams 200] [--chunks 100]
-                                          [--runs 3] [--pin]
+                                          [--runs 3] [--pin] [--baseline DIR]
 
 Upstreams are minimal aiohttp apps (no delays for requests, a fixed pace between SSE chunks so
 each chunk is its own TCP segment, as from vLLM), two processes, so they are not the bottleneck.
@@ -23,6 +23,10 @@ the upstreams on the others, so that its numbers are the proxy's own cost rather
 queued behind the client and upstreams on the same cores. Without --pin every process floats over
 all CPUs, as on a box where one core is shared by everything. The direct rows are measured with
 the same placement (client and upstreams on the other CPUs).
+--baseline DIR: also measure the proxy of another vsup source tree (e.g. an older commit:
+`git archive <commit> | tar -x -C DIR`) in the same run, as the row "vsup (baseline)", and print
+the CPU ratios of this tree's proxy to it: a before/after that a noisy box cannot skew, since
+both are measured in turn under the same load.
 Speed is machine- and load-dependent: compare the rows of one run, not runs on different days.
 """
 
@@ -319,15 +323,21 @@ async def bench(args) -> None:
             wait_http(port)
         direct = [f"http://127.0.0.1:{p}" for p in ports]
 
-        proxy_port = free_port()
-        env = dict(os.environ, PYTHONPATH=str(REPO))
-        proxy = subprocess.Popen(
-            [sys.executable, "-c", "from vsup.supervisor.cli import main; main()", "proxy", "--port", str(proxy_port), *[a for u in direct for a in ("--upstream", u)]],
-            env=env, start_new_session=True, stderr=subprocess.DEVNULL,
-        )
-        procs.append(proxy)
-        pin([proxy.pid], proxy_cpus)
-        wait_http(proxy_port, "/ready")
+        proxies = [("vsup proxy", REPO)]
+        if args.baseline:
+            proxies.append(("vsup (baseline)", Path(args.baseline).resolve()))
+        started: list[tuple[str, subprocess.Popen, int]] = []
+        for name, source in proxies:
+            proxy_port = free_port()
+            env = dict(os.environ, PYTHONPATH=str(source))
+            proxy = subprocess.Popen(
+                [sys.executable, "-c", "from vsup.supervisor.cli import main; main()", "proxy", "--port", str(proxy_port), *[a for u in direct for a in ("--upstream", u)]],
+                env=env, start_new_session=True, stderr=subprocess.DEVNULL,
+            )
+            procs.append(proxy)
+            pin([proxy.pid], proxy_cpus)
+            wait_http(proxy_port, "/ready")
+            started.append((name, proxy, proxy_port))
 
         nginx = start_nginx(ports, workdir)
         nginx_pids: list[int] = []
@@ -341,7 +351,8 @@ async def bench(args) -> None:
         for _ in range(args.runs):
             results: list[dict] = []
             await measure("direct", direct, None, args, results)
-            await measure("vsup proxy", [f"http://127.0.0.1:{proxy_port}"], [proxy.pid], args, results)
+            for name, proxy, proxy_port in started:
+                await measure(name, [f"http://127.0.0.1:{proxy_port}"], [proxy.pid], args, results)
             if nginx is not None:
                 await measure("nginx", [f"http://127.0.0.1:{nginx[1]}"], nginx_pids, args, results)
             runs.append(results)
@@ -360,8 +371,21 @@ async def bench(args) -> None:
     args.loadavg_after = " ".join(f"{x:.2f}" for x in os.getloadavg())
     summary = summarize(runs)
     print_table(summary, args)
+    if args.baseline:
+        print_ratios(runs)
     if args.json:
         print(json.dumps({"summary": summary, "runs": runs}))
+
+
+def print_ratios(runs: list[list[dict]]) -> None:
+    """This tree's proxy CPU over the baseline's, per run (both measured in turn in each run)."""
+    for key, label in (("us_per_request", "CPU per request"), ("us_per_chunk", "CPU per chunk")):
+        ratios = []
+        for run in runs:
+            rows = {row["target"]: row for row in run}
+            ratios.append(rows["vsup proxy"][key] / rows["vsup (baseline)"][key])
+        shown = ", ".join(f"{r:.2f}" for r in ratios)
+        print(f"{label}, this tree / baseline: median {median(ratios):.2f} (runs: {shown})")
 
 
 def format_cpus(cpus: set[int]) -> str:
@@ -381,6 +405,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3, help="measure every target this many times, in turn; report medians")
     parser.add_argument("--pin", action="store_true", help="proxy/nginx on the first CPU, client and upstreams on the others")
     parser.add_argument("--json", action="store_true", help="also print the rows as JSON")
+    parser.add_argument("--baseline", metavar="DIR", help="also measure the proxy of the vsup source tree in DIR, in turn")
     args = parser.parse_args()
     if args.mode == "upstream":
         run_upstream(args.port, args.chunks, args.pace)

@@ -68,7 +68,11 @@ class RoundRobin(_Rotation):
     name = "round_robin"
 
     def choose(self, ready: tuple[Backend, ...], in_flight: Mapping[str, int], tried: Collection[str] = ()) -> Backend | None:
-        return next(self._candidates(ready, tried), None)
+        if tried or not ready:
+            return next(self._candidates(ready, tried), None)
+        start = self._counter  # the common case, inlined: a first try
+        self._counter = start + 1
+        return ready[start % len(ready)]
 
 
 class LeastOutstanding(_Rotation):

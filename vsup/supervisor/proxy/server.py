@@ -23,6 +23,7 @@ from vsup.supervisor.health import PROXY_HEADER
 from vsup.supervisor.proxy import aiohttp_internals, errors
 from vsup.supervisor.proxy.auth import BearerAuth
 from vsup.supervisor.proxy.balancer import make_balancer
+from vsup.supervisor.proxy.clients import ClientPolicy
 from vsup.supervisor.proxy.errors import RETRY_AFTER_SECONDS
 from vsup.supervisor.proxy.forward import Forwarder
 from vsup.supervisor.proxy.metrics import CONTENT_TYPE, ProxyMetrics
@@ -40,6 +41,14 @@ _FORWARDED_OUTSIDE_V1 = frozenset({"/tokenize", "/detokenize"})
 ABORT_GRACE = 2.0
 
 
+def _has_dot_segment(path: str) -> bool:
+    return any(segment in (".", "..") for segment in path.split("/"))
+
+
+def _shown(raw_path: str, limit: int = 200) -> str:
+    return repr(raw_path if len(raw_path) <= limit else raw_path[:limit] + "...")
+
+
 class ProxyServer:
     def __init__(self, config: ProxyConfig, pool: BackendPool, *, api_key: str | None = None) -> None:
         self.config = config
@@ -50,6 +59,7 @@ class ProxyServer:
         self._client: UpstreamClient | None = None
         self._session: aiohttp.ClientSession | None = None  # for /v1/models only
         self._runner: web.AppRunner | None = None
+        self._clients: ClientPolicy | None = None
         self._port: int | None = None
         self.metrics = ProxyMetrics(self.in_flight, pool.states, pool.is_ready)
         self._own = {"/health": self._health, "/ready": self._ready, "/metrics": self._metrics}
@@ -68,16 +78,23 @@ class ProxyServer:
             cookie_jar=aiohttp.DummyCookieJar(),
             trust_env=False,
         )
+        # The client-connection policy (clients.py): a bound on open connections, a timeout on
+        # half-sent requests, OpenAI-shaped answers to malformed ones.
+        self._clients = ClientPolicy(self.metrics)
+        self.metrics.client_connections = lambda: self._clients.open if self._clients else 0
         self._forwarder = Forwarder(
-            config, self.pool, self._balancer, self._client, self.metrics, drop_authorization=self._auth.enabled
+            config, self.pool, self._balancer, self._client, self.metrics, self._clients,
+            drop_authorization=self._auth.enabled,
         )
         # A low-level aiohttp Server with our own dispatch (below): the Application router and
         # its middleware chain cost more per request than the routing they would do here.
         # handler_cancellation: a client that disconnects cancels its handler, which drops the
         # upstream connection (aiohttp >= 3.9 leaves it off by default). No access log: it costs
         # more CPU than the forwarding itself; /metrics counts every request.
-        make_request = aiohttp_internals.make_request_factory(asyncio.get_running_loop(), config.max_body_bytes)
-        server = web.Server(self._dispatch, request_factory=make_request, handler_cancellation=True, access_log=None)
+        server = aiohttp_internals.make_server(
+            self._dispatch, policy=self._clients, max_body_bytes=config.max_body_bytes,
+            handler_cancellation=True, access_log=None,
+        )
         self._runner = web.ServerRunner(server, handle_signals=False, shutdown_timeout=1.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, config.host, config.port, backlog=1024, reuse_address=True)
@@ -131,6 +148,9 @@ class ProxyServer:
         forwarder.draining = True
         for site in list(self._runner.sites):
             await site.stop()  # closes the listening socket; open connections stay
+        for exchange in list(forwarder.active):
+            if exchange.phase == "body":
+                exchange.abort("draining")  # still sending its request: nothing started, 503 now
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while forwarder.active and loop.time() < deadline:
@@ -162,6 +182,13 @@ class ProxyServer:
 
     async def _dispatch(self, request: web.BaseRequest) -> web.StreamResponse:
         path = request.path
+        if "/." in path and _has_dot_segment(path):
+            # The proxy routes (and checks auth) on the path as sent and forwards it as sent: a
+            # path that an instance would resolve to somewhere else is refused, not guessed at.
+            self.metrics.request("other", 400, "")
+            return errors.bad_request(
+                f"the path {_shown(request.raw_path)} has a '.' or '..' segment: send it without (the proxy does not resolve them)"
+            )
         if path.startswith("/v1/") or path in _FORWARDED_OUTSIDE_V1:
             if not self._auth.allows(request):
                 self.metrics.request("auth", 401, "")
