@@ -35,6 +35,7 @@ class PlacementConfig(_Section):
     housekeeping_core: bool = Field(False, description="give each instance one core for its API server/EngineCore, outside OpenMP")
     smt: bool = Field(False, description="one OpenMP thread per hardware thread instead of per physical core")
     cores_per_instance: int | None = Field(None, ge=1, description="OpenMP cores per instance; default: split all usable cores")
+    omp_threads: int | None = Field(None, ge=1, description="OpenMP threads per instance, fewer than its cores: the rest stay in its mask for its API server/EngineCore; default: one per core")
     membind: Literal["bind", "preferred"] = "bind"
     launcher: Literal["auto", "numactl", "taskset", "none"] = Field("auto", description="auto: numactl when installed, else taskset")
     nodes: list[int] | None = Field(None, min_length=1, description="only place instances on these NUMA nodes; default: every node with usable CPUs")

@@ -39,6 +39,7 @@ def settings_from_config(cfg: VsupConfig, *, numactl_available: bool | None = No
         housekeeping_core=p.housekeeping_core,
         smt=p.smt,
         cores_per_instance=p.cores_per_instance,
+        omp_threads=p.omp_threads,
         membind=p.membind,
         launcher=launcher,
         nodes=tuple(p.nodes) if p.nodes is not None else None,
