@@ -125,6 +125,45 @@ class NotifyConfig(_Section):
     ready_when: Literal["all", "any"] = Field("all", description="sd_notify READY=1 once all instances are ready (those in a crash loop aside) / at least one is")
 
 
+class TuneConfig(_Section):
+    """`vsup tune`: what it may try and the load it measures with (docs/tune.md); the command line overrides each key."""
+
+    instances_per_node: list[int] | None = Field(None, min_length=1, description="instances per NUMA node to try; default: 1, 2, 4, ... while each keeps a core")
+    omp_threads: list[int | Literal["all", "half"]] | None = Field(None, min_length=1, description="OpenMP threads per instance: all (one per core), half, or a number; default: [all, half]")
+    smt: list[bool] | None = Field(None, min_length=1, description="default: [false, true] where cores have SMT siblings, else [false]")
+    housekeeping_core: list[bool] | None = Field(None, min_length=1, description="default: [false, true]")
+    preload: list[Literal["none", "tcmalloc", "iomp", "tcmalloc+iomp"]] | None = Field(None, min_length=1, description="LD_PRELOAD sets; default: none and every installed library together")
+    max_num_seqs: list[int] | None = Field(None, min_length=1, description="vLLM --max-num-seqs values; default: the config's and the busiest level's per-instance concurrency")
+    max_num_batched_tokens: list[int] | None = Field(None, min_length=1, description="vLLM --max-num-batched-tokens values; default: the config's")
+    kvcache_gib: list[float] | None = Field(None, min_length=1, description="KV cache per instance; default: the config's, plus the largest that fits when it sets one")
+    concurrency: list[int] = Field(default_factory=lambda: [8, 32], min_length=1, description="closed-loop levels: requests kept in flight")
+    request_rate: list[float] = Field(default_factory=list, description="open-loop levels: requests per second, Poisson arrivals")
+    input_len: int = Field(128, ge=1, description="synthetic prompts: input tokens, calibrated with the server's /tokenize")
+    output_len: int = Field(64, ge=1, description="synthetic prompts: output tokens per request")
+    workload: Path | None = Field(None, description="JSONL of prompts or chat messages with max_tokens; default: synthetic prompts")
+
+    @field_validator("instances_per_node", "max_num_seqs", "max_num_batched_tokens", "concurrency")
+    @classmethod
+    def _positive_counts(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and any(v < 1 for v in value):
+            raise ValueError("every value must be at least 1")
+        return value
+
+    @field_validator("omp_threads")
+    @classmethod
+    def _positive_threads(cls, value: list | None) -> list | None:
+        if value is not None and any(isinstance(v, int) and v < 1 for v in value):
+            raise ValueError("a thread count must be at least 1 (or all, half)")
+        return value
+
+    @field_validator("kvcache_gib", "request_rate")
+    @classmethod
+    def _positive_numbers(cls, value: list[float] | None) -> list[float] | None:
+        if value is not None and any(not v > 0 for v in value):
+            raise ValueError("every value must be positive")
+        return value
+
+
 class VsupConfig(_Section):
     model: str = Field(..., min_length=1, description="local model directory or name, as `vllm serve` takes it")
     served_model_name: str | None = None
@@ -139,6 +178,7 @@ class VsupConfig(_Section):
     log: LogConfig = Field(default_factory=LogConfig)
     control: ControlConfig = Field(default_factory=ControlConfig)
     notify: NotifyConfig = Field(default_factory=NotifyConfig)
+    tune: TuneConfig = Field(default_factory=TuneConfig)
 
     @field_validator("model")
     @classmethod
