@@ -7,32 +7,12 @@ import os
 
 import click
 
+from vsup.supervisor.commands.options import Checked as _Checked
 from vsup.supervisor.commands.options import fsroot_option
 from vsup.supervisor.config import VsupConfig, load_config
 from vsup.supervisor.errors import VsupError
 from vsup.supervisor.planning import plan_from_config
 from vsup.supervisor.plan_render import render_shell, render_table
-
-
-class _Checked(click.ParamType):
-    """Converts an option's text; a bad value is one `vsup: error:` line naming the option (exit 2)
-    instead of click's multi-line usage message."""
-
-    name = "value"
-
-    def __init__(self, parse, expected: str):
-        self.parse, self.expected = parse, expected
-
-    def convert(self, value, param, ctx):
-        if not isinstance(value, str):
-            return value
-        try:
-            result = self.parse(value.strip())
-        except ValueError:
-            result = None
-        if result is None:
-            raise VsupError(f"{param.opts[0]} {value!r}: expected {self.expected}")
-        return result
 
 
 def _at_least(minimum: int):

@@ -84,12 +84,13 @@ class Planned:
 
 @dataclass(frozen=True)
 class Pruned:
-    candidate: Candidate
+    candidate: Candidate | None
     reason: str
+    label: str | None = None  # for what is not one candidate (an LD_PRELOAD set)
 
     @property
     def id(self) -> str:
-        return self.candidate.id
+        return self.label or self.candidate.id
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@ The budget is wall-clock seconds for all of it, start-ups included. Before each 
 length is planned again from what is left: each run costs its start-up, warm-up and stop (the
 mean measured so far, `overhead_guess_s` before the first) plus its load time; the run length is
 what lets every remaining run fit, kept between min_duration_s and max_duration_s. A run that would
-overrun the budget is not started: it is reported as skipped.
+overrun the budget is not started (except the very first, which tells what a start-up costs): it
+is reported as skipped.
 
 Resume: outcomes already recorded (same candidate, same stage) are replayed instead of measured,
 with their recorded cost, so the decisions and the budget come out as they would have.
@@ -70,7 +71,7 @@ class SearchSettings:
     max_duration_s: float = 300.0
     eta: int = 2
     overhead_guess_s: float = 60.0
-    min_gain: float = 0.02
+    min_gain: float = 0.05  # a tweak must win by more than run-to-run noise to become a setting
     expected_tweaks: int = 2  # tweak runs to keep budget for before the winner (and so its tweaks) is known
 
 
@@ -150,7 +151,8 @@ class Search:
     def run_trial(self, trial: Trial) -> Outcome | None:
         recorded = self.replay.get(trial.key)
         if recorded is None:
-            if self.spent + self.cost(trial.duration_s) > self.s.budget_s:
+            # the first run always happens: until then the cost of a start-up is a guess
+            if self.outcomes and self.spent + self.cost(trial.duration_s) > self.s.budget_s:
                 skip = Skipped(trial.candidate.id, trial.stage, f"budget: {self.s.budget_s - self.spent:.0f}s left, "
                                f"a {trial.duration_s:.0f}s run costs about {self.cost(trial.duration_s):.0f}s")
                 self.skipped.append(skip)
