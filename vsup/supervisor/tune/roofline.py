@@ -23,10 +23,13 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from vsup.supervisor.tune.metrics import LevelMetrics
 from vsup.topology.model import Machine
 from vsup.topology.plan_model import Plan
+
+if TYPE_CHECKING:  # numpy (through metrics) loads only where the load is measured, not in `vsup doctor`
+    from vsup.supervisor.tune.metrics import LevelMetrics
 
 DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "bf16": 2, "fp16": 2, "fp32": 4,
                "float64": 8, "fp8": 1, "int8": 1}
