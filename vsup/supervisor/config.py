@@ -133,7 +133,7 @@ class TuneConfig(_Section):
     smt: list[bool] | None = Field(None, min_length=1, description="default: [false, true] where cores have SMT siblings, else [false]")
     housekeeping_core: list[bool] | None = Field(None, min_length=1, description="default: [false, true]")
     preload: list[Literal["none", "tcmalloc", "iomp", "tcmalloc+iomp"]] | None = Field(None, min_length=1, description="LD_PRELOAD sets; default: none and every installed library together")
-    max_num_seqs: list[int] | None = Field(None, min_length=1, description="vLLM --max-num-seqs values; default: the config's and the busiest level's per-instance concurrency")
+    max_num_seqs: list[int] | None = Field(None, min_length=1, description="vLLM --max-num-seqs values; default: the config's and half the busiest level's requests per instance")
     max_num_batched_tokens: list[int] | None = Field(None, min_length=1, description="vLLM --max-num-batched-tokens values; default: the config's")
     kvcache_gib: list[float] | None = Field(None, min_length=1, description="KV cache per instance; default: the config's, plus the largest that fits when it sets one")
     concurrency: list[int] = Field(default_factory=lambda: [8, 32], min_length=1, description="closed-loop levels: requests kept in flight")
