@@ -17,7 +17,7 @@ from vsup.supervisor.tune.candidates import KV_MAX, Candidate
 from vsup.supervisor.tune.metrics import LevelMetrics, RequestRecord, level_metrics
 from vsup.supervisor.tune.report import pareto
 from vsup.supervisor.tune.roofline import ModelFacts, decode_roofline, model_facts
-from vsup.supervisor.tune.workload import WorkItem, load_jsonl, synthetic
+from vsup.supervisor.tune.workload import load_jsonl, synthetic
 from vsup.topology.plan_model import PlanSettings
 from vsup.topology.planner import plan
 

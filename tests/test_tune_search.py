@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 
 from tests.machines import GiB, make_machine
-from vsup.supervisor.tune.candidates import Candidate, Planned, Pruned, layouts, plan_tweak
+from vsup.supervisor.tune.candidates import Candidate, layouts, plan_tweak
 from vsup.supervisor.tune.metrics import LevelMetrics
 from vsup.supervisor.tune.objective import Objective, parse_duration, parse_slo
 from vsup.supervisor.tune.search import Outcome, Search, SearchSettings, rung_sizes
