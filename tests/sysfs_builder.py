@@ -36,6 +36,8 @@ class CoreSpec:
     kind: str = "uniform"  # "performance" / "efficiency" on hybrid parts
     core_id: int = 0
     die: int | None = None
+    capacity: int | None = None  # cpuN/cpu_capacity, written when set
+    midr: int | None = None  # cpuN/regs/identification/midr_el1 (Arm), written when set
 
 
 def layout(
@@ -83,6 +85,30 @@ def hybrid_layout(p_cores: int = 8, e_cores: int = 16, p_smt: int = 2) -> list[C
     return cores
 
 
+# NVIDIA GB10 (DGX Spark) MIDR values: Arm Ltd, r0p1, part 0xd85 (Cortex-X925) / 0xd87 (Cortex-A725)
+X925_MIDR = 0x410FD851
+A725_MIDR = 0x410FD871
+
+
+def gb10_layout(midr: bool = True) -> list[CoreSpec]:
+    """NVIDIA GB10: two clusters, each with its own L3, of 5 Cortex-A725 then 5 Cortex-X925 cores
+    (CPUs 0-4 A725, 5-9 X925, 10-14 A725, 15-19 X925), no SMT. The X925s report cpu_capacity
+    997, 1017 or 1024 and the A725s 718 or 731: two big-core bins and two little-core bins."""
+    capacities = {
+        "x925": [997] * 5 + [1017] * 4 + [1024],
+        "a725": [718] * 5 + [731] * 5,
+    }
+    cores, taken = [], {"x925": 0, "a725": 0}
+    for cluster in range(2):
+        for kind, midr_value, kind_name in (("a725", A725_MIDR, "efficiency"), ("x925", X925_MIDR, "performance")):
+            for _ in range(5):
+                cpu = len(cores)
+                cores.append(CoreSpec((cpu,), l3=cluster, kind=kind_name, core_id=cpu,
+                                      capacity=capacities[kind][taken[kind]], midr=midr_value if midr else None))
+                taken[kind] += 1
+    return cores
+
+
 class _Writer:
     def __init__(self, root: Path, nul_padding: bool):
         self.root = root
@@ -117,6 +143,7 @@ def build_sysfs(
     cpuset_mems: str | None = None,
     cgroup: str = "v2",
     cpuset_in_parent: bool = False,
+    mount_table: bool = True,
     online_file: bool = True,
     numa: bool = True,
     stale_cpulist: bool = False,
@@ -126,9 +153,12 @@ def build_sysfs(
     """Write the tree under `root` and return it (pass it to read_machine as the fsroot).
 
     hybrid=(P, E) replaces nodes/smt with hybrid_layout(P, E); hybrid_source "pmu" writes
-    cpu_core/cpu_atom, "capacity" writes cpuN/cpu_capacity (1024 for P, 512 for E).
+    cpu_core/cpu_atom, "capacity" writes cpuN/cpu_capacity (1024 for P, 512 for E), "none" neither
+    (an Arm machine described by CoreSpec.capacity / .midr alone).
     memory_only_nodes maps extra node ids to their MemTotal in bytes (no CPUs: HBM, CXL).
-    cpuset/cpuset_mems restrict the process through a cgroup ("v2" or "v1").
+    cpuset/cpuset_mems restrict the process through a cgroup ("v2" or "v1"); mount_table=False
+    leaves out proc/self/mountinfo, so the reader must find the cgroup at its standard place.
+    CoreSpec.capacity / .midr write cpuN/cpu_capacity / regs/identification/midr_el1.
     online_file=False leaves out cpu/online so the reader must use cpuN/online.
     stale_cpulist writes a wrong nodeN/cpulist (as hand-made dumps do) next to the right cpumap.
     nul_padding appends NUL bytes to every file."""
@@ -193,8 +223,12 @@ def build_sysfs(
                 w.write(f"{c}/type", kind)
                 w.write(f"{c}/shared_cpu_map", mask(shared))
                 w.write(f"{c}/shared_cpu_list", format_list(shared))
-            if hybrid_source == "capacity" and core.kind != "uniform":
+            if core.capacity is not None:
+                w.write(f"{d}/cpu_capacity", str(core.capacity))
+            elif hybrid_source == "capacity" and core.kind != "uniform":
                 w.write(f"{d}/cpu_capacity", "1024" if core.kind == "performance" else "512")
+            if core.midr is not None:
+                w.write(f"{d}/regs/identification/midr_el1", f"0x{core.midr:016x}")
     if hybrid_source == "pmu":
         p = [c for core in cores if core.kind == "performance" for c in core.cpus if c not in offline_set]
         e = [c for core in cores if core.kind == "efficiency" for c in core.cpus if c not in offline_set]
@@ -229,6 +263,8 @@ def build_sysfs(
     if cpuset is not None or cpuset_mems is not None:
         _write_cgroup(w, cgroup, cpuset or format_list(online), cpuset_mems or format_list(node_list),
                       format_list(online), format_list(node_list), cpuset_in_parent)
+        if not mount_table:
+            (root / "proc/self/mountinfo").unlink()
     return root
 
 
@@ -296,3 +332,43 @@ def _write_cgroup(w: _Writer, version: str, cpus: str, mems: str, all_cpus: str,
         w.write("sys/fs/cgroup/unified/cgroup.controllers", "")
     else:
         raise ValueError(f"cgroup must be 'v1' or 'v2', not {version!r}")
+
+
+def add_memory_limit(root: str | Path, limit: int | None, *, cgroup: str = "v2", parent_limit: int | None = None) -> Path:
+    """Put the process of a tree from build_sysfs under a cgroup memory limit (None: "max", no
+    limit) and its parent cgroup under `parent_limit`: v2 memory.max, or v1
+    memory.limit_in_bytes (no limit there is the kernel's 9223372036854771712). Works beside a
+    cpuset written by build_sysfs (same cgroup, same mounts) or alone."""
+    root = Path(root)
+    w = _Writer(root, nul_padding=False)
+    leaf, parent = "vsup.slice/test.scope", "vsup.slice"
+    no_limit = "max" if cgroup == "v2" else "9223372036854771712"
+
+    def ensure_lines(rel: str, lines: list[str]) -> None:
+        path = root / rel
+        old = path.read_text().splitlines() if path.exists() else []
+        w.write(rel, "\n".join(old + [line for line in lines if line not in old]) + "\n")
+
+    if cgroup == "v2":
+        ensure_lines("proc/self/cgroup", [f"0::/{leaf}"])
+        ensure_lines("proc/self/mountinfo",
+                     ["30 24 0:26 / /sys/fs/cgroup rw,nosuid,nodev shared:9 - cgroup2 cgroup2 rw,nsdelegate"])
+        base = "sys/fs/cgroup"
+        if not (root / base / "cgroup.controllers").exists():
+            w.write(f"{base}/cgroup.controllers", "cpu io memory pids")
+        w.write(f"{base}/{leaf}/memory.max", str(limit) if limit is not None else no_limit)
+        w.write(f"{base}/{parent}/memory.max", str(parent_limit) if parent_limit is not None else no_limit)
+    elif cgroup == "v1":
+        ensure_lines("proc/self/cgroup", [f"4:memory:/{leaf}", f"0::/{leaf}"])
+        ensure_lines("proc/self/mountinfo",
+                     ["35 30 0:32 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory",
+                      "41 30 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw"])
+        if not (root / "sys/fs/cgroup/unified/cgroup.controllers").exists():
+            w.write("sys/fs/cgroup/unified/cgroup.controllers", "")
+        base = "sys/fs/cgroup/memory"
+        w.write(f"{base}/memory.limit_in_bytes", no_limit)
+        w.write(f"{base}/{leaf}/memory.limit_in_bytes", str(limit) if limit is not None else no_limit)
+        w.write(f"{base}/{parent}/memory.limit_in_bytes", str(parent_limit) if parent_limit is not None else no_limit)
+    else:
+        raise ValueError(f"cgroup must be 'v1' or 'v2', not {cgroup!r}")
+    return root

@@ -1,15 +1,22 @@
-"""configs/vsup.yaml documents every key of vsup/supervisor/config.py, with its default value."""
+"""configs/vsup.yaml documents every key of vsup/supervisor/config.py, with its default value: it is
+`vsup config --example`, rendered from the model's descriptions, checked in."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 import yaml
 from pydantic import BaseModel
 
 from vsup.supervisor.config import VsupConfig, load_config
+from vsup.supervisor.config_example import example_yaml
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "configs" / "vsup.yaml"
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "configs" / "vsup.yaml"
+VSUP = Path(sys.executable).parent / "vsup"
 
 
 def model_keys(model: type[BaseModel], prefix: str = "") -> dict[str, object]:
@@ -56,3 +63,33 @@ def test_the_example_loads_and_holds_the_defaults():
         for part in key.split("."):
             value = value[part]
         assert value == default, f"configs/vsup.yaml {key}: {value!r}, but the default is {default!r}"
+
+
+def test_the_checked_in_example_is_the_generated_one():
+    assert EXAMPLE.resolve() == ROOT / "vsup" / "supervisor" / "data" / "vsup.yaml"
+    assert EXAMPLE.read_text() == example_yaml(), (
+        "configs/vsup.yaml differs from the descriptions in vsup/supervisor/config.py: "
+        "run `.venv/bin/python scripts/config_reference.py`")
+
+
+def test_vsup_config_example_prints_it():
+    result = subprocess.run([str(VSUP), "config", "--example"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout == EXAMPLE.read_text()
+    bare = subprocess.run([str(VSUP), "config"], capture_output=True, text=True, timeout=60)
+    assert bare.returncode == 2 and bare.stderr.startswith("vsup: error: say what to show: --example")
+
+
+@pytest.mark.parametrize("section", [None, *(name for name, f in VsupConfig.model_fields.items()
+                                             if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel))])
+def test_every_key_and_section_has_a_description(section):
+    model = VsupConfig if section is None else VsupConfig.model_fields[section].annotation
+    missing = [name for name, field in model.model_fields.items() if not field.description]
+    assert missing == [], f"{section or 'top level'}: keys without a description (their documentation): {missing}"
+
+
+def test_byte_sizes_are_spelled_out_and_sections_read_as_before():
+    text = example_yaml()
+    assert "  max_body_bytes: 8388608         # larger request bodies get 413 (8 MiB)\n" in text
+    assert "  max_bytes: 52428800             # rotate an instance log at this size (50 MiB)\n" in text
+    assert "\nplacement:                        # how cores and memory are split among the instances" in text
+    assert "model: /srv/models/my-model       # REQUIRED: " in text

@@ -131,3 +131,119 @@ def test_this_machine_two_instances():
     assert not used[0] & used[1] and used[0] | used[1] <= os.sched_getaffinity(0)
     table = vsup("plan", "--instances", "2", "--model-size-gib", "0.1", "--kvcache-gib", "0.5")
     assert table.returncode == 0 and "[i0 " in table.stdout and "[i1 " in table.stdout
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "args", "message"),
+    [
+        # a value from the file is named by its key and line, not by a flag it never came from
+        ("placement:\n  model_size_gib: 1\n  kvcache_gib: 1.5\n", [],
+         "{config}:5: placement.kvcache_gib: 1.5 is not valid: vLLM's VLLM_CPU_KVCACHE_SPACE takes whole GiB; use 1 or 2"),
+        ("vllm:\n  base_port: 65535\n", ["--model-size-gib", "1"],
+         "{config}:4: vllm.base_port: 65535 is not valid: 2 instances need ports up to 65536, past 65535"),
+        ("placement:\n  nodes: [7]\n", ["--model-size-gib", "1"],
+         "{config}:4: placement.nodes: unknown node 7; this machine's nodes with usable CPUs are 0,1"),
+        # the same key given as a flag: the flag is named
+        ("placement:\n  kvcache_gib: 1\n", ["--model-size-gib", "1", "--kvcache-gib", "2.5"],
+         "--kvcache-gib 2.5: vLLM's VLLM_CPU_KVCACHE_SPACE takes whole GiB; use 2 or 3"),
+        # not in the file and not a flag: the key and that it is the default
+        ("placement:\n  model_size_gib: 1\n", ["-n", "65436"],
+         "{config}: vllm.base_port (default): 8100 is not valid: 65436 instances need ports"),
+    ],
+)
+def test_plan_errors_name_where_the_value_came_from(xeon, tmp_path, yaml_text, args, message):
+    config = tmp_path / "bad.yaml"
+    config.write_text("model: m\ninstances: 2\n" + yaml_text)
+    result = vsup("plan", "--config", str(config), "--fsroot", xeon, *args)
+    assert result.returncode == 2, result.stdout
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()]
+    assert result.stderr.strip().startswith("vsup: error: " + message.format(config=config)), result.stderr
+
+
+def test_run_names_the_config_key_and_line_too(xeon, tmp_path):
+    config = tmp_path / "bad.yaml"
+    config.write_text("model: m\ninstances: 2\nplacement:\n  model_size_gib: 1\n  kvcache_gib: 2.5\n")
+    result = vsup("run", "--config", str(config), "--fsroot", xeon)
+    assert result.returncode == 2
+    assert f"vsup: error: {config}:5: placement.kvcache_gib: 2.5 is not valid" in result.stderr
+    assert "--kvcache-gib" not in result.stderr
+
+
+@pytest.fixture
+def gb10(tmp_path) -> str:
+    from tests.sysfs_builder import build_sysfs, gb10_layout
+
+    return str(build_sysfs(tmp_path / "gb10", cores=gb10_layout(), hybrid_source="none"))
+
+
+def test_gb10_one_instance_takes_every_big_core_and_shows_the_efficiency_choice(gb10):
+    result = vsup("plan", "--instances", "1", "--fsroot", gb10, "--model-size-gib", "1", "--kvcache-gib", "1")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "efficiency cores: housekeeping (the reserve, then each instance's API server and EngineCore, outside OpenMP)" in out
+    assert "[R E:0] [i0 E:1h E:2h E:3h E:4h P:5 P:6 P:7 P:8 P:9]" in out
+    row0 = next(line.split() for line in out.splitlines() if line.strip().startswith("0  8100"))
+    assert row0[4:6] == ["10", "5-9,15-19"] and row0[-1] == "performance"
+    data = json.loads(vsup("plan", "-n", "1", "--fsroot", gb10, "--model-size-gib", "1", "--format", "json").stdout)
+    assert data["instances"][0]["omp_cpus"] == [5, 6, 7, 8, 9, 15, 16, 17, 18, 19]
+    assert data["efficiency_cores"] == "housekeeping"
+
+
+@pytest.mark.parametrize("source", ["flag", "config"])
+def test_efficiency_cores_as_instances(gb10, tmp_path, source):
+    config = tmp_path / "vsup.yaml"
+    config.write_text("model: m\nplacement:\n  model_size_gib: 1\n  kvcache_gib: 1\n"
+                      + ("  efficiency_cores: instances\n" if source == "config" else ""))
+    args = ["--efficiency-cores", "instances"] if source == "flag" else []
+    result = vsup("plan", "-c", str(config), "-n", "1", "--fsroot", gb10, "--format", "json", *args)
+    assert result.returncode == 0, result.stderr
+    instances = json.loads(result.stdout)["instances"]
+    assert [(i["kind"], i["omp_cpus"]) for i in instances] == [
+        ("performance", [5, 6, 7, 8, 9, 15, 16, 17, 18, 19]), ("efficiency", [1, 2, 3, 4, 10, 11, 12, 13, 14]),
+    ]
+
+
+def test_bad_efficiency_cores_flag_is_one_line(gb10):
+    result = vsup("plan", "-n", "1", "--fsroot", gb10, "--efficiency-cores", "idle")
+    assert result.returncode == 2
+    assert result.stderr.strip() == "vsup: error: --efficiency-cores 'idle': expected housekeeping or instances or unused"
+
+
+def test_smt_on_a_machine_without_smt_says_it_changes_nothing(gb10):
+    result = vsup("plan", "-n", "1", "--fsroot", gb10, "--model-size-gib", "1", "--smt")
+    assert result.returncode == 0, result.stderr
+    assert "warning: --smt (placement.smt) changes nothing here" in result.stdout
+
+
+def fake_numactl(directory: Path, many: bool) -> dict:
+    """A `numactl` whose usage text (on stderr, exit 1, like the real one) lists --preferred-many or not."""
+    directory.mkdir()
+    usage = "usage: numactl [--preferred= | -p <node>]" + (" [--preferred-many= | -P <nodes>]" if many else "")
+    script = directory / "numactl"
+    script.write_text(f"#!/bin/sh\necho \"numactl: unrecognized option '$1'\" >&2\necho '{usage}' >&2\nexit 1\n")
+    script.chmod(0o755)
+    return {"PATH": f"{directory}:{os.environ['PATH']}"}
+
+
+@pytest.mark.parametrize("many", [True, False])
+def test_membind_preferred_on_a_spanning_instance_prefers_all_its_nodes_when_numactl_can(xeon, tmp_path, many):
+    env = fake_numactl(tmp_path / "bin", many)
+    result = vsup("plan", "-n", "1", "--fsroot", xeon, "--model-size-gib", "1", "--membind", "preferred",
+                  "--launcher", "numactl", "--format", "json", env=env)
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["instances"][0]["argv"][-1] == ("--preferred-many=0,1" if many else "--preferred=0")
+    assert any("no --preferred-many" in w for w in data["warnings"]) == (not many)
+
+
+def test_callers_that_name_no_flags_get_the_config_key(xeon, tmp_path):
+    # vsup doctor plans a loaded config and names no flags: the key and its line, never a flag
+    from vsup.supervisor.config import parse_config
+    from vsup.supervisor.planning import plan_from_config
+    from vsup.topology.errors import PlanError
+
+    cfg = parse_config("model: m\ninstances: 2\nplacement:\n  model_size_gib: 1\n  kvcache_gib: 1.5\n")
+    with pytest.raises(PlanError) as info:
+        plan_from_config(cfg, xeon)
+    assert str(info.value).startswith("<config>:5: placement.kvcache_gib: 1.5 is not valid: vLLM's VLLM_CPU_KVCACHE_SPACE takes whole GiB")
+    assert "--kvcache-gib" not in str(info.value)

@@ -7,9 +7,12 @@ import dataclasses
 import pytest
 
 from tests.machines import GiB, make_machine
+from tests.sysfs_builder import build_sysfs, gb10_layout
 from vsup.topology.errors import PlanError
+from vsup.topology.model import EFFICIENCY, PERFORMANCE
 from vsup.topology.plan_model import PlanSettings
 from vsup.topology.planner import plan
+from vsup.topology.sysfs import read_machine
 
 
 def settings(**kw) -> PlanSettings:
@@ -80,6 +83,40 @@ def test_fewer_instances_than_nodes_spans_nodes_with_a_warning():
     assert [i.cpu_nodes for i in p.instances] == [(0, 1), (2, 3)]  # neighbours, one socket each
     assert p.instances[0].argv[-1] == "--membind=0,1"
     assert any("span" in w for w in p.warnings)
+
+
+def test_fewer_instances_than_nodes_join_the_closest_nodes_not_the_neighbouring_ids():
+    # Firmware that numbers the sockets' nodes alternately: nodes 0 and 2 share a socket, so do 1 and 3.
+    m = make_machine(sockets=2, nodes_per_socket=2, cores_per_node=4)
+    def row(n):
+        return tuple(10 if a == n else 12 if a % 2 == n % 2 else 32 for a in range(4))
+    m = dataclasses.replace(m, nodes=tuple(dataclasses.replace(node, distances=row(node.id)) for node in m.nodes))
+    p = plan(m, settings(instances=2, reserve_cores=0))
+    assert [i.cpu_nodes for i in p.instances] == [(0, 2), (1, 3)]
+    assert p.instances[0].argv[-1] == "--membind=0,2"
+    # three groups: the one that spans joins two nodes of one socket
+    p3 = plan(m, settings(instances=3, reserve_cores=0))
+    (spanning,) = [i.cpu_nodes for i in p3.instances if len(i.cpu_nodes) > 1]
+    assert spanning in ((0, 2), (1, 3))
+
+
+@pytest.mark.parametrize("many, flag", [(True, "--preferred-many=0,1"), (False, "--preferred=0")])
+def test_membind_preferred_on_an_instance_spanning_nodes(many, flag):
+    m = make_machine(sockets=2, nodes_per_socket=2, cores_per_node=4)
+    p = plan(m, settings(instances=2, reserve_cores=0, membind="preferred", numactl_preferred_many=many))
+    assert p.instances[0].argv[-1] == flag
+    said = any("no --preferred-many" in w and "prefers node 0 only" in w for w in p.warnings)
+    assert said == (not many)
+    one_node = plan(m, settings(instances=4, reserve_cores=0, membind="preferred", numactl_preferred_many=many))
+    assert one_node.instances[1].argv[-1] == "--preferred=1"  # one node: plain --preferred
+
+
+def test_smt_without_smt_is_said_to_change_nothing():
+    m = make_machine(sockets=1, cores_per_node=4, smt=1)
+    with_smt, without = plan(m, settings(instances=2, smt=True)), plan(m, settings(instances=2))
+    assert [i.omp_cpus for i in with_smt.instances] == [i.omp_cpus for i in without.instances]
+    assert any("changes nothing here" in w for w in with_smt.warnings)
+    assert not any("changes nothing" in w for w in plan(two_socket(), settings(instances=2, smt=True)).warnings)
 
 
 def test_cores_per_instance_keeps_instances_on_separate_nodes_and_lists_spare_cpus():
@@ -270,20 +307,87 @@ def test_memory_only_nodes_are_not_cpu_nodes_and_are_mentioned():
     assert any("memory-only node(s) 2,3" in w for w in p.warnings)
 
 
-def test_hybrid_cpu_keeps_openmp_on_performance_cores():
+def kinds_of(machine, cpus):
+    kind = {cpu: core.kind for core in machine.cores for cpu in core.cpus}
+    return {kind[cpu] for cpu in cpus}
+
+
+def test_hybrid_efficiency_cores_reserve_first_then_run_housekeeping():
     m = make_machine(sockets=1, cores_per_node=6, efficiency_cores=[4, 5])
     p = plan(m, settings(instances=2))
     assert p.reserved_cpus == (4,)  # an efficiency core is the cheapest one to give away
     assert [i.omp_cpus for i in p.instances] == [(0, 1), (2, 3)]
+    a, b = p.instances
+    # the other efficiency core runs instance 0's API server and EngineCore: in its mask, not in OpenMP
+    assert a.housekeeping_cpus == (5,) and a.cpus == (0, 1, 5) and a.argv[1] == "--physcpubind=0-1,5"
+    assert b.housekeeping_cpus == () and b.cpus == (2, 3)
+    assert [i.kind for i in p.instances] == [PERFORMANCE, PERFORMANCE]
+    assert p.unused_cpus == ()
+
+
+def test_hybrid_efficiency_cores_unused_are_listed_and_said():
+    m = make_machine(sockets=1, cores_per_node=6, efficiency_cores=[4, 5])
+    p = plan(m, settings(instances=2, efficiency_cores="unused"))
+    assert p.reserved_cpus == (4,)
+    assert [i.cpus for i in p.instances] == [(0, 1), (2, 3)]
     assert dict(p.unused_cpus)[5].startswith("efficiency core")
-    assert any("hybrid CPU" in w for w in p.warnings)
+    assert any("efficiency cores 5 stay idle" in w for w in p.warnings)
 
 
-def test_hybrid_cpu_with_too_few_performance_cores_uses_all_and_warns():
+def test_hybrid_efficiency_cores_as_instances_of_their_own():
+    m = make_machine(sockets=1, cores_per_node=8, efficiency_cores=[4, 5, 6, 7])
+    p = plan(m, settings(instances=2, efficiency_cores="instances"))
+    assert [(i.port, i.kind, i.omp_cpus) for i in p.instances] == [
+        (8100, PERFORMANCE, (0, 1)), (8101, PERFORMANCE, (2, 3)), (8102, EFFICIENCY, (5, 6, 7)),
+    ]
+    assert p.reserved_cpus == (4,)
+
+
+def test_hybrid_intel_6p_8e_seven_instances_reserve_an_e_core_and_never_mix(tmp_path):
+    # The issue's shape: 6 P-cores with SMT (CPUs 0-11, siblings adjacent) and 8 E-cores (12-19),
+    # one L3. Seven instances used to reserve P-core 0 while one OpenMP team mixed P and E cores.
+    machine = read_machine(build_sysfs(tmp_path, hybrid=(6, 8)), live=False)
+    p = plan(machine, settings(instances=7, model_size_bytes=GiB // 2, kvcache_gib=0.5, overhead_bytes=0))
+    assert len(p.instances) == 7
+    assert kinds_of(machine, p.reserved_cpus) == {EFFICIENCY}
+    for inst in p.instances:
+        assert len(kinds_of(machine, inst.omp_cpus)) == 1, inst
+    assert [i.omp_cpus for i in p.instances[:6]] == [(0,), (2,), (4,), (6,), (8,), (10,)]
+    assert p.instances[6].kind == EFFICIENCY and len(p.instances[6].omp_cpus) == 7
+    assert any("instance 6 run on efficiency cores" in w for w in p.warnings)
+
+
+def test_hybrid_cpu_with_too_few_performance_cores_puts_the_rest_on_efficiency_cores():
     m = make_machine(sockets=1, cores_per_node=5, efficiency_cores=[1, 2, 3, 4])  # Lakefield
     p = plan(m, settings(instances=2))
-    assert len(p.instances) == 2
-    assert any("only 1 performance cores" in w for w in p.warnings)
+    assert [(i.kind, i.omp_cpus) for i in p.instances] == [(PERFORMANCE, (0,)), (EFFICIENCY, (2, 3, 4))]
+    assert p.reserved_cpus == (1,)
+    assert any("instance 1 run on efficiency cores" in w for w in p.warnings)
+
+
+def test_hybrid_kinds_that_cannot_hold_the_instances_unmixed_are_refused():
+    # 6 cores hold three 2-core instances only if one team mixed a P and an E core
+    m = make_machine(sockets=1, cores_per_node=6, efficiency_cores=[3, 4, 5])
+    with pytest.raises(PlanError, match=r"^3 instance\(s\) of 2 core\(s\) do not fit when no OpenMP team mixes core kinds: "
+                                        r"the 3 performance cores hold 1 and the 3 efficiency cores 1; try --instances 2$"):
+        plan(m, settings(instances=3, cores_per_instance=2, reserve_cores=0))
+
+
+def test_gb10_one_instance_uses_every_big_core(tmp_path):
+    machine = read_machine(build_sysfs(tmp_path, cores=gb10_layout(), hybrid_source="none"), live=False)
+    p = plan(machine, settings(instances=1))
+    (inst,) = p.instances
+    assert inst.omp_cpus == (5, 6, 7, 8, 9, 15, 16, 17, 18, 19)  # all ten Cortex-X925
+    assert p.reserved_cpus == (0,)  # a Cortex-A725
+    assert inst.housekeeping_cpus == (1, 2, 3, 4, 10, 11, 12, 13, 14)
+
+
+def test_efficiency_cores_go_to_the_instances_of_their_own_node():
+    # two nodes, each 3 P + 2 E cores; E cores of node 1 serve node 1's instance only
+    m = make_machine(sockets=2, cores_per_node=5, efficiency_cores=[3, 4, 8, 9])
+    p = plan(m, settings(instances=2, reserve_cores=0))
+    assert [i.housekeeping_cpus for i in p.instances] == [(3, 4), (8, 9)]
+    assert [i.nodes for i in p.instances] == [(0,), (1,)]
 
 
 def test_node_memory_outside_the_cpuset_binds_to_the_nearest_allowed():

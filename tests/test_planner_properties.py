@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from tests.machines import GiB, make_machine
 from vsup.topology.cpulist import format_list
 from vsup.topology.errors import PlanError
-from vsup.topology.model import Machine
+from vsup.topology.model import EFFICIENCY, Machine
 from vsup.topology.plan_model import Plan, PlanSettings
 from vsup.topology.planner import plan
 
@@ -21,10 +21,18 @@ def check_plan_rules(machine: Machine, s: PlanSettings, p: Plan) -> None:
     """Every rule a plan must keep, whatever the machine. Shared with the corpus tests."""
     usable = set(machine.cpus_usable)
     core_of = {cpu: core.id for core in machine.cores for cpu in core.cpus}
+    kind_of = {core.id: core.kind for core in machine.cores}
     owner: dict[int, int] = {}
     seen_cpus: set[int] = set()
+    team_size: dict[int, int] = {}
     for inst in p.instances:
         env = inst.env_dict()
+        # one kind of core per OpenMP team (hybrid CPUs): a slow core would pace every step
+        team_kinds = {kind_of[core_of[c]] for c in inst.omp_cpus}
+        assert len(team_kinds) == 1, f"instance {inst.index} mixes {team_kinds}"
+        # its OpenMP cores and its housekeeping core (efficiency cores lent for housekeeping aside)
+        team_size[inst.index] = len({core_of[c] for c in inst.omp_cpus}) + (1 if s.housekeeping_core else 0)
+        assert set(inst.housekeeping_cpus) <= set(inst.cpus) and not set(inst.housekeeping_cpus) & set(inst.omp_cpus)
         assert set(inst.omp_cpus) <= set(inst.cpus) <= usable
         assert env["OMP_NUM_THREADS"] == str(len(inst.omp_cpus)) and inst.omp_cpus
         assert env["VLLM_CPU_OMP_THREADS_BIND"] == format_list(inst.omp_cpus)
@@ -41,7 +49,7 @@ def check_plan_rules(machine: Machine, s: PlanSettings, p: Plan) -> None:
         if s.housekeeping_core:
             assert len(inst.housekeeping_cpus) >= 1 and not set(inst.housekeeping_cpus) & set(inst.omp_cpus)
         if s.cores_per_instance:
-            assert len(inst.cores) == s.cores_per_instance + (1 if s.housekeeping_core else 0)
+            assert team_size[inst.index] == s.cores_per_instance + (1 if s.housekeeping_core else 0)
         if inst.nodes:
             assert env["CPU_VISIBLE_MEMORY_NODES"] == ",".join(map(str, inst.nodes))
         assert ("VLLM_CPU_KVCACHE_SPACE" in env) != bool(inst.vllm_args)
@@ -52,11 +60,11 @@ def check_plan_rules(machine: Machine, s: PlanSettings, p: Plan) -> None:
     assert all(reason for reason in unused.values())
     assert usable <= seen_cpus | set(p.reserved_cpus) | set(unused), "a usable CPU is unaccounted for"
 
-    # sizes within a node differ by at most one core
-    per_node: dict[int, list[int]] = defaultdict(list)
+    # sizes within a node (and kind) differ by at most one core
+    per_node: dict[tuple, list[int]] = defaultdict(list)
     for inst in p.instances:
         if len(inst.cpu_nodes) == 1:
-            per_node[inst.cpu_nodes[0]].append(len(inst.cores))
+            per_node[(inst.cpu_nodes[0], inst.kind)].append(team_size[inst.index])
     for sizes in per_node.values():
         assert max(sizes) - min(sizes) <= 1, sizes
 
@@ -69,6 +77,13 @@ def check_plan_rules(machine: Machine, s: PlanSettings, p: Plan) -> None:
     fits_in_nodes = sum(n // per_instance for n in pool.values()) >= len(p.instances)
     if fits_in_nodes and (s.cores_per_instance or len(p.instances) >= len(pool)) and not any(k.kind == "efficiency" for k in machine.cores):
         assert all(len(inst.cpu_nodes) <= 1 for inst in p.instances), [i.cpu_nodes for i in p.instances]
+
+    # reserved cores come from efficiency cores first: a reserved performance core means every
+    # efficiency core of the pool is reserved too or belongs to an efficiency-core instance
+    in_pool = [core for core in machine.cores if s.nodes is None or core.node in s.nodes]
+    if any(kind_of[core_of[c]] != EFFICIENCY for c in p.reserved_cpus) and any(c.kind == EFFICIENCY for c in in_pool):
+        taken = {core_of[c] for c in p.reserved_cpus} | {c for inst in p.instances if inst.kind == EFFICIENCY for c in inst.cores}
+        assert all(core.id in taken for core in in_pool if core.kind == EFFICIENCY), "P core reserved before an E core"
 
     # memory sums fit the per-node budget
     for node in p.memory:
@@ -153,3 +168,42 @@ def test_plans_are_deterministic(machine, s):
             assert str(again) == str(exc)
         return
     assert plan(machine, s) == first
+
+
+@st.composite
+def hybrid_machines(draw):
+    """Hybrid parts: performance and efficiency cores on one or several nodes, any proportion."""
+    sockets = draw(st.integers(1, 2))
+    nodes_per_socket = draw(st.integers(1, 2))
+    sizes = draw(st.lists(st.integers(2, 12), min_size=sockets * nodes_per_socket, max_size=sockets * nodes_per_socket))
+    total = sum(sizes)
+    e_cores = draw(st.sets(st.integers(0, total - 1), min_size=1, max_size=total - 1))
+    smt = draw(st.sampled_from([1, 2]))
+    offline = draw(st.sets(st.integers(0, total * smt - 1), max_size=total // 4))
+    return make_machine(sockets, nodes_per_socket, sizes, smt, offline=offline, efficiency_cores=e_cores,
+                        l3_per_node=draw(st.integers(1, 2)), node_memory=64 * GiB)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(hybrid_machines(), plan_settings(), st.sampled_from(["housekeeping", "instances", "unused"]))
+def test_hybrid_plans_never_mix_kinds_and_reserve_efficiency_cores_first(machine, s, mode):
+    s = PlanSettings(**{**s.__dict__, "efficiency_cores": mode})
+    try:
+        p = plan(machine, s)
+    except PlanError as exc:
+        event("refused")
+        assert str(exc) and "\n" not in str(exc)
+        return
+    event(f"planned {mode}")
+    check_plan_rules(machine, s, p)
+    requested = len(machine.cpu_nodes) if s.instances == "auto" else s.instances
+    if mode == "instances":
+        assert len(p.instances) >= requested
+    else:
+        assert len(p.instances) == requested
+    if mode == "housekeeping":  # no efficiency core idles while an instance runs on its node
+        busy = set(p.reserved_cpus) | {c for i in p.instances for c in i.cpus}
+        nodes_with_instances = {n for i in p.instances for n in i.cpu_nodes}
+        for core in machine.cores:
+            if core.kind == EFFICIENCY and core.node in nodes_with_instances:
+                assert set(core.cpus) & busy, f"efficiency core {core.id} idle"

@@ -1,5 +1,5 @@
 """The README's promises that a test can hold: its two set-up commands, what CI runs, and the
-configuration reference being the real example config."""
+configuration reference being `vsup config --example`."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 
 from vsup.supervisor.commands import command_names
 from vsup.supervisor.config import parse_config
+from vsup.supervisor.config_example import example_yaml, with_readme_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -31,13 +32,13 @@ def test_ci_runs_the_readme_test_command():
     assert "VSUP_SKIP_VLLM" not in ci  # the real-vLLM tests are part of CI
 
 
-def test_configuration_reference_is_the_example_config():
+def test_configuration_reference_is_the_generated_example():
+    assert with_readme_reference(README) == README, (
+        "README's configuration reference differs from `vsup config --example`: "
+        "run `.venv/bin/python scripts/config_reference.py`")
     blocks = [body for lang, body in _code_blocks(README) if lang == "yaml"]
-    example = (ROOT / "configs" / "vsup.yaml").read_text()
-    assert example.strip() in [block.strip() for block in blocks], (
-        "README's configuration reference differs from configs/vsup.yaml: paste the file into README.md"
-    )
-    parse_config(example, "configs/vsup.yaml")
+    assert example_yaml() in blocks
+    parse_config(example_yaml(), "configs/vsup.yaml")
 
 
 def test_every_subcommand_is_mentioned():

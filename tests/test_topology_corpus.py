@@ -160,16 +160,21 @@ def test_agrees_with_hwloc_expected_output(dump, corpus):
 
 
 def test_core_kinds(dump, corpus):
-    """Lakefield is hybrid (hwloc's console lists its CPU kinds); every other dump is uniform."""
+    """Agree with hwloc's cpukinds: Lakefield is hybrid (its console lists the kinds), every other
+    dump is uniform. hwloc ranks kinds by efficiency (0 = the slowest); vsup's efficiency cores
+    are the slowest kind, every faster kind is performance."""
     name, machine, facts = dump
     kinds = corpus.cpu_kinds(name)
+    source = dict(machine.sources)["kind"]
     if kinds is None:
         assert {core.kind for core in machine.all_cores} == {UNIFORM}
+        assert source.startswith("uniform")
         return
-    best = max(rank for rank, _ in kinds)
+    slowest = min(rank for rank, _ in kinds)
     for rank, cpus in kinds:
-        want = PERFORMANCE if rank == best else EFFICIENCY
+        want = EFFICIENCY if rank == slowest else PERFORMANCE
         assert {core.kind for core in machine.all_cores if set(core.all_cpus) & cpus} == {want}
+    assert not source.startswith("uniform")
 
 
 def test_isa_from_the_dumps_cpuinfo(dump, corpus):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.sysfs_builder import GIB, build_sysfs, expected_available, hybrid_layout, layout
+from tests.sysfs_builder import GIB, CoreSpec, build_sysfs, expected_available, gb10_layout, hybrid_layout, layout
 from vsup.topology.errors import TopologyError
 from vsup.topology.model import EFFICIENCY, PERFORMANCE, UNIFORM
 from vsup.topology.render import machine_to_json, render_text
@@ -76,6 +76,76 @@ def test_big_little_from_cpu_capacity(tmp_path):
     assert [c.kind for c in machine.cores] == [PERFORMANCE] * 4 + [EFFICIENCY] * 4
 
 
+@pytest.mark.parametrize("midr", [True, False], ids=["midr", "capacity-only"])
+def test_gb10_two_big_core_bins_are_one_tier(tmp_path, midr):
+    # NVIDIA GB10: X925 cores at capacity 997/1017/1024, A725 cores at 718/731. The single highest
+    # value (1024, one CPU) must not be "the" performance core: every X925 is.
+    root = build_sysfs(tmp_path, cores=gb10_layout(midr=midr), hybrid_source="none")
+    machine = read(root)
+    kinds = {c.id: c.kind for c in machine.cores}
+    assert [cpu for cpu, kind in kinds.items() if kind == PERFORMANCE] == [5, 6, 7, 8, 9, 15, 16, 17, 18, 19]
+    assert [cpu for cpu, kind in kinds.items() if kind == EFFICIENCY] == [0, 1, 2, 3, 4, 10, 11, 12, 13, 14]
+    source = dict(machine.sources)["kind"]
+    text = render_text(machine)
+    assert "Hybrid: 10 performance cores (P:), 10 efficiency cores (E:)" in text
+    assert f"Core kinds: {source}" in text
+    if midr:
+        assert "regs/identification/midr_el1" in source
+        assert "0xd85 Cortex-X925 (CPUs 5-9,15-19, cpu_capacity 997) > 0xd87 Cortex-A725 (CPUs 0-4,10-14, cpu_capacity 718)" in source
+    else:
+        assert "cpu_capacity" in source and "997-1024 (CPUs 5-9,15-19) > 718-731 (CPUs 0-4,10-14)" in source
+
+
+def test_midr_ranks_core_types_by_max_frequency_without_capacity(tmp_path):
+    cores = [CoreSpec((cpu,), kind="x", core_id=cpu, midr=0x410FD851 if cpu < 2 else 0x410FD871) for cpu in range(4)]
+    root = build_sysfs(tmp_path, cores=cores, hybrid_source="none")
+    for cpu in range(4):
+        (root / f"sys/devices/system/cpu/cpu{cpu}/cpufreq").mkdir(parents=True)
+        (root / f"sys/devices/system/cpu/cpu{cpu}/cpufreq/cpuinfo_max_freq").write_text("3900000\n" if cpu < 2 else "2800000\n")
+    machine = read(root)
+    assert [c.kind for c in machine.cores] == [PERFORMANCE, PERFORMANCE, EFFICIENCY, EFFICIENCY]
+    assert "ranked" not in dict(machine.sources)["kind"] and "cpuinfo_max_freq 3900000" in dict(machine.sources)["kind"]
+
+
+def test_one_midr_part_is_uniform_whatever_the_capacities(tmp_path):
+    # one core type whose clusters boost differently (Snapdragon X): not big.LITTLE
+    cores = [CoreSpec((cpu,), core_id=cpu, capacity=1024 if cpu < 4 else 700, midr=0x511F0011) for cpu in range(8)]
+    machine = read(build_sysfs(tmp_path, cores=cores, hybrid_source="none"))
+    assert {c.kind for c in machine.cores} == {UNIFORM}
+    assert dict(machine.sources)["kind"].startswith("uniform: one core type, 0x51/0x001 on every CPU")
+    assert "Hybrid" not in render_text(machine)
+
+
+def test_core_types_that_nothing_ranks_are_planned_alike(tmp_path):
+    cores = [CoreSpec((cpu,), core_id=cpu, midr=0x410FD851 if cpu < 2 else 0x410FD871) for cpu in range(4)]
+    machine = read(build_sysfs(tmp_path, cores=cores, hybrid_source="none"))
+    assert {c.kind for c in machine.cores} == {UNIFORM}
+    assert "neither cpu_capacity nor cpuinfo_max_freq says which is faster" in dict(machine.sources)["kind"]
+
+
+def test_three_capacity_tiers_only_the_slowest_is_efficiency(tmp_path):
+    # phone-style prime + big + little: one prime core alone must not be "the" performance cores
+    values = [1024] + [870] * 3 + [300] * 4
+    cores = [CoreSpec((cpu,), core_id=cpu, capacity=v) for cpu, v in enumerate(values)]
+    machine = read(build_sysfs(tmp_path, cores=cores, hybrid_source="none"))
+    assert [c.kind for c in machine.cores] == [PERFORMANCE] * 4 + [EFFICIENCY] * 4
+    assert "1024 (CPUs 0) > 870 (CPUs 1-3) > 300 (CPUs 4-7)" in dict(machine.sources)["kind"]
+
+
+def test_capacities_within_a_few_percent_are_uniform(tmp_path):
+    cores = [CoreSpec((cpu,), core_id=cpu, capacity=1024 - 9 * cpu) for cpu in range(8)]  # 961-1024
+    machine = read(build_sysfs(tmp_path, cores=cores, hybrid_source="none"))
+    assert {c.kind for c in machine.cores} == {UNIFORM}
+    assert "uniform: cpu_capacity 961-1024, within 15%" in dict(machine.sources)["kind"]
+
+
+def test_malformed_midr_is_an_error_naming_it(tmp_path):
+    root = build_sysfs(tmp_path, cores=gb10_layout(), hybrid_source="none")
+    (root / "sys/devices/system/cpu/cpu3/regs/identification/midr_el1").write_text("X925\n")
+    with pytest.raises(TopologyError, match=r"cpu3/regs/identification/midr_el1: 'X925'; expected a hex"):
+        read(root)
+
+
 def test_uniform_machine_has_uniform_cores(tmp_path):
     machine = read(build_sysfs(tmp_path, nodes=(4,), smt=2))
     assert {c.kind for c in machine.cores} == {UNIFORM}
@@ -131,6 +201,49 @@ def test_cgroup_namespace_root_from_mountinfo(tmp_path):
     (cg / "cpuset.cpus.effective").write_text("2-3\n")
     (cg / "cpuset.mems.effective").write_text("0\n")
     assert read(root).cpus_usable == (2, 3)
+
+
+@pytest.mark.parametrize("version, file", [("v2", "cpuset.cpus.effective"), ("v1", "cpuset.effective_cpus")])
+def test_cgroup_without_a_mount_table_is_found_at_its_standard_place(tmp_path, version, file):
+    # a 96-CPU dump restricted to 16 CPUs, with neither proc/self/mountinfo nor proc/mounts
+    root = build_sysfs(tmp_path, nodes=(48, 48), cpuset="0-15", cpuset_mems="0", cgroup=version, mount_table=False)
+    assert not (root / "proc/self/mountinfo").exists() and not (root / "proc/mounts").exists()
+    machine = read(root)
+    assert machine.cpus_usable == tuple(range(16))
+    assert machine.mems_allowed == (0,)
+    source = dict(machine.sources)["cpuset"]
+    assert source.endswith(f"test.scope/{file}, found at its standard place: no proc/self/mountinfo or proc/mounts")
+    assert f"Cpuset: {source}" in render_text(machine)
+
+
+def test_legacy_dev_cpuset_without_a_mount_table(tmp_path):
+    root = build_sysfs(tmp_path, nodes=(8,))
+    (root / "proc/self").mkdir(parents=True, exist_ok=True)
+    (root / "proc/self/cpuset").write_text("/job7\n")  # Slurm/Torque-style dumps carry this
+    (root / "dev/cpuset/job7").mkdir(parents=True)
+    (root / "dev/cpuset/cpus").write_text("0-7\n")
+    (root / "dev/cpuset/job7/cpus").write_text("2-5\n")
+    machine = read(root)
+    assert machine.cpus_usable == (2, 3, 4, 5)
+    assert dict(machine.sources)["cpuset"].startswith(str(root / "dev/cpuset/job7/cpus"))
+
+
+def test_standard_place_without_a_process_path_reads_the_mounts_own_cgroup(tmp_path):
+    # a container's view: the cgroup namespace root is the container's cgroup, and no proc/self
+    root = build_sysfs(tmp_path, nodes=(8,))
+    (root / "sys/fs/cgroup").mkdir(parents=True)
+    (root / "sys/fs/cgroup/cpuset.cpus.effective").write_text("4-7\n")
+    assert read(root).cpus_usable == (4, 5, 6, 7)
+
+
+def test_no_cpuset_anywhere_is_said_not_silent(tmp_path):
+    machine = read(build_sysfs(tmp_path, nodes=(4,)))
+    assert machine.cpus_usable == (0, 1, 2, 3)
+    text = render_text(machine)
+    assert (
+        "Cpuset: none found (no proc/self/mountinfo or proc/mounts, and none of /sys/fs/cgroup/cpuset.cpus.effective, "
+        "/sys/fs/cgroup/cpuset/cpuset.cpus, /dev/cpuset/cpus): every online CPU counts as allowed"
+    ) in text
 
 
 def test_offline_cpus_and_missing_cpu_online_file(tmp_path):

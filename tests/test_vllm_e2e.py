@@ -40,7 +40,7 @@ import yaml
 
 from tests.wheel import build_wheel
 
-from tests.vsup_harness import VSUP, VsupRun, free_port, free_ports, port_is_free
+from tests.vsup_harness import VSUP, VsupRun, port_is_free, ports_for
 from vsup.topology.cpulist import parse_list
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -254,9 +254,9 @@ def served_config(tmp: Path, model: Path, instances: int | None = None) -> dict:
     config["model"] = str(model)
     if instances is not None:
         config["instances"] = instances
-    config["vllm"]["base_port"] = free_ports(config["instances"])
+    config["vllm"]["base_port"], proxy_port = ports_for(config["instances"])
     config["vllm"]["env"] = {**config["vllm"].get("env", {}), "VLLM_CACHE_ROOT": str(tmp / "vllm-cache")}
-    config["proxy"] = {**config.get("proxy", {}), "port": free_port(), "drain_timeout": 5}
+    config["proxy"] = {**config.get("proxy", {}), "port": proxy_port, "drain_timeout": 5}
     config["health"] = {"interval": 1.0, "timeout": 10.0, "failures": 3, "startup_timeout": STARTUP_TIMEOUT}
     config["restart"] = {"initial_delay": 0.5, "max_delay": 5.0, "jitter": 0.0, "crash_loop_failures": 20}
     config["stop"] = {"timeout": 30}

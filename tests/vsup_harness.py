@@ -54,6 +54,15 @@ def free_port() -> int:
     return free_ports(1)
 
 
+def ports_for(instances: int) -> tuple[int, int]:
+    """(base_port, proxy port): free, and the proxy's outside the instances' range (two draws of
+    free ports can meet, and vsup refuses a proxy.port on an instance's port)."""
+    base_port, proxy_port = free_ports(instances), free_port()
+    while base_port <= proxy_port < base_port + instances:
+        proxy_port = free_port()
+    return base_port, proxy_port
+
+
 class UnixHTTPConnection(http.client.HTTPConnection):
     def __init__(self, path: str, timeout: float = 10.0) -> None:
         super().__init__("vsup", timeout=timeout)
@@ -67,13 +76,14 @@ class UnixHTTPConnection(http.client.HTTPConnection):
 
 def make_config(tmp: Path, *, instances: int = 2, **sections) -> dict:
     """A config for fast tests: each section's keys override these defaults."""
+    base_port, proxy_port = ports_for(instances)
     config = {
         "model": "fake-model",
         "instances": instances,
         "placement": {"launcher": "taskset", "reserve_cores": 0, "model_size_gib": 0.01, "kvcache_gib": 0.01,
                       "overhead_gib": 0.01, "memory_reserve_gib": 0.1},
-        "vllm": {"command": FAKE, "base_port": free_ports(instances), "env": {}},
-        "proxy": {"port": free_port(), "drain_timeout": 2},
+        "vllm": {"command": FAKE, "base_port": base_port, "env": {}},
+        "proxy": {"port": proxy_port, "drain_timeout": 2},
         "health": {"interval": 0.2, "timeout": 1.0, "failures": 3, "startup_timeout": 20},
         "restart": {"initial_delay": 0.2, "max_delay": 1.0, "multiplier": 2.0, "jitter": 0.0,
                     "stable_after": 300, "crash_loop_failures": 100, "crash_loop_window": 600},

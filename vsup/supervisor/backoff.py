@@ -5,8 +5,8 @@ without sleeping. Delays come from tenacity's wait strategies: exponential from
 `restart.initial_delay` by `restart.multiplier`, plus up to `restart.jitter` random seconds, the
 sum capped at `restart.max_delay`. An instance that stayed ready for `restart.stable_after`
 seconds starts over from the initial delay and with an empty crash history. `restart.crash_loop_failures`
-failures within `restart.crash_loop_window` seconds mean a crash loop: the policy returns None
-and the instance goes to `failed` until someone restarts it.
+failures within `restart.crash_loop_window` seconds mean a crash loop: `on_failure` returns
+`Decision(delay=None)` (`give_up`) and the instance goes to `failed` until someone restarts it.
 """
 
 from __future__ import annotations

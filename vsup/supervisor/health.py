@@ -21,10 +21,15 @@ async def probe_health(session: aiohttp.ClientSession, base_url: str, timeout: f
             async with session.get(f"{base_url}/health", allow_redirects=False) as response:
                 await response.read()  # small body; reading it lets the connection be reused
                 return HealthResult(response.status == 200, f"HTTP {response.status}")
-    except TimeoutError:
-        return HealthResult(False, f"timeout after {timeout:g}s")
-    except aiohttp.ClientConnectorError as exc:
+    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+        return HealthResult(False, failure_detail(exc, timeout))
+
+
+def failure_detail(exc: BaseException, timeout: float) -> str:
+    """Why a probe got no answer, in a few words ("cannot connect: connection refused")."""
+    if isinstance(exc, TimeoutError):
+        return f"timeout after {timeout:g}s"
+    if isinstance(exc, aiohttp.ClientConnectorError):
         reason = exc.os_error.strerror if exc.os_error and exc.os_error.strerror else str(exc)
-        return HealthResult(False, f"cannot connect: {reason.lower()}")
-    except (aiohttp.ClientError, OSError) as exc:
-        return HealthResult(False, f"{type(exc).__name__}: {exc}".rstrip(": "))
+        return f"cannot connect: {reason.lower()}"
+    return f"{type(exc).__name__}: {exc}".rstrip(": ")

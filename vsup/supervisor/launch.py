@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from vsup.supervisor.config import VsupConfig
+from vsup.supervisor.config import VsupConfig, quote, where
 from vsup.supervisor.errors import ConfigError
 from vsup.supervisor.vllm_command import API_SERVER_MODULE, resolve_vllm_command
 from vsup.topology.plan_model import InstancePlan
@@ -65,9 +65,9 @@ def child_environment(base_env: Mapping[str, str]) -> dict[str, str]:
 
 
 def build_command(instance: InstancePlan, cfg: VsupConfig, base_env: Mapping[str, str]) -> tuple[list[str], dict[str, str]]:
-    _check_args(cfg.vllm.args)
+    _check_args(cfg)
     plan_env = instance.env_dict()
-    _check_user_env(instance, plan_env, cfg.vllm.env)
+    _check_user_env(instance, plan_env, cfg)
 
     env = child_environment(base_env)
     for key in PLACEMENT_VARIABLES:  # a stale value from the shell must not outlive the plan
@@ -82,8 +82,8 @@ def build_command(instance: InstancePlan, cfg: VsupConfig, base_env: Mapping[str
     return argv, env
 
 
-def _check_user_env(instance: InstancePlan, plan_env: Mapping[str, str], user_env: Mapping[str, str]) -> None:
-    for key, value in user_env.items():
+def _check_user_env(instance: InstancePlan, plan_env: Mapping[str, str], cfg: VsupConfig) -> None:
+    for key, value in cfg.vllm.env.items():
         if key not in PLACEMENT_VARIABLES:
             continue
         planned = plan_env.get(key)
@@ -91,13 +91,13 @@ def _check_user_env(instance: InstancePlan, plan_env: Mapping[str, str], user_en
             continue
         what = f"the plan sets {planned!r}" if planned is not None else "the plan leaves it unset (KV cache below 1 GiB goes to --kv-cache-memory-bytes)"
         raise ConfigError(
-            f"vllm.env.{key}: {value!r} contradicts the placement of instance {instance.index} ({what}); "
+            f"{where(cfg, f'vllm.env.{key}')}: {quote(value)} contradicts the placement of instance {instance.index} ({what}); "
             f"remove it and set {PLACEMENT_VARIABLES[key]} instead"
         )
 
 
-def _check_args(args: list[str]) -> None:
-    for arg in args:
+def _check_args(cfg: VsupConfig) -> None:
+    for index, arg in enumerate(cfg.vllm.args):
         option = arg.split("=", 1)[0]
         if option in _OWNED_OPTIONS:
-            raise ConfigError(f"vllm.args: {arg!r} is not allowed: {_OWNED_OPTIONS[option]}")
+            raise ConfigError(f"{where(cfg, f'vllm.args.{index}')}: {quote(arg)} is not allowed: {_OWNED_OPTIONS[option]}")

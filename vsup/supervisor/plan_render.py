@@ -9,21 +9,29 @@ from collections.abc import Mapping
 from vsup.supervisor.config import VsupConfig
 from vsup.supervisor.launch import PLACEMENT_VARIABLES, build_command
 from vsup.topology.cpulist import format_list
-from vsup.topology.model import Core, Machine
+from vsup.topology.model import EFFICIENCY, PERFORMANCE, UNIFORM, Core, Machine
 from vsup.topology.plan_model import Plan, format_gib
 
 # Owner marks in the core map.
 RESERVED, UNUSED = "reserved", "unused"
+# What placement.efficiency_cores does, for the header of a hybrid machine's plan.
+EFFICIENCY_CHOICE = {
+    "housekeeping": "efficiency cores: housekeeping (the reserve, then each instance's API server and EngineCore, outside OpenMP)",
+    "instances": "efficiency cores: instances of their own",
+    "unused": "efficiency cores: unused (the reserve only)",
+}
 
 
 def render_table(machine: Machine, plan: Plan) -> str:
     lines: list[str] = []
     s = plan.settings
     launcher = s.launcher + (f" (--membind {s.membind})" if s.launcher == "numactl" else "")
+    hybrid = _hybrid(machine)
     lines.append(
         f"{len(plan.instances)} instance(s) · launcher {launcher} · "
         f"{'all hardware threads' if s.smt else 'one OpenMP thread per physical core'}"
         f"{' · housekeeping core per instance' if s.housekeeping_core else ''}"
+        f"{' · ' + EFFICIENCY_CHOICE[s.efficiency_cores] if hybrid else ''}"
     )
     lines.append("")
     lines.extend(_core_map(machine, plan))
@@ -32,6 +40,10 @@ def render_table(machine: Machine, plan: Plan) -> str:
     lines.append("")
     reserved = plan.reserved_cpus
     lines.append(f"reserved for vsup, the proxy and the OS: {format_list(reserved) if reserved else 'none'}")
+    limit = plan.memory_limit
+    if limit is not None:
+        lines.append(f"cgroup memory limit {format_gib(limit.limit_bytes)}: planned {format_gib(limit.demand_bytes)} "
+                     f"of {format_gib(limit.budget_bytes)} ({limit.figure})")
     by_reason: dict[str, list[int]] = defaultdict(list)
     for cpu, reason in plan.unused_cpus:
         by_reason[reason].append(cpu)
@@ -61,7 +73,9 @@ def _core_map(machine: Machine, plan: Plan) -> list[str]:
     by_node: dict[int | None, list[Core]] = defaultdict(list)
     for core in cores:
         by_node[core.node].append(core)
-    lines = ["core map: [owner cores] — iN instance N, R reserved, - unused; 1+17 = SMT siblings, h housekeeping, * unusable CPU"]
+    hybrid = _hybrid(machine)
+    lines = ["core map: [owner cores] — iN instance N, R reserved, - unused; 1+17 = SMT siblings, h housekeeping, * unusable CPU"
+             + ("; P: performance, E: efficiency core" if hybrid else "")]
     for node_id in sorted(by_node, key=lambda n: -1 if n is None else n):
         lines.append(_node_header(machine, node_id, by_node[node_id], memory.get(node_id)))
         by_l3: dict[int | None, list[Core]] = defaultdict(list)
@@ -74,6 +88,8 @@ def _core_map(machine: Machine, plan: Plan) -> list[str]:
                 cpus = core.all_cpus or core.cpus
                 who = next((owner[c] for c in cpus if c in owner), "-")
                 token = "+".join(f"{c}{'h' if c in housekeeping else ''}{'' if c in usable else '*'}" for c in cpus)
+                if hybrid:
+                    token = {PERFORMANCE: "P:", EFFICIENCY: "E:"}.get(core.kind, "") + token
                 if groups and groups[-1][0] == who:
                     groups[-1][1].append(token)
                 else:
@@ -84,6 +100,10 @@ def _core_map(machine: Machine, plan: Plan) -> list[str]:
         if node.memory_only:
             lines.append(f"  node {node.id}: memory only ({format_gib(node.memory_total_bytes)}), no CPUs")
     return lines
+
+
+def _hybrid(machine: Machine) -> bool:
+    return any(core.kind != UNIFORM for core in machine.all_cores or machine.cores)
 
 
 def _node_header(machine: Machine, node_id: int | None, cores: list[Core], mem) -> str:
@@ -101,7 +121,8 @@ def _node_header(machine: Machine, node_id: int | None, cores: list[Core], mem) 
 
 
 def _instance_table(plan: Plan) -> list[str]:
-    header = ("#", "port", "nodes", "cores", "threads", "OpenMP CPUs", "affinity mask", "weights", "KV", "memory")
+    kinds = any(inst.kind for inst in plan.instances)
+    header = ("#", "port", "nodes", "cores", "threads", "OpenMP CPUs", "affinity mask", "weights", "KV", "memory") + (("kind",) if kinds else ())
     rows = [header]
     for inst in plan.instances:
         rows.append(
@@ -116,7 +137,7 @@ def _instance_table(plan: Plan) -> list[str]:
                 format_gib(inst.weights_bytes) if inst.weights_bytes else "?",
                 format_gib(inst.kvcache_bytes),
                 format_gib(inst.memory_bytes),
-            )
+            ) + ((inst.kind,) if kinds else ())
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["instances:"]

@@ -10,7 +10,11 @@ Finds the process's cpuset cgroup the way hwloc does, under any filesystem root:
    cpuset.cpus (or plain "cpus" on noprefix and legacy mounts). Where a cgroup has no such file
    (v2 cgroups without the cpuset controller enabled) its parent's applies, so the search walks up
    to the mount point.
-No cpuset found means no restriction (cpus/mems None)."""
+Without a mount table (a hand-made or partial dump, a minimal container) or with no cgroup mount
+in it, the standard places stand in for it, as in hwloc: /sys/fs/cgroup/cpuset.cpus.effective
+(v2), /sys/fs/cgroup/cpuset/cpuset.cpus (v1), /dev/cpuset/cpus (legacy). Without a path in
+proc/self/cgroup, the mount's own root is read (in a cgroup namespace: the container's cgroup).
+No cpuset found means no restriction (cpus/mems None), and `note` says why, for `vsup topology`."""
 
 from __future__ import annotations
 
@@ -23,6 +27,12 @@ V1_CPU_FILES = ("cpuset.effective_cpus", "cpuset.cpus", "cpus")
 V1_MEM_FILES = ("cpuset.effective_mems", "cpuset.mems", "mems")
 V2_CPU_FILES = ("cpuset.cpus.effective",)
 V2_MEM_FILES = ("cpuset.mems.effective",)
+# (file whose presence marks the place, the mount it stands for), in hwloc's order
+STANDARD_PLACES = (
+    ("sys/fs/cgroup/cpuset.cpus.effective", ("/sys/fs/cgroup", "cgroup2", frozenset())),
+    ("sys/fs/cgroup/cpuset/cpuset.cpus", ("/sys/fs/cgroup/cpuset", "cgroup", frozenset({"cpuset"}))),
+    ("dev/cpuset/cpus", ("/dev/cpuset", "cpuset", frozenset())),
+)
 
 
 @dataclass(frozen=True)
@@ -39,6 +49,7 @@ class Cpuset:
     mems: frozenset[int] | None = None
     cpus_file: str | None = None  # the file each came from (for `vsup topology` sources)
     mems_file: str | None = None
+    note: str = ""  # how it was found when not through the mount table, or why none was found
 
 
 def _unescape(field: str) -> str:
@@ -124,25 +135,44 @@ def _find_up(fs: FsRoot, mount: Mount, path: str, names: tuple[str, ...]):
         rel = rel.parent
 
 
+def _standard_mounts(fs: FsRoot) -> list[Mount]:
+    """The first standard cgroup place whose cpuset file exists, as the mount it stands for."""
+    for marker, (point, fstype, options) in STANDARD_PLACES:
+        if fs.read_nonblank(marker) is not None:
+            return [Mount("/", point, fstype, options)]
+    return []
+
+
+def _is_v1_cpuset(m: Mount) -> bool:
+    return m.fstype == "cpuset" or (m.fstype == "cgroup" and "cpuset" in m.options)
+
+
 def read_cpuset(fs: FsRoot) -> Cpuset:
     mounts = read_mounts(fs)
+    note = ""
+    if not any(_is_v1_cpuset(m) or m.fstype == "cgroup2" for m in mounts):
+        table = "no proc/self/mountinfo or proc/mounts" if not mounts else "no cgroup mount in the mount table"
+        mounts = _standard_mounts(fs)
+        if not mounts:
+            places = ", ".join(f"/{marker}" for marker, _ in STANDARD_PLACES)
+            return Cpuset(note=f"none found ({table}, and none of {places}): every online CPU counts as allowed")
+        note = f"found at its standard place: {table}"
     v1_path, v2_path = _process_paths(fs)
-    v1 = [m for m in mounts if m.fstype == "cpuset" or (m.fstype == "cgroup" and "cpuset" in m.options)]
+    v1 = [m for m in mounts if _is_v1_cpuset(m)]
     v2 = [m for m in mounts if m.fstype == "cgroup2"]
-    if v1 and v1_path:
+    if v1:
         mount = v1[0]
-        cpus, cpus_file = _find_up(fs, mount, v1_path, V1_CPU_FILES)
-        mems, mems_file = _find_up(fs, mount, v1_path, V1_MEM_FILES)
+        path = v1_path or mount.root  # no path for this process: the mount's own cgroup
+        cpus, cpus_file = _find_up(fs, mount, path, V1_CPU_FILES)
+        mems, mems_file = _find_up(fs, mount, path, V1_MEM_FILES)
         if cpus is not None or mems is not None:
-            return Cpuset(cpus, mems, cpus_file, mems_file)
+            return Cpuset(cpus, mems, cpus_file, mems_file, note)
     for mount in v2:
-        if not v2_path:
-            break
         controllers = fs.read(str(PurePosixPath(mount.point) / "cgroup.controllers"))
         if controllers is not None and "cpuset" not in controllers.split():
             continue  # cpuset is bound to a v1 hierarchy (hybrid set-ups) or not enabled at all
-        cpus, cpus_file = _find_up(fs, mount, v2_path, V2_CPU_FILES)
-        mems, mems_file = _find_up(fs, mount, v2_path, V2_MEM_FILES)
+        cpus, cpus_file = _find_up(fs, mount, v2_path or mount.root, V2_CPU_FILES)
+        mems, mems_file = _find_up(fs, mount, v2_path or mount.root, V2_MEM_FILES)
         if cpus is not None or mems is not None:
-            return Cpuset(cpus, mems, cpus_file, mems_file)
-    return Cpuset()
+            return Cpuset(cpus, mems, cpus_file, mems_file, note)
+    return Cpuset(note="none found in the cgroup mounts (no cpuset controller or cpuset files): every online CPU counts as allowed")

@@ -85,6 +85,9 @@ class Machine:
     # every physical core with an online CPU, usable or not (Core.cpus may be empty), same order
     # as `cores`: what the text map shows and what "cores on this machine" counts
     all_cores: tuple[Core, ...] = ()
+    # the cgroup memory limit this process runs under (a container's or pod's memory.max); None:
+    # no limit. The planner budgets the instances of this process within it.
+    memory_limit_bytes: int | None = None
 
     def node(self, node_id: int) -> Node:
         for node in self.nodes:

@@ -22,6 +22,16 @@ def format_gib(value: float | int | None) -> str:
     return f"{gib:.0f} GiB" if gib == int(gib) else f"{gib:.1f} GiB"
 
 
+# The `vsup plan` flag of each PlanSettings field: what the planner's errors call a setting
+# (vsup.supervisor.planning names the config key and its line instead when the value came from a file).
+FLAGS = {
+    "instances": "--instances", "base_port": "--base-port", "model_size_bytes": "--model-size-gib",
+    "kvcache_gib": "--kvcache-gib", "reserve_cores": "--reserve-cores", "housekeeping_core": "--housekeeping-core", "smt": "--smt",
+    "cores_per_instance": "--cores-per-instance", "omp_threads": "--omp-threads", "membind": "--membind", "launcher": "--launcher",
+    "nodes": "--nodes", "efficiency_cores": "--efficiency-cores",
+}
+
+
 @dataclass(frozen=True)
 class PlanSettings:
     instances: int | Literal["auto"] = "auto"
@@ -41,6 +51,10 @@ class PlanSettings:
     membind: Literal["bind", "preferred"] = "bind"
     launcher: Literal["numactl", "taskset", "none"] = "numactl"
     nodes: tuple[int, ...] | None = None  # only place instances on these NUMA nodes
+    # hybrid CPUs: what efficiency cores do besides the reserve (vsup.topology.hybrid)
+    efficiency_cores: Literal["housekeeping", "instances", "unused"] = "housekeeping"
+    # the installed numactl has --preferred-many (an instance spanning nodes prefers all of them)
+    numactl_preferred_many: bool = False
 
 
 @dataclass(frozen=True)
@@ -60,6 +74,7 @@ class InstancePlan:
     weights_bytes: int | None
     kvcache_bytes: int
     overhead_bytes: int
+    kind: str = ""  # hybrid CPUs: "performance" or "efficiency", the one kind of its OpenMP team
 
     @property
     def memory_bytes(self) -> int:
@@ -88,6 +103,7 @@ class InstancePlan:
             "kvcache_bytes": self.kvcache_bytes,
             "overhead_bytes": self.overhead_bytes,
             "memory_bytes": self.memory_bytes,
+            "kind": self.kind,
         }
 
 
@@ -116,6 +132,25 @@ class NodeMemory:
 
 
 @dataclass(frozen=True)
+class LimitMemory:
+    """The cgroup memory limit (a container's or pod's) against every instance of the plan: they
+    all run in that cgroup, whatever their nodes."""
+
+    limit_bytes: int  # memory.max / memory.limit_in_bytes
+    figure: str  # "cgroup memory limit 16 GiB - 2 GiB reserve"
+    budget_bytes: int  # what the plan may use: the limit less the reserve
+    demand_bytes: int  # Σ over all instances (weights + KV cache + overhead)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "limit_bytes": self.limit_bytes,
+            "figure": self.figure,
+            "budget_bytes": self.budget_bytes,
+            "demand_bytes": self.demand_bytes,
+        }
+
+
+@dataclass(frozen=True)
 class Plan:
     instances: tuple[InstancePlan, ...]
     reserved_cpus: tuple[int, ...]
@@ -123,6 +158,7 @@ class Plan:
     warnings: tuple[str, ...]
     memory: tuple[NodeMemory, ...]
     settings: PlanSettings
+    memory_limit: LimitMemory | None = None  # None: no cgroup memory limit
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -131,4 +167,6 @@ class Plan:
             "unused_cpus": [{"cpu": cpu, "reason": reason} for cpu, reason in self.unused_cpus],
             "warnings": list(self.warnings),
             "memory": [node.to_json() for node in self.memory],
+            "memory_limit": self.memory_limit.to_json() if self.memory_limit else None,
+            "efficiency_cores": self.settings.efficiency_cores,
         }

@@ -2,14 +2,17 @@
 
 How cores are chosen (docs/placement.md has the user's version):
 1. The pool: physical cores with at least one usable CPU (Machine.cores), on the requested nodes.
-   On hybrid CPUs only performance cores, when there are enough (OpenMP threads advance in lock
-   step, so one thread on a slow core slows every step of the instance).
+   Hybrid CPUs give two pools, performance and efficiency cores, planned apart so that no OpenMP
+   team mixes kinds (its threads advance in lock step: one slow core slows every step). Instances
+   go on performance cores; those they cannot hold go on efficiency cores (vsup.topology.hybrid
+   says what else the efficiency cores do).
 2. Bins: normally one bin per NUMA node, and each instance inside one bin, so that it never
    straddles two nodes. Instances are spread over nodes in proportion to their cores (each node
    first gets one, the rest go where the next instance would be largest: D'Hondt), so uneven nodes
    (sub-NUMA clustering 43-43-42) are split proportionally instead of truncated. Only when that is
    impossible (fewer instances than nodes with "use all cores", or --cores-per-instance larger than
-   the nodes) do instances span nodes, with a warning.
+   the nodes) do instances span nodes, with a warning; they then join nodes that are close by the
+   distance matrix (closest first), not merely neighbouring ids.
 3. Reserved cores (for vsup, the proxy and the OS) come from where they hurt least: efficiency
    cores first, then cores no instance would get anyway, then the node whose shrinking instance
    stays largest (on equal nodes: node 0, whose CPU 0 also takes most interrupts and kernel work,
@@ -17,20 +20,24 @@ How cores are chosen (docs/placement.md has the user's version):
 4. Inside a bin the cores are ordered by L3 domain, and instances take consecutive runs. The start
    offset (how many non-instance cores go in front) is chosen to touch the fewest nodes and L3
    domains, so an instance of 8 cores on an AMD node with 8-core CCXs gets exactly one CCX.
-5. Memory: per node, Σ (weights + KV cache + overhead) must fit MemTotal minus the reserve.
+5. Memory: per node, Σ (weights + KV cache + overhead) must fit MemTotal minus the reserve; under
+   a cgroup memory limit (a container, a pod), Σ over all instances must fit the limit minus the
+   reserve too, and the KV cache is sized from whichever is smaller.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from vsup.topology.cpulist import format_list
-from vsup.topology.errors import PlanError
+from vsup.topology.errors import PlanError, SettingError
+from vsup.topology.hybrid import MODES, kind_counts, share_out, split_kinds
 from vsup.topology.model import EFFICIENCY, PERFORMANCE, Core, Machine
-from vsup.topology.plan_model import GiB, InstancePlan, NodeMemory, Plan, PlanSettings, format_gib
+from vsup.topology.plan_model import FLAGS, GiB, InstancePlan, LimitMemory, NodeMemory, Plan, PlanSettings, format_gib
 
 # vLLM's own default for VLLM_CPU_KVCACHE_SPACE before it sized the cache from node memory: the
 # figure used when a node's memory size is unknown (a dump without meminfo).
@@ -96,37 +103,54 @@ def _plan(machine: Machine, settings: PlanSettings) -> Plan:
 
     pool = _pool(machine, settings, unused)
     count = _instance_count(settings, pool)
-    if settings.base_port + count - 1 > 65535:
-        raise PlanError(f"--base-port {settings.base_port}: {count} instances need ports up to {settings.base_port + count - 1}, past 65535")
+    _check_ports(settings, count)
     per_instance = _min_cores(settings)
-    pool, outside = _prefer_performance(pool, count * per_instance, warnings)
+    if count * per_instance > len(pool):  # raises, with the counts that would fit
+        _check_enough(pool, count, per_instance, 0 if settings.reserve_cores == "auto" else int(settings.reserve_cores), settings)
+    # Hybrid CPUs: the two kinds are planned as separate pools, so no OpenMP team mixes them.
+    fast, slow = split_kinds(pool)
+    on_fast, on_slow = kind_counts(fast, slow, count, per_instance, settings.efficiency_cores, warnings)
+    total = on_fast + on_slow
+    _check_ports(settings, total)  # efficiency_cores: instances adds some
 
-    reserve = _reserve_count(settings, len(pool) + len(outside) - count * per_instance, warnings)
-    # Reserved cores: first from the efficiency cores the instances do not use.
-    reserved: list[Core] = outside[:reserve]
-    for core in outside[reserve:]:
-        for cpu in core.cpus:
-            unused[cpu] = "efficiency core: kept out of OpenMP, whose threads would wait for it (hybrid CPU)"
-    reserve_left = reserve - len(reserved)
+    reserve = _reserve_count(settings, len(pool) - total * per_instance, warnings)
+    _check_enough(pool, total, per_instance, reserve, settings)
+    # Reserved cores: efficiency cores first (those no efficiency-core instance needs).
+    slow_reserve = min(reserve, len(slow) - on_slow * per_instance)
+    reserved, fast_chunks, fast_spare = _cut(fast, on_fast, reserve - slow_reserve, settings, machine, warnings)
+    slow_reserved, slow_chunks, slow_spare = _cut(slow, on_slow, slow_reserve, settings, machine, warnings)
+    reserved += slow_reserved
+    for core, reason in fast_spare:
+        _mark(unused, core, reason or f"performance core: too few of them for an instance of {per_instance} core(s)")
 
-    _check_enough(pool, count, per_instance, reserve_left, settings)
-    bins = _make_bins(pool, count, settings, reserve_left, warnings)
-
-    chunks: list[list[Core]] = []
-    for b in bins:
-        bin_reserved, bin_chunks, spare = _lay_out(b.cores, b.sizes, b.reserve)
-        reserved.extend(bin_reserved)
-        chunks.extend(bin_chunks)
-        for core in spare:
-            for cpu in core.cpus:
-                unused[cpu] = b.spare_reason
+    chunks = fast_chunks + slow_chunks
+    kinds = [PERFORMANCE if slow else ""] * len(fast_chunks) + [EFFICIENCY] * len(slow_chunks)
+    extras: list[list[Core]] = [[] for _ in chunks]
+    left = [core for core, _ in slow_spare]
+    if left and settings.efficiency_cores == "housekeeping" and chunks:
+        extras, unserved = share_out(left, chunks)
+        for core in unserved:
+            _mark(unused, core, f"efficiency core on node {core.node}: no instance there to run housekeeping for")
+    elif on_slow:  # efficiency-core instances: what they leave is spare like in any bin
+        for core, reason in slow_spare:
+            _mark(unused, core, reason)
+    elif left:
+        for core in left:
+            _mark(unused, core, f"efficiency core: too few on node {core.node} for an instance of its own"
+                  if settings.efficiency_cores == "instances" else
+                  "efficiency core: kept out of OpenMP, whose threads would wait for it (placement.efficiency_cores: unused)")
+        if settings.efficiency_cores == "unused":
+            warnings.append(
+                f"hybrid CPU: efficiency cores {format_list(cpu for c in left for cpu in c.cpus)} stay idle "
+                f"(efficiency_cores: unused); housekeeping or instances would use them"
+            )
 
     instances_nodes = [_memory_nodes(machine, chunk, warnings) for chunk in chunks]
-    kv_bytes, memory = _plan_memory(machine, settings, instances_nodes, warnings)
+    kv_bytes, memory, memory_limit = _plan_memory(machine, settings, instances_nodes, warnings)
 
     instances = tuple(
-        _instance(index, chunk, nodes, kv_bytes, settings, warnings)
-        for index, (chunk, nodes) in enumerate(zip(chunks, instances_nodes))
+        _instance(index, chunk, extra, kind, nodes, kv_bytes, settings, warnings)
+        for index, (chunk, extra, kind, nodes) in enumerate(zip(chunks, extras, kinds, instances_nodes))
     )
     _general_warnings(machine, settings, instances, warnings)
     reserved_cpus = tuple(sorted(cpu for core in reserved for cpu in core.cpus))
@@ -139,7 +163,36 @@ def _plan(machine: Machine, settings: PlanSettings) -> Plan:
         warnings=tuple(dict.fromkeys(warnings)),
         memory=memory,
         settings=settings,
+        memory_limit=memory_limit,
     )
+
+
+def _cut(cores: list[Core], count: int, reserve: int, s: PlanSettings, machine: Machine, warnings: list[str]
+         ) -> tuple[list[Core], list[list[Core]], list[tuple[Core, str]]]:
+    """(reserved, one run of cores per instance, (core, why unused) for the rest) for one pool;
+    without instances the reason is "" (the caller decides what the cores do)."""
+    if not count:
+        return cores[:reserve], [], [(core, "") for core in cores[reserve:]]
+    reserved: list[Core] = []
+    chunks: list[list[Core]] = []
+    spare: list[tuple[Core, str]] = []
+    for b in _make_bins(cores, count, s, reserve, machine, warnings):
+        bin_reserved, bin_chunks, bin_spare = _lay_out(b.cores, b.sizes, b.reserve)
+        reserved.extend(bin_reserved)
+        chunks.extend(bin_chunks)
+        spare.extend((core, b.spare_reason) for core in bin_spare)
+    return reserved, chunks, spare
+
+
+def _mark(unused: dict[int, str], core: Core, reason: str) -> None:
+    if reason:
+        for cpu in core.cpus:
+            unused[cpu] = reason
+
+
+def _bad(setting: str, value: object, detail: str) -> SettingError:
+    """An error about one setting, worded with its `vsup plan` flag (see SettingError)."""
+    return SettingError(setting, FLAGS[setting], None if value is None else str(value), detail)
 
 
 # --- checks -------------------------------------------------------------------------------------
@@ -147,32 +200,39 @@ def _plan(machine: Machine, settings: PlanSettings) -> Plan:
 
 def _check_settings(s: PlanSettings) -> None:
     if s.instances != "auto" and (isinstance(s.instances, bool) or not isinstance(s.instances, int) or s.instances < 1):
-        raise PlanError(f"--instances {s.instances!r}: must be a whole number of at least 1, or auto")
+        raise _bad("instances", repr(s.instances), "must be a whole number of at least 1, or auto")
     if not 1 <= s.base_port <= 65535:
-        raise PlanError(f"--base-port {s.base_port}: must be a TCP port, 1-65535")
+        raise _bad("base_port", s.base_port, "must be a TCP port, 1-65535")
     if s.model_size_bytes is not None and s.model_size_bytes <= 0:
-        raise PlanError(f"--model-size-gib: {s.model_size_bytes} bytes is not a model size; give a positive number of GiB")
+        raise _bad("model_size_bytes", None, f"{s.model_size_bytes} bytes is not a model size; give a positive number of GiB")
     if s.kvcache_gib is not None:
         if not s.kvcache_gib > 0:
-            raise PlanError(f"--kvcache-gib {s.kvcache_gib:g}: must be positive")
+            raise _bad("kvcache_gib", f"{s.kvcache_gib:g}", "must be positive")
         if s.kvcache_gib >= 1 and s.kvcache_gib != int(s.kvcache_gib):
             lo = int(s.kvcache_gib)
-            raise PlanError(
-                f"--kvcache-gib {s.kvcache_gib:g}: vLLM's VLLM_CPU_KVCACHE_SPACE takes whole GiB; "
-                f"use {lo} or {lo + 1} (values below 1 go to --kv-cache-memory-bytes)"
+            raise _bad(
+                "kvcache_gib", f"{s.kvcache_gib:g}",
+                f"vLLM's VLLM_CPU_KVCACHE_SPACE takes whole GiB; use {lo} or {lo + 1} (values below 1 go to --kv-cache-memory-bytes)",
             )
     if s.overhead_bytes < 0 or s.memory_reserve_bytes < 0:
         raise PlanError("memory overhead and reserve must not be negative")
     if s.reserve_cores != "auto" and (isinstance(s.reserve_cores, bool) or not isinstance(s.reserve_cores, int) or s.reserve_cores < 0):
-        raise PlanError(f"--reserve-cores {s.reserve_cores!r}: must be a whole number, 0 or more, or auto")
+        raise _bad("reserve_cores", repr(s.reserve_cores), "must be a whole number, 0 or more, or auto")
     if s.cores_per_instance is not None and s.cores_per_instance < 1:
-        raise PlanError(f"--cores-per-instance {s.cores_per_instance}: must be at least 1")
+        raise _bad("cores_per_instance", s.cores_per_instance, "must be at least 1")
     if s.omp_threads is not None and (isinstance(s.omp_threads, bool) or not isinstance(s.omp_threads, int) or s.omp_threads < 1):
-        raise PlanError(f"--omp-threads {s.omp_threads!r}: must be a whole number of at least 1")
+        raise _bad("omp_threads", repr(s.omp_threads), "must be a whole number of at least 1")
     if s.membind not in ("bind", "preferred"):
-        raise PlanError(f"--membind {s.membind!r}: must be bind or preferred")
+        raise _bad("membind", repr(s.membind), "must be bind or preferred")
     if s.launcher not in ("numactl", "taskset", "none"):
-        raise PlanError(f"--launcher {s.launcher!r}: must be numactl, taskset or none")
+        raise _bad("launcher", repr(s.launcher), "must be numactl, taskset or none")
+    if s.efficiency_cores not in MODES:
+        raise _bad("efficiency_cores", repr(s.efficiency_cores), f"must be {', '.join(MODES[:-1])} or {MODES[-1]}")
+
+
+def _check_ports(s: PlanSettings, count: int) -> None:
+    if s.base_port + count - 1 > 65535:
+        raise _bad("base_port", s.base_port, f"{count} instances need ports up to {s.base_port + count - 1}, past 65535")
 
 
 def _reserve_count(s: PlanSettings, spare: int, warnings: list[str]) -> int:
@@ -229,9 +289,9 @@ def _pool(machine: Machine, s: PlanSettings, unused: dict[int, str]) -> list[Cor
         known = {n.id for n in machine.nodes}
         for node in s.nodes:
             if node not in known:
-                raise PlanError(f"--nodes: unknown node {node}; this machine's nodes with usable CPUs are {_ids(with_cpus)}")
+                raise _bad("nodes", None, f"unknown node {node}; this machine's nodes with usable CPUs are {_ids(with_cpus)}")
             if node not in with_cpus:
-                raise PlanError(f"--nodes: node {node} has no usable CPUs; nodes with usable CPUs are {_ids(with_cpus)}")
+                raise _bad("nodes", None, f"node {node} has no usable CPUs; nodes with usable CPUs are {_ids(with_cpus)}")
         chosen = set(s.nodes)
         for c in cores:
             if c.node not in chosen:
@@ -252,43 +312,26 @@ def _instance_count(s: PlanSettings, pool: Sequence[Core]) -> int:
     return int(s.instances)
 
 
-def _prefer_performance(pool: list[Core], needed: int, warnings: list[str]) -> tuple[list[Core], list[Core]]:
-    """(cores for instances, efficiency cores left out). Hybrid CPUs keep OpenMP on P-cores."""
-    kinds = {c.kind for c in pool}
-    if not (EFFICIENCY in kinds and PERFORMANCE in kinds):
-        return pool, []
-    fast = [c for c in pool if c.kind != EFFICIENCY]
-    slow = [c for c in pool if c.kind == EFFICIENCY]
-    if len(fast) >= needed:
-        warnings.append(
-            f"hybrid CPU: OpenMP runs on the {len(fast)} performance cores; the efficiency cores "
-            f"(CPUs {format_list(cpu for c in slow for cpu in c.cpus)}) serve the reserve or stay unused"
-        )
-        return fast, slow
-    warnings.append(
-        f"hybrid CPU: only {len(fast)} performance cores for {needed} needed, so efficiency cores are "
-        f"used too; an instance with both runs at the pace of its slowest core"
-    )
-    return pool, []
-
-
 # --- splitting cores among instances ------------------------------------------------------------
 
 
-def _make_bins(pool: list[Core], count: int, s: PlanSettings, reserve: int, warnings: list[str]) -> list[_Bin]:
+def _make_bins(pool: list[Core], count: int, s: PlanSettings, reserve: int, machine: Machine, warnings: list[str]) -> list[_Bin]:
     by_node: dict[int | None, list[Core]] = defaultdict(list)
     for core in pool:
         by_node[core.node].append(core)
     nodes = [_Bin(cores) for cores in by_node.values()]  # pool is sorted, so bins are in node order
+    # Where instances must span nodes, they join nodes that are close (the distance matrix).
+    order = _closest_first(machine)
+    chain = sorted(nodes, key=lambda b: order.index(b.cores[0].node) if b.cores[0].node in order else len(order))
 
     if s.cores_per_instance is None:
         min_size = _min_cores(s)
-        grouped = _group_nodes(nodes, count, min_size) if count < len(nodes) else None
+        grouped = _group_nodes(chain, count, min_size, _spread(machine, chain)) if count < len(nodes) else None
         if count >= len(nodes) and sum(len(b.cores) // min_size for b in nodes) >= count:
             bins = _split_proportionally(nodes, count, min_size)
         elif grouped is None:
             # --housekeeping-core on nodes too small for two cores each: cut across nodes.
-            bins = [_Bin([c for b in nodes for c in b.cores], instances=count)]
+            bins = [_Bin([c for b in chain for c in b.cores], instances=count)]
             warnings.append(
                 f"{count} instances of at least {min_size} cores do not fit inside NUMA nodes of at most "
                 f"{max(len(b.cores) for b in nodes)} usable cores, so some span nodes"
@@ -312,8 +355,8 @@ def _make_bins(pool: list[Core], count: int, s: PlanSettings, reserve: int, warn
         _spread_fixed(nodes, count, size)
         bins = nodes
     else:
-        # Some instance has to span nodes: cut consecutive runs over all cores, node after node.
-        bins = [_Bin([c for b in nodes for c in b.cores], instances=count)]
+        # Some instance has to span nodes: cut consecutive runs over all cores, closest node after node.
+        bins = [_Bin([c for b in chain for c in b.cores], instances=count)]
         biggest = max(len(b.cores) for b in nodes)
         warnings.append(
             f"--cores-per-instance {s.cores_per_instance}: {count} instance(s) of {size} cores do not fit "
@@ -343,30 +386,38 @@ def _split_proportionally(bins: list[_Bin], count: int, min_size: int) -> list[_
     return bins
 
 
-def _group_nodes(bins: list[_Bin], count: int, min_size: int) -> list[_Bin] | None:
-    """Fewer instances than nodes, all cores wanted: join neighbouring nodes into `count` groups
-    of at least `min_size` cores whose largest group is as small as possible (linear partition);
-    None when no such grouping exists."""
+def _group_nodes(bins: list[_Bin], count: int, min_size: int, spread) -> list[_Bin] | None:
+    """Fewer instances than nodes, all cores wanted: join runs of nodes (in the closest-first order
+    of `bins`) into `count` groups of at least `min_size` cores whose largest group is as small as
+    possible (linear partition); of those groupings, the one whose groups' node distances add up
+    least (spread(j, i): the largest distance inside bins[j:i]). None when no grouping exists."""
     sizes = [len(b.cores) for b in bins]
     m = len(sizes)
     prefix = [0]
     for n in sizes:
         prefix.append(prefix[-1] + n)
     inf = float("inf")
-    # best[g][i]: smallest possible largest group when the first i nodes form g groups
-    best = [[inf] * (m + 1) for _ in range(count + 1)]
-    cut = [[0] * (m + 1) for _ in range(count + 1)]
-    best[0][0] = 0
-    for g in range(1, count + 1):
-        for i in range(g, m - (count - g) + 1):
-            for j in range(g - 1, i):
-                if prefix[i] - prefix[j] < min_size:
-                    continue  # an instance needs min_size cores (its housekeeping core included)
-                value = max(best[g - 1][j], prefix[i] - prefix[j])
-                if value < best[g][i]:
-                    best[g][i], cut[g][i] = value, j
-    if best[count][m] == inf:
+
+    def partition(cost, limit) -> tuple[float, list[list[int]]]:
+        # best[g][i]: least cost when the first i nodes form g groups of min_size..limit cores
+        best = [[inf] * (m + 1) for _ in range(count + 1)]
+        cut = [[0] * (m + 1) for _ in range(count + 1)]
+        best[0][0] = 0
+        for g in range(1, count + 1):
+            for i in range(g, m - (count - g) + 1):
+                for j in range(g - 1, i):
+                    size = prefix[i] - prefix[j]
+                    if size < min_size or size > limit:
+                        continue  # an instance needs min_size cores (its housekeeping core included)
+                    value = cost(best[g - 1][j], j, i)
+                    if value < best[g][i]:
+                        best[g][i], cut[g][i] = value, j
+        return best[count][m], cut
+
+    largest, _ = partition(lambda before, j, i: max(before, prefix[i] - prefix[j]), inf)
+    if largest == inf:
         return None
+    _, cut = partition(lambda before, j, i: before + spread(j, i), largest)
     groups: list[_Bin] = []
     i = m
     for g in range(count, 0, -1):
@@ -374,6 +425,45 @@ def _group_nodes(bins: list[_Bin], count: int, min_size: int) -> list[_Bin] | No
         groups.append(_Bin([c for b in bins[j:i] for c in b.cores], instances=1))
         i = j
     return groups[::-1]
+
+
+def _closest_first(machine: Machine) -> list[int]:
+    """Node ids (with CPUs) ordered so that neighbours are close: from the lowest id, each next node
+    is the nearest one not taken yet (ties: the lowest id). Two nodes of one socket thus stay
+    neighbours even when the firmware numbers the sockets' nodes alternately. Id order when the
+    distance matrix is missing."""
+    ids = [n.id for n in machine.nodes if n.cpus]
+    if not ids or any(len(machine.node(i).distances) != len(machine.nodes) for i in ids):
+        return ids
+    column = {n.id: position for position, n in enumerate(machine.nodes)}
+    chain, rest = [ids[0]], ids[1:]
+    while rest:
+        row = machine.node(chain[-1]).distances
+        nearest = min(rest, key=lambda n: (row[column[n]], n))
+        chain.append(nearest)
+        rest.remove(nearest)
+    return chain
+
+
+def _spread(machine: Machine, bins: list[_Bin]):
+    """spread(j, i): the largest node distance inside bins[j:i] (0 without a distance matrix)."""
+    column = {n.id: position for position, n in enumerate(machine.nodes)}
+    node_of = [b.cores[0].node for b in bins]
+
+    def distance(a: int | None, b: int | None) -> int:
+        if a is None or b is None or a == b:
+            return 0
+        row = machine.node(a).distances
+        return row[column[b]] if len(row) == len(column) else 0
+
+    @functools.lru_cache(maxsize=None)
+    def spread(j: int, i: int) -> int:
+        if i - j <= 1:
+            return 0
+        newest = node_of[i - 1]  # the group bins[j:i-1] plus one more node
+        return max(spread(j, i - 1), max(distance(node_of[k], newest) for k in range(j, i - 1)))
+
+    return spread
 
 
 def _spread_fixed(bins: list[_Bin], count: int, size: int) -> None:
@@ -478,9 +568,13 @@ def _nearest(machine: Machine, node_id: int, allowed: list[int]) -> int:
     return min(allowed, key=lambda a: (abs(a - node_id), a))
 
 
-def _instance(index: int, cores: list[Core], nodes: tuple[int, ...], kv_bytes: int, s: PlanSettings, warnings: list[str]) -> InstancePlan:
-    housekeeping = cores[-1:] if s.housekeeping_core else []
-    omp_cores = cores[: len(cores) - len(housekeeping)]
+def _instance(index: int, team: list[Core], extra: list[Core], kind: str, nodes: tuple[int, ...], kv_bytes: int,
+              s: PlanSettings, warnings: list[str]) -> InstancePlan:
+    """`team`: its run of cores of one kind (the last is the housekeeping core with --housekeeping-core);
+    `extra`: efficiency cores for its API server and EngineCore, in its mask but outside OpenMP."""
+    housekeeping = (team[-1:] if s.housekeeping_core else []) + extra
+    omp_cores = team[: len(team) - (1 if s.housekeeping_core else 0)]
+    cores = team + extra
     omp_cpus = tuple(sorted(cpu for c in omp_cores for cpu in (c.cpus if s.smt else c.cpus[:1])))
     cpus = tuple(sorted(cpu for c in cores for cpu in c.cpus))
     idle: tuple[int, ...] = ()
@@ -510,6 +604,7 @@ def _instance(index: int, cores: list[Core], nodes: tuple[int, ...], kv_bytes: i
         weights_bytes=s.model_size_bytes,
         kvcache_bytes=kv_bytes,
         overhead_bytes=s.overhead_bytes,
+        kind=kind,
     )
 
 
@@ -519,10 +614,8 @@ def _fewer_threads(index: int, omp_cores: list[Core], omp_cpus: tuple[int, ...],
     API server and EngineCore."""
     threads = int(s.omp_threads or 0)
     if threads > len(omp_cpus):
-        raise PlanError(
-            f"--omp-threads {threads}: instance {index} has only {len(omp_cpus)} OpenMP CPU(s); "
-            f"use at most {len(omp_cpus)}, or fewer instances"
-        )
+        raise _bad("omp_threads", threads, f"instance {index} has only {len(omp_cpus)} OpenMP CPU(s); "
+                   f"use at most {len(omp_cpus)}, or fewer instances")
     allowed = set(omp_cpus)
     order = []
     for depth in range(max(len(c.cpus) for c in omp_cores)):
@@ -545,9 +638,15 @@ def _launcher(cpus: tuple[int, ...], nodes: tuple[int, ...], s: PlanSettings, wa
     if not nodes:
         warnings.append(f"CPUs {cpu_list} belong to no known NUMA node: their instance's memory is not bound")
     elif s.membind == "preferred":
-        if len(nodes) > 1:
-            warnings.append(f"--membind preferred takes one node: instances spanning nodes {_ids(nodes)} prefer node {nodes[0]}")
-        argv.append(f"--preferred={nodes[0]}")
+        if len(nodes) > 1 and s.numactl_preferred_many:
+            argv.append(f"--preferred-many={','.join(map(str, nodes))}")
+        else:
+            if len(nodes) > 1:
+                warnings.append(
+                    f"--membind preferred: this numactl has no --preferred-many (numactl 2.0.16+, Linux 5.15+), so the "
+                    f"instance spanning nodes {_ids(nodes)} prefers node {nodes[0]} only; --membind bind binds it to all of them"
+                )
+            argv.append(f"--preferred={nodes[0]}")
     else:
         argv.append(f"--membind={','.join(map(str, nodes))}")
     return tuple(argv)
@@ -556,8 +655,11 @@ def _launcher(cpus: tuple[int, ...], nodes: tuple[int, ...], s: PlanSettings, wa
 # --- memory -------------------------------------------------------------------------------------
 
 
-def _plan_memory(machine: Machine, s: PlanSettings, instances_nodes: list[tuple[int, ...]], warnings: list[str]) -> tuple[int, tuple[NodeMemory, ...]]:
-    """(KV cache bytes per instance, per-node summary). Raises PlanError when a node is overcommitted."""
+def _plan_memory(
+    machine: Machine, s: PlanSettings, instances_nodes: list[tuple[int, ...]], warnings: list[str]
+) -> tuple[int, tuple[NodeMemory, ...], LimitMemory | None]:
+    """(KV cache bytes per instance, per-node summary, cgroup limit summary). Raises PlanError when
+    a node or the cgroup memory limit is overcommitted."""
     shares: dict[int, float] = defaultdict(float)
     members: dict[int, list[int]] = defaultdict(list)
     for index, nodes in enumerate(instances_nodes):
@@ -572,17 +674,25 @@ def _plan_memory(machine: Machine, s: PlanSettings, instances_nodes: list[tuple[
     }
     for node_id in sorted(set(shares) - set(budgets)):
         warnings.append(f"node {node_id}: memory size unknown (no meminfo), so memory was not checked there")
+    # Every instance lives in this process's cgroup: one budget for all of them, once the reserve
+    # (vsup, the proxy, the page cache charged to the cgroup) is taken off.
+    count, limit = len(instances_nodes), machine.memory_limit_bytes
+    limit_budget = max(0, limit - s.memory_reserve_bytes) if limit is not None else 0
+    limit_figure = f"cgroup memory limit {format_gib(limit)} - {format_gib(s.memory_reserve_bytes)} reserve"
     weights, overhead = s.model_size_bytes, s.overhead_bytes
     if weights is None:
         warnings.append("model size unknown: memory checked without weights; give --model-size-gib (placement.model_size_gib) or a local model directory")
 
     if s.kvcache_gib is not None:
         kv = round(s.kvcache_gib * GiB)
-    elif not budgets:
+    elif not budgets and limit is None:
         kv = FALLBACK_KVCACHE_GIB * GiB
         warnings.append(f"KV cache set to {FALLBACK_KVCACHE_GIB} GiB per instance because no node's memory size is known; give --kvcache-gib")
     else:
-        kv = _largest_kv_share(s, budgets, shares, figure)
+        holders = [(f"node {n}", budgets[n], shares[n], figure) for n in sorted(budgets)]
+        if limit is not None:
+            holders.append(("cgroup memory limit", limit_budget, count, limit_figure))
+        kv = _largest_kv_share(s, holders)
         if weights is None:
             warnings.append(f"KV cache: {kv // GiB} GiB per instance, half of what is left once weights are assumed to take the other half")
 
@@ -592,7 +702,7 @@ def _plan_memory(machine: Machine, s: PlanSettings, instances_nodes: list[tuple[
         demand = round(shares[node_id] * ((weights or 0) + kv + overhead))
         budget = budgets.get(node_id, 0)
         if node_id in budgets and demand > budget:
-            raise _does_not_fit(node_id, shares[node_id], s, kv, budget, figure)
+            raise _does_not_fit(f"node {node_id}", shares[node_id], s, kv, budget, figure)
         if node.memory_available_bytes and demand > node.memory_available_bytes:
             warnings.append(
                 f"node {node_id}: the plan needs {format_gib(demand)} but only {format_gib(node.memory_available_bytes)} is available now "
@@ -609,40 +719,47 @@ def _plan_memory(machine: Machine, s: PlanSettings, instances_nodes: list[tuple[
                 instances=tuple(members[node_id]),
             )
         )
-    return kv, tuple(summary)
+    memory_limit = None
+    if limit is not None:
+        demand = count * ((weights or 0) + kv + overhead)
+        if demand > limit_budget:
+            raise _does_not_fit("cgroup memory limit", count, s, kv, limit_budget, limit_figure)
+        memory_limit = LimitMemory(limit_bytes=limit, figure=limit_figure, budget_bytes=limit_budget, demand_bytes=demand)
+    return kv, tuple(summary), memory_limit
 
 
-def _largest_kv_share(s: PlanSettings, budgets: dict[int, int], shares: dict[int, float], figure: str) -> int:
+def _largest_kv_share(s: PlanSettings, holders: list[tuple[str, int, float, str]]) -> int:
     """The largest whole-GiB KV cache every instance can have: the same for all, so that the proxy's
-    even spread of requests meets even capacity."""
+    even spread of requests meets even capacity. `holders`: (what holds the memory ("node 0",
+    "cgroup memory limit"), its budget, the instances it holds, where the budget comes from)."""
     best = None
-    for node_id, budget in sorted(budgets.items()):
-        per_instance = budget / shares[node_id]
+    for where, budget, share, figure in holders:
+        per_instance = budget / share
         if s.model_size_bytes is None:
             room = (per_instance - s.overhead_bytes) / 2
         else:
             room = per_instance - s.model_size_bytes - s.overhead_bytes
         gib = math.floor(room / GiB) if room > 0 else 0
         if gib < 1:
-            raise _no_room_for_kv(node_id, shares[node_id], s, budget, room, figure)
+            raise _no_room_for_kv(where, share, s, budget, room, figure)
         best = gib if best is None else min(best, gib)
     return best * GiB
 
 
-def _no_room_for_kv(node_id: int, share: float, s: PlanSettings, budget: int, room: float, figure: str) -> _DoesNotFit:
+def _no_room_for_kv(where: str, share: float, s: PlanSettings, budget: int, room: float, figure: str) -> _DoesNotFit:
     weights = f"{format_gib(s.model_size_bytes)} weights + " if s.model_size_bytes else ""
     each = (s.model_size_bytes or 0) + s.overhead_bytes
     hints = []
     if room >= GiB / 4:
         hints.append(f"--kvcache-gib {math.floor(room / GiB * 10) / 10:g}")
     return _DoesNotFit(
-        f"node {node_id}: {share:g} × ({weights}{format_gib(s.overhead_bytes)}) = {format_gib(share * each)} leaves "
+        f"{where}: {share:g} × ({weights}{format_gib(s.overhead_bytes)}) = {format_gib(share * each)} leaves "
         f"less than 1 GiB of KV cache per instance in {format_gib(budget)} available ({figure})",
         hints,
     )
 
 
-def _does_not_fit(node_id: int, share: float, s: PlanSettings, kv: int, budget: int, figure: str) -> _DoesNotFit:
+def _does_not_fit(where: str, share: float, s: PlanSettings, kv: int, budget: int, figure: str) -> _DoesNotFit:
     weights = f"{format_gib(s.model_size_bytes)} weights + " if s.model_size_bytes else ""
     each = (s.model_size_bytes or 0) + kv + s.overhead_bytes
     hints = []
@@ -652,7 +769,7 @@ def _does_not_fit(node_id: int, share: float, s: PlanSettings, kv: int, budget: 
     elif room >= GiB / 4:
         hints.append(f"--kvcache-gib {math.floor(room / GiB * 10) / 10:g}")
     return _DoesNotFit(
-        f"node {node_id}: {share:g} × ({weights}{format_gib(kv)} KV + {format_gib(s.overhead_bytes)}) = {format_gib(share * each)} "
+        f"{where}: {share:g} × ({weights}{format_gib(kv)} KV + {format_gib(s.overhead_bytes)}) = {format_gib(share * each)} "
         f"> {format_gib(budget)} available ({figure})",
         hints,
     )
@@ -678,8 +795,18 @@ def _general_warnings(machine: Machine, s: PlanSettings, instances: Iterable[Ins
             f"instances differ in size ({min(threads)} to {max(threads)} OpenMP threads): the proxy spreads "
             f"requests evenly, so the small ones answer more slowly; --cores-per-instance K makes them equal"
         )
-    if s.smt and any(len(i.omp_cpus) > len(i.cores) for i in instances):
+    if s.smt and any(len(i.omp_cpus) > len(i.cores) - len(_cores_of(i.housekeeping_cpus, machine)) for i in instances):
         warnings.append("--smt: OpenMP threads on both hardware threads of a core; vLLM usually runs faster with one per core")
+    elif s.smt and instances:
+        warnings.append(
+            "--smt (placement.smt) changes nothing here: no core of the plan has a second usable hardware thread "
+            "(no SMT, or the siblings are offline, isolated or outside the cpuset)"
+        )
+
+
+def _cores_of(cpus: Iterable[int], machine: Machine) -> set[int]:
+    wanted = set(cpus)
+    return {core.id for core in machine.cores if wanted & set(core.cpus)}
 
 
 def _ids(values: Iterable[int]) -> str:

@@ -52,6 +52,7 @@ def machine_to_json(machine: Machine) -> dict:
         },
         "unusable": [{"cpu": cpu, "reason": reason} for cpu, reason in machine.unusable],
         "sources": {fact: source for fact, source in machine.sources},
+        "memory_limit_bytes": machine.memory_limit_bytes,
     }
 
 
@@ -142,12 +143,20 @@ def render_text(machine: Machine) -> str:
         p = sum(1 for c in cores if c.kind == PERFORMANCE)
         e = sum(1 for c in cores if c.kind == EFFICIENCY)
         lines.append(f"Hybrid: {_n(p, 'performance core')} (P:), {_n(e, 'efficiency core')} (E:)")
+    sources = dict(machine.sources)
+    if "kind" in sources:  # which source decided the kinds (vsup.topology.kinds)
+        lines.append(f"Core kinds: {sources['kind']}")
+    if "cpuset" in sources:
+        lines.append(f"Cpuset: {sources['cpuset']}")
     isa = machine.isa
     flags = " ".join(
         f"{name} {'yes' if getattr(isa, name) else 'no'}"
         for name in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
     )
     lines.append(f"ISA: {isa.arch or 'unknown arch'}: {flags}" + ("" if isa.avx2 or isa.arch not in ("x86_64", "") else "  (vLLM's x86 build needs avx2)"))
+    if machine.memory_limit_bytes is not None:
+        lines.append(f"Memory limit: {_gib(machine.memory_limit_bytes)} for this process's cgroup "
+                     f"({dict(machine.sources).get('memory_limit', 'cgroup')}): plans budget within it")
     lines.append("")
 
     by_node: dict[int | None, list[Core]] = defaultdict(list)

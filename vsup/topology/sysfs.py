@@ -12,6 +12,7 @@ What counts, and where it comes from:
 - NUMA nodes: nodeN/cpumap (the mask: hand-made dumps leave cpulist stale), nodeN/meminfo,
   nodeN/distance. No node directory means one node 0 holding every CPU and /proc/meminfo.
 - usable CPUs: online ∩ cgroup cpuset (∩ sched_getaffinity when live) − kernel-isolated CPUs.
+- memory limit: the cgroup's memory.max / memory.limit_in_bytes (vsup.topology.cgroup_memory).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vsup.topology.cgroup import Cpuset, read_cpuset
+from vsup.topology.cgroup_memory import read_memory_limit
 from vsup.topology.cpulist import parse_list
 from vsup.topology.errors import TopologyError
 from vsup.topology.fsroot import FsRoot
@@ -83,7 +85,9 @@ def read_machine(fsroot: str | Path = "/", *, live: bool | None = None) -> Machi
 
     cpuset = read_cpuset(fs)
     if cpuset.cpus_file:
-        sources.append(("cpuset", cpuset.cpus_file))
+        sources.append(("cpuset", cpuset.cpus_file + (f", {cpuset.note}" if cpuset.note else "")))
+    elif cpuset.note:  # none found, or only cpuset.mems: say so rather than nothing
+        sources.append(("cpuset", cpuset.note))
     allowed = online if cpuset.cpus is None else online & cpuset.cpus
     affinity: frozenset[int] | None = None
     if live:
@@ -107,6 +111,9 @@ def read_machine(fsroot: str | Path = "/", *, live: bool | None = None) -> Machi
 
     isa, isa_source = read_isa(fs, live)
     sources.append(("isa", isa_source))
+    memory_limit = read_memory_limit(fs)
+    if memory_limit.file:
+        sources.append(("memory_limit", memory_limit.file))
 
     # Read once for all nodes, and only when some node has a distance row to match.
     distance_columns = _distance_columns(fs, node_ids) if any(raw.distance_row for raw in raw_nodes) else ()
@@ -138,6 +145,7 @@ def read_machine(fsroot: str | Path = "/", *, live: bool | None = None) -> Machi
         mems_allowed=tuple(sorted(mems_allowed)),
         unusable=_unusable(present | online, online, cpuset.cpus, affinity, isolated),
         sources=tuple(sources),
+        memory_limit_bytes=memory_limit.bytes,
     )
 
 

@@ -10,6 +10,7 @@ import click
 
 # module name -> click command attribute
 _MODULES: dict[str, str] = {
+    "config": "config_command",
     "doctor": "doctor",
     "install_systemd": "install_systemd",
     "topology": "topology_command",
@@ -19,6 +20,7 @@ _MODULES: dict[str, str] = {
     "restart": "restart_command",
     "proxy": "proxy_command",
     "tune": "tune_command",
+    "export": "export_command",
 }
 
 

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import click
 
 from vsup.supervisor.commands.options import Checked as _Checked
 from vsup.supervisor.commands.options import fsroot_option
+from vsup.supervisor.commands.preflight import checked_plan
 from vsup.supervisor.config import VsupConfig, load_config
 from vsup.supervisor.errors import VsupError
-from vsup.supervisor.planning import plan_from_config
 from vsup.supervisor.plan_render import render_shell, render_table
 
 
@@ -57,6 +58,8 @@ def _node_list(text: str) -> tuple[int, ...] | None:
               help="KV cache per instance: whole GiB, or below 1. [default: largest equal share that fits]")
 @click.option("--cores-per-instance", type=_Checked(_at_least(1), "a whole number of at least 1"), default=None,
               help="OpenMP cores per instance. [default: split all usable cores]")
+@click.option("--omp-threads", type=_Checked(_at_least(1), "a whole number of at least 1"), default=None,
+              help="OpenMP threads per instance, fewer than its OpenMP CPUs: the rest stay idle in its mask. [default: one per OpenMP CPU]")
 @click.option("--reserve-cores", type=_Checked(_auto_or_at_least(0), "a whole number, 0 or more, or auto"),
               default=None, help="Physical cores kept for vsup, the proxy and the OS. [default: auto = 1 when the instances leave one free]")
 @click.option("--housekeeping-core/--no-housekeeping-core", default=None,
@@ -67,12 +70,14 @@ def _node_list(text: str) -> tuple[int, ...] | None:
               help="What wraps each instance. [default: auto = numactl when installed, else taskset]")
 @click.option("--nodes", type=_Checked(_node_list, "a comma list of NUMA node ids, e.g. 0,1"), default=None,
               help="Only place instances on these NUMA nodes.")
+@click.option("--efficiency-cores", type=_choice("housekeeping", "instances", "unused"), default=None,
+              help="Hybrid CPUs: what efficiency cores do besides the reserve. [default: housekeeping]")
 @click.option("--base-port", type=_Checked(_at_least(1), "a TCP port, 1-65535"), default=None,
               help="Port of instance 0; instance i listens on base port + i. [default: 8100]")
 @click.option("--format", "output_format", type=_choice("table", "json", "shell"), default="table", show_default=True,
               help="table: core map per node; json: the plan; shell: runnable launch lines.")
-def plan_command(instances, fsroot, config_path, model, model_size_gib, kvcache_gib, cores_per_instance, reserve_cores,
-                 housekeeping_core, smt, membind, launcher, nodes, base_port, output_format) -> None:
+def plan_command(instances, fsroot, config_path, model, model_size_gib, kvcache_gib, cores_per_instance, omp_threads,
+                 reserve_cores, housekeeping_core, smt, membind, launcher, nodes, efficiency_cores, base_port, output_format) -> None:
     """Show how N vLLM instances would be placed: cores, memory nodes, OpenMP binding, memory."""
     cfg = load_config(config_path) if config_path else VsupConfig(model=model or "MODEL")
     placement_overrides = {
@@ -81,12 +86,14 @@ def plan_command(instances, fsroot, config_path, model, model_size_gib, kvcache_
             "model_size_gib": model_size_gib,
             "kvcache_gib": kvcache_gib,
             "cores_per_instance": cores_per_instance,
+            "omp_threads": omp_threads,
             "reserve_cores": reserve_cores,
             "housekeeping_core": housekeeping_core,
             "smt": smt,
             "membind": membind,
             "launcher": launcher,
             "nodes": list(nodes) if nodes is not None else None,
+            "efficiency_cores": efficiency_cores,
         }.items()
         if value is not None
     }
@@ -95,13 +102,20 @@ def plan_command(instances, fsroot, config_path, model, model_size_gib, kvcache_
         top["instances"] = instances
     if model is not None:
         top["model"] = model
+    flags = {"model": "--model"} if model is not None else {}
     if base_port is not None:
         if base_port > 65535:
             raise VsupError(f"--base-port {base_port}: expected a TCP port, 1-65535")
         top["vllm"] = cfg.vllm.model_copy(update={"base_port": base_port})
+        flags["vllm.base_port"] = "--base-port"
     cfg = cfg.model_copy(update=top)
 
-    machine, the_plan = plan_from_config(cfg, fsroot)
+    # the same checks as `vsup run`: what plan accepts, run does not reject for the same reason.
+    # Settings given as flags: errors about them name the flag, the others the config key and line.
+    planned = {"model_size_bytes" if key == "model_size_gib" else key for key in placement_overrides}
+    planned |= {key for key, value in (("instances", instances), ("base_port", base_port)) if value is not None}
+    machine, the_plan = checked_plan(cfg, fsroot, os.environ, flags=flags, planned=frozenset(planned),
+                                     runs_here=Path(fsroot).resolve() == Path("/"))
     if output_format == "json":
         click.echo(json.dumps(the_plan.to_json(), indent=2))
     elif output_format == "shell":

@@ -1,7 +1,8 @@
 """`vsup proxy`: the proxy alone, in front of OpenAI-compatible servers started elsewhere.
 
 Each --upstream is health-checked on GET /health (the `health` section of --config: interval,
-timeout, failures) and is in rotation only while healthy. SIGTERM/SIGINT drain: stop accepting,
+timeout, failures) and is in rotation only while healthy; an upstream that is another vsup is
+checked on GET /ready instead and weighted by the instances ready behind it (0: out of rotation). SIGTERM/SIGINT drain: stop accepting,
 let in-flight requests finish for proxy.drain_timeout, then abort the rest.
 """
 
@@ -54,7 +55,8 @@ async def serve(proxy_config: ProxyConfig, health: HealthConfig, pool: BackendPo
     from vsup.supervisor.proxy.healthcheck import HealthChecker
 
     server = ProxyServer(proxy_config, pool, api_key=api_key)
-    checker = HealthChecker(pool, interval=health.interval, timeout=health.timeout, failures=health.failures)
+    checker = HealthChecker(pool, interval=health.interval, timeout=health.timeout, failures=health.failures,
+                            on_weight=server.set_weight)
     await server.start()
     await checker.start()
     stop = asyncio.Event()
@@ -83,7 +85,8 @@ async def serve(proxy_config: ProxyConfig, health: HealthConfig, pool: BackendPo
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
               help="YAML file whose `proxy` and `health` sections are used (`model` may be absent).")
 def proxy_command(upstreams, host, port, api_key, policy, config_path) -> None:
-    """The proxy alone, in front of servers started elsewhere (health-checked on /health)."""
+    """The proxy alone, in front of servers started elsewhere (health-checked on /health; other
+    vsups on /ready, weighted by their ready instances)."""
     pool = build_pool(upstreams)
     if config_path is not None:
         config = load_config(config_path, require_model=False)

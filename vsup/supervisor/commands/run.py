@@ -81,16 +81,16 @@ def check_port_free(host: str, port: int, what: str) -> None:
 def run_command(config_path: str, log_level: str | None, log_format: str, fsroot: str) -> None:
     """Start the planned instances and the proxy; keep them healthy until SIGTERM/SIGINT."""
     # the supervisor's modules (aiohttp, the proxy, psutil) load only when vsup really runs
+    from vsup.supervisor.commands.preflight import checked_plan
     from vsup.supervisor.launch import build_command
-    from vsup.supervisor.planning import plan_from_config
     from vsup.supervisor.proxy.runloop import run
     from vsup.supervisor.supervisor import Supervisor
 
     began = time.monotonic()
     config = load_config(config_path)
     setup_logging(log_level or config.log.level, log_format)
-    _machine, plan = plan_from_config(config, fsroot)
-    for inst in plan.instances:
+    _machine, plan = checked_plan(config, fsroot, os.environ, runs_here=True)
+    for inst in plan.instances:  # what this machine must have now, beyond the config checks
         argv, _env = build_command(inst, config, os.environ)
         check_programs(argv, len(inst.argv))
         check_port_free("127.0.0.1", inst.port, f"vllm.base_port (instance {inst.index})")

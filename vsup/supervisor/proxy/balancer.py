@@ -2,6 +2,10 @@
 
 Both policies take the pool's ready tuple (stable order) and a set of instances already tried for
 this request (retries go to *another* instance); they return None when nothing is left.
+
+Weights (`set_weight`, 1 by default) give an upstream a larger share: standalone `vsup proxy` in
+front of other vsups weights each by the instances ready behind it (healthcheck.py), so a host
+with 4 ready instances gets twice the requests of one with 2.
 """
 
 from __future__ import annotations
@@ -16,8 +20,36 @@ class _Rotation:
 
     def __init__(self) -> None:
         self._counter = 0
+        self._weights: dict[str, int] = {}  # only weights other than 1
+        self._credit: dict[str, int] = {}
+
+    def set_weight(self, name: str, weight: int) -> None:
+        if weight < 1:
+            raise ValueError(f"weight of {name}: {weight}; must be at least 1 (take it out of rotation instead)")
+        if weight == 1:
+            self._weights.pop(name, None)
+        else:
+            self._weights[name] = weight
+
+    def weight(self, name: str) -> int:
+        return self._weights.get(name, 1)
+
+    def _weighted(self, ready: tuple[Backend, ...], tried: Collection[str]) -> Iterator[Backend]:
+        """nginx's smooth weighted round robin: each ready backend earns its weight, the richest
+        untried one goes first and pays the sum. Over Σ weights requests each gets exactly its
+        weight, spread out (a a b a a b) rather than in runs; the rest follow as retry candidates."""
+        credit = {b.name: self._credit.get(b.name, 0) + self.weight(b.name) for b in ready}
+        total = sum(self.weight(b.name) for b in ready)
+        order = sorted((b for b in ready if b.name not in tried), key=lambda b: -credit[b.name])
+        if order:
+            credit[order[0].name] -= total
+            self._credit = credit  # backends that left the rotation lose their credit
+        yield from order
 
     def _candidates(self, ready: tuple[Backend, ...], tried: Collection[str]) -> Iterator[Backend]:
+        if self._weights:
+            yield from self._weighted(ready, tried)
+            return
         n = len(ready)
         if n == 0:
             return
@@ -40,14 +72,14 @@ class RoundRobin(_Rotation):
 
 
 class LeastOutstanding(_Rotation):
-    """The instance with the fewest requests in flight through this proxy; ties rotate (min keeps
-    the first of equals), so an idle system still spreads requests instead of sending them all to
-    the first instance."""
+    """The instance with the fewest requests in flight through this proxy (per unit of weight); ties
+    rotate (min keeps the first of equals), so an idle system still spreads requests instead of
+    sending them all to the first instance."""
 
     name = "least_outstanding"
 
     def choose(self, ready: tuple[Backend, ...], in_flight: Mapping[str, int], tried: Collection[str] = ()) -> Backend | None:
-        return min(self._candidates(ready, tried), key=lambda b: in_flight.get(b.name, 0), default=None)
+        return min(self._candidates(ready, tried), key=lambda b: in_flight.get(b.name, 0) / self.weight(b.name), default=None)
 
 
 POLICIES = {RoundRobin.name: RoundRobin, LeastOutstanding.name: LeastOutstanding}

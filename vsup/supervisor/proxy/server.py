@@ -97,6 +97,11 @@ class ProxyServer:
         if self._client is not None:
             self._client.set_reusable(backend.url, ready)
 
+    def set_weight(self, name: str, weight: int) -> None:
+        """The share of requests `name` gets relative to the others (standalone upstreams: the
+        instances ready behind it, see healthcheck.py)."""
+        self._balancer.set_weight(name, weight)
+
     @property
     def port(self) -> int:
         if self._port is None:

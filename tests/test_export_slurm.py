@@ -1,0 +1,132 @@
+"""`vsup export slurm`: the sbatch script's content (steps bound to the plan's CPU masks, one
+node's instances each, the front proxy), its syntax (`bash -n`), and a run of it with stand-ins
+for srun and scontrol that record what the script asks of Slurm."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+
+import pytest
+
+from tests.machines import make_machine
+from tests.sysfs_builder import GIB, build_sysfs
+from tests.test_plan_cli import vsup
+from vsup.supervisor.config import parse_config
+from vsup.supervisor.export.pod import node_type
+from vsup.supervisor.export.slurm import cpu_mask, export_slurm
+from vsup.supervisor.planning import settings_from_config
+from vsup.topology.planner import plan
+
+
+def script_for(machine, config: str, hosts: int = 1):
+    cfg = parse_config(config)
+    machine = node_type(machine)
+    host_plan = plan(machine, settings_from_config(cfg, numactl_available=True))
+    return host_plan, export_slurm(machine, host_plan, cfg, hosts=hosts, job_name="llm")
+
+
+def srun_lines(script: str) -> list[str]:
+    return [line + " " + nxt for line, nxt in zip(script.splitlines(), script.splitlines()[1:]) if line.startswith("srun ")]
+
+
+def test_one_step_per_numa_node_bound_to_the_plan_and_a_front_proxy():
+    machine = make_machine(sockets=2, cores_per_node=16, smt=2, node_memory=128 * GIB)
+    host_plan, script = script_for(machine, "model: /m\ninstances: 4\nplacement:\n  model_size_gib: 15\n", hosts=3)
+    assert script.startswith("#!/bin/bash\n")
+    assert "#SBATCH --nodes=3\n" in script and "#SBATCH --exclusive\n" in script and "#SBATCH --job-name=llm\n" in script
+    steps = srun_lines(script)
+    assert len(steps) == 3  # two NUMA nodes + the front proxy
+    for node_id, step in zip((0, 1), steps):
+        cpus = sorted(cpu for inst in host_plan.instances if inst.cpu_nodes == (node_id,) for cpu in inst.cpus)
+        assert f"--cpu-bind=verbose,mask_cpu:{cpu_mask(cpus)}" in step and "--mem-bind=verbose,local" in step
+        assert f'"$VSUP" run --config "$CONF/node{node_id}.yaml" &' in step and "--nodes=3 --ntasks-per-node=1" in step
+    # the front proxy sits on the core the plan reserved (CPUs 0 and 32), outside every step's mask
+    assert host_plan.reserved_cpus == (0, 32)
+    assert f"--cpu-bind=verbose,mask_cpu:{cpu_mask([0, 32])}" in steps[2] and '"$VSUP" proxy --config "$CONF/front.yaml"' in steps[2]
+    assert cpu_mask([0, 32]) == "0x100000001"
+    assert "for port in 8001 8002; do" in script
+    assert script.rstrip().endswith("wait")
+
+
+def test_the_script_is_valid_bash(tmp_path):
+    machine = make_machine(sockets=1, nodes_per_socket=4, cores_per_node=24, smt=2, l3_per_node=3, node_memory=96 * GIB)
+    _, script = script_for(machine, "model: /m\nvllm:\n  args: [--dtype, $DTYPE, '`x`']\nplacement:\n  model_size_gib: 4\n")
+    path = tmp_path / "vsup.sbatch"
+    path.write_text(script)
+    result = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+STUBS = {
+    # each call: its arguments, one line, shell-quoted; the steps would run in the background
+    "srun": '#!/bin/bash\nprintf "%q " "$@" >> "$SRUN_LOG"; echo >> "$SRUN_LOG"\n',
+    "scontrol": '#!/bin/bash\n[ "$1 $2" = "show hostnames" ] && printf "cpu-a1\\ncpu-a2\\n"\n',
+}
+
+
+def test_running_the_script_writes_the_step_configs_and_asks_slurm_for_the_steps(tmp_path):
+    root = build_sysfs(tmp_path / "m", nodes=(16, 16), smt=2, packages=2, node_memory=128 * GIB)
+    config = tmp_path / "vsup.yaml"
+    config.write_text("model: /models/x\nvllm:\n  args: [--dtype, '$bf16']\nplacement:\n  model_size_gib: 15\n"
+                      "proxy:\n  port: 9000\n  drain_timeout: 20\nhealth:\n  interval: 2\n")
+    out = tmp_path / "out"
+    result = vsup("export", "slurm", "--config", str(config), "--fsroot", str(root), "--hosts", "2", "-o", str(out))
+    assert result.returncode == 0, result.stderr
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in STUBS.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "cpu-a[1-2]",
+           "SRUN_LOG": str(tmp_path / "srun.log"), "VSUP_CONF_DIR": str(tmp_path / "conf")}
+    run = subprocess.run(["bash", str(out / "vsup.sbatch")], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=30)
+    assert run.returncode == 0, run.stderr
+    assert "clients connect to http://cpu-a1:9000" in run.stderr
+
+    calls = [shlex.split(line) for line in (tmp_path / "srun.log").read_text().splitlines()]
+    assert len(calls) == 3
+    for node_id, call in enumerate(calls[:2]):
+        assert call[-4:] == ["vsup", "run", "--config", str(tmp_path / "conf" / f"node{node_id}.yaml")]
+        step = parse_config((tmp_path / "conf" / f"node{node_id}.yaml").read_text())
+        assert step.instances == 1 and step.proxy.port == 9001 + node_id and step.proxy.host == "0.0.0.0"
+        assert step.vllm.base_port == 8100 + node_id and step.placement.reserve_cores == 0
+        assert step.placement.kvcache_gib == 109 and step.placement.model_size_gib == 15
+        assert str(step.log.dir) == f"/tmp/vsup-4242/node{node_id}"  # the job id expanded, node-local
+        assert step.vllm.args == ["--dtype", "$bf16"]  # the user's own $ stays literal
+    front = calls[2]
+    assert front[front.index("--nodelist=cpu-a1") + 1:][:1] == ["--overlap"]
+    upstreams = [front[i + 1] for i, word in enumerate(front) if word == "--upstream"]
+    assert upstreams == ["http://cpu-a1:9001", "http://cpu-a1:9002", "http://cpu-a2:9001", "http://cpu-a2:9002"]
+    proxy = parse_config((tmp_path / "conf" / "front.yaml").read_text(), require_model=False)
+    assert proxy.proxy.port == 9000 and proxy.proxy.host == "0.0.0.0" and proxy.proxy.drain_timeout == 20
+    assert proxy.health.interval == 2
+
+
+def test_the_api_key_is_checked_by_the_per_node_vsups_not_the_front():
+    # the front strips the Authorization it checks; without a key of its own it passes it on
+    machine = make_machine(sockets=2, cores_per_node=4)
+    _, script = script_for(machine, "model: /m\nplacement:\n  model_size_gib: 1\nproxy:\n  api_key: k3y\n")
+    def heredoc(name: str) -> str:
+        return script.split(f'cat > "$CONF/{name}" <<VSUP_EOF\n')[1].split("\nVSUP_EOF\n")[0]
+
+    assert "api_key: k3y" in heredoc("node0.yaml") and "api_key" not in heredoc("front.yaml")
+    assert "proxy:" in heredoc("front.yaml")
+
+
+@pytest.mark.parametrize("config, message", [
+    ("instances: 3\n", "instances: 3 do not split evenly over NUMA nodes"),
+    ("proxy:\n  port: 65535\n", "proxy.port 65535: the per-node vsups listen on the 2 ports after it, past 65535"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, config, message):
+    root = build_sysfs(tmp_path / "m", nodes=(8, 8), smt=2, packages=2)
+    (tmp_path / "vsup.yaml").write_text("model: /m\nplacement:\n  model_size_gib: 1\n" + config)
+    result = vsup("export", "slurm", "--config", str(tmp_path / "vsup.yaml"), "--fsroot", str(root))
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_masks_are_hex_numbers_slurm_reads():
+    assert cpu_mask([0]) == "0x1" and cpu_mask([1, 3]) == "0xa" and re.fullmatch(r"0x[0-9a-f]+", cpu_mask(range(100, 200)))

@@ -1,0 +1,31 @@
+"""The checks `vsup plan` and `vsup run` share, so that a configuration one accepts the other does
+not reject: the model path, the plan, the instances' ports against the proxy's, and every
+instance's launch line (vllm.args, vllm.env, vllm.command/venv)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from vsup.supervisor.config import VsupConfig, check_instance_ports, check_model_path
+from vsup.supervisor.launch import build_command
+from vsup.supervisor.planning import plan_from_config
+from vsup.topology.model import Machine
+from vsup.topology.plan_model import Plan
+
+
+def checked_plan(cfg: VsupConfig, fsroot: str, environ: Mapping[str, str], *, runs_here: bool,
+                 flags: Mapping[str, str] | None = None, planned: frozenset[str] = frozenset()) -> tuple[Machine, Plan]:
+    """Plan `cfg` on the machine under `fsroot` and check what would be launched.
+
+    `runs_here`: the instances would start on this machine, so the model path must exist here
+    (`vsup plan --fsroot DUMP` plans for another machine). `flags`: config key -> the command-line
+    option that set it (`vsup plan --base-port`), so an error names what the user typed;
+    `planned`: the same for the planner, as PlanSettings field names."""
+    flags = flags or {}
+    if runs_here:
+        check_model_path(cfg, flags.get("model"))
+    machine, plan = plan_from_config(cfg, fsroot, flags=planned)
+    check_instance_ports(cfg, len(plan.instances), flags.get("vllm.base_port"))
+    for instance in plan.instances:
+        build_command(instance, cfg, environ)
+    return machine, plan
