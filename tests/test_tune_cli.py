@@ -248,3 +248,26 @@ def test_a_bad_workload_line_names_the_file_and_line(tmp_path):
                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert out.returncode == 2
     assert f"--workload {workload}:2: max_tokens: None is not a whole number of at least 1" in out.stderr
+
+
+def test_a_workload_from_the_config_is_read_and_its_errors_name_the_key(tmp_path):
+    workload = tmp_path / "w.jsonl"
+    workload.write_text('{"prompt": "hi", "max_tokens": 4}\n{"prompt": "hi"}\n')
+    config = tmp_path / "c.yaml"
+    config.write_text(f"model: m\ntune:\n  workload: {workload}\n")
+    out = subprocess.run([*VSUP, "tune", "-c", str(config), "--dry-run"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert f"vsup: error: {config}:3: tune.workload {workload}:2: max_tokens: None is not a whole number" in out.stderr
+
+
+@pytest.mark.parametrize(("tune", "message"), [
+    ("  concurrency: [0, 8]\n", "{config}:3: tune.concurrency: [0, 8] is not valid: every value must be at least 1"),
+    ("  omp_threads: [all, most]\n", "{config}:3: tune.omp_threads.1: 'most' is not valid: Input should be a valid integer or 'all' or 'half'"),
+    ("  smt: [1]\n", "{config}:3: tune.smt.0: 1 is not valid: Input should be a valid boolean"),
+])
+def test_a_bad_tune_section_is_one_line_naming_the_key_and_line(tmp_path, tune, message):
+    config = tmp_path / "c.yaml"
+    config.write_text(f"model: m\ntune:\n{tune}")
+    out = subprocess.run([*VSUP, "tune", "-c", str(config), "--dry-run"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert out.stderr.startswith("vsup: error: " + message.format(config=config)), out.stderr

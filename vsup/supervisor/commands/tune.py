@@ -10,7 +10,7 @@ import click
 import yaml
 
 from vsup.supervisor.commands.options import Checked, fsroot_option
-from vsup.supervisor.config import load_config
+from vsup.supervisor.config import load_config, where
 from vsup.supervisor.errors import VsupError
 
 
@@ -151,6 +151,7 @@ def tune_command(config_path, objective, slo, workload, input_len, output_len, c
         output_len=output_len or t.output_len, budget_s=budget, min_duration_s=min_duration, max_duration_s=max_duration,
         report_dir=Path(report_dir), resume=resume, write_config=Path(write_config) if write_config else None,
         dry_run=dry_run, roofline=not no_roofline, fsroot=fsroot,
+        workload_origin="--workload" if workload else where(cfg, "tune.workload"),
     )
     # piped output (a log, CI) gets the whole table instead of 80 columns of wrapped cells
     console, out = Console(stderr=True), Console(width=None if sys.stdout.isatty() else 220)

@@ -61,6 +61,7 @@ class TuneOptions:
     roofline: bool = True
     fsroot: str = "/"
     environ: dict[str, str] = field(default_factory=lambda: dict(os.environ))
+    workload_origin: str = "--workload"  # what errors about the workload file name: the option or the config key
 
 
 class Tune:
@@ -72,7 +73,7 @@ class Tune:
         self.machine = read_machine(opts.fsroot)
         self.base = settings_from_config(self.cfg)
         self.levels = [level_name(concurrency=c) for c in opts.concurrency] + [level_name(rate=r) for r in opts.request_rate]
-        self.items: list[WorkItem] | None = load_jsonl(opts.workload) if opts.workload else None
+        self.items: list[WorkItem] | None = load_jsonl(opts.workload, opts.workload_origin) if opts.workload else None
         self.libraries = self._libraries()
         self.bandwidth: dict[int, float] = {}
         self.results = ResultsFile(opts.report_dir / "results.jsonl")
