@@ -561,3 +561,40 @@ def test_concurrent_streams_share_one_instance(fake_vllm):
     for t in threads:
         t.join(60)
     assert results == ["tok0 tok1 tok2 tok3 tok4 tok5 tok6 tok7 tok8 tok9"] * 8
+
+
+# -------------------------------------------------------------------- the speed model (vsup tune)
+
+
+def test_speed_model_step_time_follows_threads_cpus_and_preload():
+    from tests.fakevllm.engine import step_time
+
+    f = load_faults({"FAKE_VLLM_STEP_TIME": "0.1", "FAKE_VLLM_SEQ_COST": "0.5", "FAKE_VLLM_SATURATE_THREADS": "2",
+                     "FAKE_VLLM_BUSY_PENALTY": "1.5", "FAKE_VLLM_PRELOAD_SPEEDUP": "2"})
+    assert step_time(f, 1, threads=1, cpus=2, preload=False) == pytest.approx(0.1)  # a core left idle
+    assert step_time(f, 3, threads=1, cpus=2, preload=False) == pytest.approx(0.2)  # batch of 3: +2 × 50 %
+    assert step_time(f, 1, threads=2, cpus=2, preload=False) == pytest.approx(0.075)  # 2 threads, no idle core
+    assert step_time(f, 1, threads=4, cpus=4, preload=False) == pytest.approx(0.075)  # saturated at 2 threads
+    assert step_time(f, 1, threads=4, cpus=2, preload=False) == pytest.approx(0.05 * 1.5 * 4)  # oversubscribed
+    assert step_time(f, 1, threads=1, cpus=2, preload=True) == pytest.approx(0.05)
+
+
+def test_speed_model_batches_concurrent_streams_into_shared_steps(fake_vllm):
+    srv = fake_vllm(env={"FAKE_VLLM_STEP_TIME": "0.05", "OMP_NUM_THREADS": "1"}).wait_ready()
+    c = client(srv)
+    results: list[str] = []
+
+    def one() -> None:
+        stream = c.completions.create(model="fake-model", prompt="x", max_tokens=10, stream=True)
+        results.append("".join(ch.choices[0].text for ch in stream))
+
+    threads = [threading.Thread(target=one) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results == ["tok0 tok1 tok2 tok3 tok4 tok5 tok6 tok7 tok8 tok9"] * 4
+    steps = next(float(line.rsplit(" ", 1)[1]) for line in http_get(srv.port, "/metrics")[1].decode().splitlines()
+                 if line.startswith("fakevllm:engine_steps_total"))
+    # 4 × 10 tokens in shared steps (a stream that joins late adds a few), not 40 separate ones
+    assert 10 <= steps <= 20

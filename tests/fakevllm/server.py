@@ -23,6 +23,7 @@ from aiohttp import web
 
 from . import openai_api as api
 from .cli import ServeArgs, UsageError, parse_args
+from .engine import BatchEngine
 from .events import EventLog
 from .settings import Faults, SettingsError, load_faults
 from .tree import EngineCore, SharedMemoryFiles
@@ -99,6 +100,7 @@ class FakeVllm:
         self.success_total = 0
         self.created = int(time.time())
         self.early_signals: list[str] = []
+        self.engine_model: BatchEngine | None = None  # the speed model, when FAKE_VLLM_STEP_TIME is set
 
     # ---------------------------------------------------------------- startup and shutdown
 
@@ -163,6 +165,8 @@ class FakeVllm:
     async def serve(self) -> int:
         loop = asyncio.get_running_loop()
         self.stop_fut = loop.create_future()
+        if self.faults.step_time is not None:
+            self.engine_model = BatchEngine(self.faults, self.stop_fut)
         if self.faults.ignore_sigterm:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -385,6 +389,8 @@ class FakeVllm:
             ("vllm:generation_tokens", "counter", "Number of generation tokens processed.",
              self.generation_tokens_total),
             ("vllm:request_success", "counter", "Count of successfully processed requests.", self.success_total),
+            ("fakevllm:engine_steps", "counter", "Steps of the speed model's batched engine (FAKE_VLLM_STEP_TIME).",
+             self.engine_model.steps if self.engine_model else 0),
         ]
         lines = []
         for metric, kind, help_text, value in rows:
@@ -478,12 +484,15 @@ class FakeVllm:
 
     async def _pace(self, gen: api.Generation, index: int, crash_at_token: int | None) -> bool:
         """Wait for token `index`; False when the server is shutting down (or hung, until then)."""
-        if index == 0:
-            delay = self.faults.first_token_delay if gen.first_token_delay is None else gen.first_token_delay
+        if self.engine_model is not None:
+            await self.engine_model.token()
         else:
-            delay = self.faults.token_delay if gen.token_delay is None else gen.token_delay
-        if delay > 0:
-            await asyncio.wait((self.stop_fut,), timeout=delay)
+            if index == 0:
+                delay = self.faults.first_token_delay if gen.first_token_delay is None else gen.first_token_delay
+            else:
+                delay = self.faults.token_delay if gen.token_delay is None else gen.token_delay
+            if delay > 0:
+                await asyncio.wait((self.stop_fut,), timeout=delay)
         if self.hung:
             await asyncio.shield(self.stop_fut)
         if self.stopping:

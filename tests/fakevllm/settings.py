@@ -40,6 +40,12 @@ class Faults:
     exit_on_engine_death: bool = True  # like vLLM: EngineCore gone -> API server exits 0
     access_log: bool = True
     max_num_seqs: int | None = None  # concurrent generations; more wait ("queued"), like --max-num-seqs
+    # speed model (engine.py): batched steps whose length depends on threads, CPUs and LD_PRELOAD
+    step_time: float | None = None  # seconds per step with one thread; None: per-request delays instead
+    seq_cost: float = 0.0  # a step grows by this fraction per extra sequence in the batch
+    saturate_threads: int | None = None  # more threads than this add nothing (memory bandwidth)
+    busy_penalty: float = 1.0  # step factor when OpenMP takes every CPU of the mask
+    preload_speedup: float = 1.0  # step divisor when LD_PRELOAD is set
 
 
 def _number(env: Mapping[str, str], key: str, kind: type, low: float, example: str):
@@ -110,4 +116,9 @@ def load_faults(env: Mapping[str, str] = os.environ) -> Faults:
         exit_on_engine_death=_flag(env, "FAKE_VLLM_EXIT_ON_ENGINE_DEATH", True),
         access_log=_flag(env, "FAKE_VLLM_ACCESS_LOG", True),
         max_num_seqs=num("FAKE_VLLM_MAX_NUM_SEQS", int, 1, "4"),
+        step_time=num("FAKE_VLLM_STEP_TIME", example="0.02"),
+        seq_cost=default(num("FAKE_VLLM_SEQ_COST", example="0.05"), 0.0),
+        saturate_threads=num("FAKE_VLLM_SATURATE_THREADS", int, 1, "2"),
+        busy_penalty=default(num("FAKE_VLLM_BUSY_PENALTY", low=1, example="1.5"), 1.0),
+        preload_speedup=default(num("FAKE_VLLM_PRELOAD_SPEEDUP", low=1, example="1.2"), 1.0),
     )

@@ -62,6 +62,7 @@ def main() -> None:
     vsup run --config FILE   start them and the proxy, keep them healthy
     vsup status / restart    talk to a running vsup
     vsup proxy --upstream …  the proxy alone, in front of servers started elsewhere
+    vsup tune --config FILE  measure layouts on this machine, pick the best
     vsup doctor              check this machine against what vLLM CPU needs
     vsup config --example    the commented example configuration (every key)
     vsup install-systemd     install vsup as a systemd service
