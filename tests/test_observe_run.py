@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.vsup_harness import VSUP, VsupRun, make_config
@@ -167,7 +168,8 @@ def test_status_shows_the_figures_as_text_and_json(fleet):
 # ---- Grafana --------------------------------------------------------------------------------------------
 
 _FUNCTIONS = {"sum", "min", "max", "avg", "count", "rate", "irate", "increase", "histogram_quantile", "time", "vector",
-              "by", "without", "or", "and", "unless", "on", "ignoring", "label_values", "abs", "clamp_min"}
+              "by", "without", "or", "and", "unless", "on", "ignoring", "label_values", "abs", "clamp_min", "delta",
+              "deriv", "changes", "max_over_time", "min_over_time", "predict_linear"}
 
 
 def metric_names(expr: str) -> set[str]:
@@ -181,13 +183,18 @@ def metric_names(expr: str) -> set[str]:
     return {w for w in words if w not in _FUNCTIONS}
 
 
-def test_every_grafana_panel_queries_metrics_the_proxy_exports(fleet):
-    run, _ = fleet
+def exported_names(run: VsupRun) -> set[str]:
     exported = set()
     for family in scrape(run):  # a family without samples yet (no upstream error so far) is exported too
         exported |= {family.name, *(s.name for s in family.samples)}
         exported |= {"counter": {family.name + "_total"},
                      "histogram": {family.name + suffix for suffix in ("_bucket", "_sum", "_count")}}.get(family.type, set())
+    return exported
+
+
+def test_every_grafana_panel_queries_metrics_the_proxy_exports(fleet):
+    run, _ = fleet
+    exported = exported_names(run)
     dashboard = json.loads((ROOT / "docs/grafana/vsup.json").read_text())
     panels = [p for p in dashboard["panels"] if p["type"] != "row"]
     assert len(panels) >= 15
@@ -203,6 +210,17 @@ def test_every_grafana_panel_queries_metrics_the_proxy_exports(fleet):
                    "vsup_instance_numa_memory_bytes", "vsup_instance_rss_bytes", "vsup_proxy_requests_total"):
         assert wanted in seen
     assert metric_names('sum by (exported_instance, le) (rate(vllm:x_bucket{instance=~"$host"}[5m]))') == {"vllm:x_bucket"}
+
+
+def test_every_alert_rule_reads_metrics_the_proxy_exports(fleet):
+    run, _ = fleet
+    exported = exported_names(run)
+    rules = yaml.safe_load((ROOT / "docs/prometheus/vsup-alerts.yml").read_text())["groups"][0]["rules"]
+    assert len(rules) >= 10
+    for rule in rules:
+        names = metric_names(rule["expr"])
+        assert names and names <= exported, f"{rule['alert']}: {sorted(names - exported)}"
+        assert rule["alert"] in (ROOT / "README.md").read_text(), f"{rule['alert']} is not explained in the README"
 
 
 # ---- the status page, in a real browser -------------------------------------------------------------------

@@ -12,6 +12,8 @@ The `Supervisor` owns the pieces and the wiring between them:
   stop.timeout each), exit 0. Each step is guarded: one that raises is logged and the next runs,
   so the instances are always stopped (exit 1 then). SIGHUP gives failed instances a new chance
   (config reload is not supported: restart the service to apply a changed config);
+- a metrics collector (observe/collector.py) looks at every instance in the background every
+  `metrics.interval` seconds; the proxy appends its cached text to /metrics and serves /status;
 - a state file in the runtime directory lets the next vsup clean up if this one is killed
   (leftovers.py); the instances' processes and clock come from an `Operations` object.
 """
