@@ -270,7 +270,7 @@ def test_status_page_renders_in_headless_chromium(fleet, tmp_path):
 def tmux(tmp_path):
     if shutil.which("tmux") is None:
         pytest.skip("tmux is not installed (apt-get install tmux)")
-    server = ["tmux", "-L", f"vsup-test-{os.getpid()}", "-f", "/dev/null"]
+    server = ["tmux", "-S", str(tmp_path / "tmux.sock"), "-f", "/dev/null"]  # a server of its own, its socket in tmp
 
     def tm(*args: str) -> str:
         return subprocess.run([*server, *args], capture_output=True, text=True, timeout=30, check=True).stdout
