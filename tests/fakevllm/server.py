@@ -25,6 +25,7 @@ from . import openai_api as api
 from .cli import ServeArgs, UsageError, parse_args
 from .engine import BatchEngine
 from .events import EventLog
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, VllmMetrics
 from .settings import Faults, SettingsError, load_faults
 from .tree import EngineCore, SharedMemoryFiles
 
@@ -68,11 +69,13 @@ def _mems_allowed() -> str | None:
 class _Progress:
     """How far one generation got, for the "cancelled" event."""
 
-    __slots__ = ("phase", "tokens")
+    __slots__ = ("phase", "tokens", "arrived", "last_token_at")
 
     def __init__(self) -> None:
         self.phase = "waiting_first_token"
         self.tokens = 0
+        self.arrived = time.monotonic()
+        self.last_token_at: float | None = None
 
 
 class FakeVllm:
@@ -95,9 +98,7 @@ class FakeVllm:
         self.waiting = 0
         max_seqs = faults.max_num_seqs or args.max_num_seqs
         self.slots = asyncio.Semaphore(max_seqs) if max_seqs else None
-        self.prompt_tokens_total = 0
-        self.generation_tokens_total = 0
-        self.success_total = 0
+        self.prom = VllmMetrics(args.names[0], lambda: self.running, lambda: self.waiting)
         self.created = int(time.time())
         self.early_signals: list[str] = []
         self.engine_model: BatchEngine | None = None  # the speed model, when FAKE_VLLM_STEP_TIME is set
@@ -379,24 +380,7 @@ class FakeVllm:
         return web.json_response({"server_load": self.running + self.waiting})
 
     async def metrics(self, request: web.Request) -> web.Response:
-        labels = f'engine="0",model_name="{self.args.names[0]}"'
-        rows = [
-            ("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", self.running),
-            ("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", self.waiting),
-            ("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.",
-             min(1.0, self.running / 64)),
-            ("vllm:prompt_tokens", "counter", "Number of prefill tokens processed.", self.prompt_tokens_total),
-            ("vllm:generation_tokens", "counter", "Number of generation tokens processed.",
-             self.generation_tokens_total),
-            ("vllm:request_success", "counter", "Count of successfully processed requests.", self.success_total),
-            ("fakevllm:engine_steps", "counter", "Steps of the speed model's batched engine (FAKE_VLLM_STEP_TIME).",
-             self.engine_model.steps if self.engine_model else 0),
-        ]
-        lines = []
-        for metric, kind, help_text, value in rows:
-            sample = f"{metric}_total" if kind == "counter" else metric
-            lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} {kind}", f"{sample}{{{labels}}} {float(value)}"]
-        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8")
+        return web.Response(body=self.prom.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
 
     async def tokenize(self, request: web.Request) -> web.Response:
         try:
@@ -455,7 +439,7 @@ class FakeVllm:
             gen = parse(await self._read_json(request), self.args.names, self.args.max_model_len)
         except api.ApiError as err:
             return self._error(err, rid, request.path)
-        self.prompt_tokens_total += gen.prompt_tokens
+        self.prom.prompt_tokens.inc(gen.prompt_tokens)
         progress = _Progress()
         try:
             if self.slots is not None and self.slots.locked():
@@ -468,6 +452,7 @@ class FakeVllm:
             elif self.slots is not None:
                 await self.slots.acquire()
             progress.phase = "waiting_first_token"
+            self.prom.queue.observe(time.monotonic() - progress.arrived)
             self.running += 1
             try:
                 if gen.stream:
@@ -508,8 +493,8 @@ class FakeVllm:
                                                 f"Request {rid} aborted: the server is shutting down."))
             progress.phase = "generating"
             progress.tokens = i + 1
-            self.generation_tokens_total += gen.prompts
-        self.success_total += 1
+            self._token_out(progress, gen.prompts)
+        self._finished(progress)
         self.events.emit("finished", path=request.path, id=rid, tokens=progress.tokens, stream=False)
         body = api.full_response(gen, rid, int(time.time()), self.fingerprint, progress.tokens)
         return web.Response(text=_dumps(body), content_type="application/json")
@@ -531,7 +516,7 @@ class FakeVllm:
                 for p in range(gen.prompts):
                     await response.write(self._sse(api.token_chunk(gen, rid, created, self.fingerprint, i, p)))
                 progress.tokens = i + 1
-                self.generation_tokens_total += gen.prompts
+                self._token_out(progress, gen.prompts)
             if response is None:  # shutting down before the first token
                 return self._error(api.ApiError(500, "InternalServerError",
                                                 f"Request {rid} aborted: the server is shutting down."))
@@ -542,7 +527,7 @@ class FakeVllm:
             else:
                 if gen.include_usage:
                     await response.write(self._sse(api.usage_chunk(gen, rid, created, self.fingerprint, progress.tokens)))
-                self.success_total += 1
+                self._finished(progress)
                 self.events.emit("finished", path=request.path, id=rid, tokens=progress.tokens, stream=True)
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
@@ -551,6 +536,20 @@ class FakeVllm:
             self.events.emit("cancelled", path=request.path, id=rid, phase=progress.phase, tokens=progress.tokens,
                              stopping=self.stopping)
         return response
+
+    def _token_out(self, progress: _Progress, count: int) -> None:
+        """One token step went out: time to first token, or the gap since the previous one."""
+        now = time.monotonic()
+        if progress.last_token_at is None:
+            self.prom.ttft.observe(now - progress.arrived)
+        else:
+            self.prom.itl.observe(now - progress.last_token_at)
+        progress.last_token_at = now
+        self.prom.generation_tokens.inc(count)
+
+    def _finished(self, progress: _Progress) -> None:
+        self.prom.success["length"].inc()  # the fake always generates max_tokens
+        self.prom.e2e.observe(time.monotonic() - progress.arrived)
 
     @staticmethod
     def _sse(obj: dict) -> bytes:

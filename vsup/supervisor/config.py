@@ -135,6 +135,11 @@ class ControlConfig(_Section):
     socket: Path | None = Field(None, strict=False, description="unix socket (0600) for `vsup status` / `vsup restart`; null: $RUNTIME_DIRECTORY/control.sock under systemd, else /tmp/vsup-<uid>/control-<proxy.port>.sock")
 
 
+class MetricsConfig(_Section):
+    interval: float = Field(5.0, ge=0, description="seconds between two collections of every instance's vLLM /metrics and process figures (CPU, RSS/PSS, NUMA memory) for the proxy's /metrics, `vsup status`, `vsup top` and /status; 0: off")
+    timeout: float = Field(2.0, gt=0, description="seconds one instance's /metrics may take to answer; slower counts as a failed scrape")
+
+
 class NotifyConfig(_Section):
     ready_when: Literal["all", "any"] = Field("all", description="READY=1 once all instances are ready (those in a crash loop aside), or any: once one is")
 
@@ -191,6 +196,7 @@ class VsupConfig(_Section):
     stop: StopConfig = Field(default_factory=StopConfig, description="how the instances stop (vsup stopping, `vsup restart N`, a failure)")
     log: LogConfig = Field(default_factory=LogConfig, description="the instances' output and vsup's own log")
     control: ControlConfig = Field(default_factory=ControlConfig, description="where `vsup status` and `vsup restart` reach a running vsup")
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="what vsup collects about each instance in the background (docs/metrics.md)")
     notify: NotifyConfig = Field(default_factory=NotifyConfig, description="systemd Type=notify (no-op outside systemd)")
     tune: TuneConfig = Field(default_factory=TuneConfig, description="what `vsup tune` tries and the load it measures with (docs/tune.md); its command-line options override each key; `vsup run` ignores this section")
 
