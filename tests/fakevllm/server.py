@@ -380,7 +380,12 @@ class FakeVllm:
         return web.json_response({"server_load": self.running + self.waiting})
 
     async def metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.prom.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
+        body = self.prom.render()
+        if self.engine_model is not None:  # the speed model's own count, beside vLLM's families
+            body += (b"# HELP fakevllm:engine_steps_total Steps of the speed model's batched engine (FAKE_VLLM_STEP_TIME).\n"
+                     b"# TYPE fakevllm:engine_steps_total counter\n"
+                     b"fakevllm:engine_steps_total %d\n" % self.engine_model.steps)
+        return web.Response(body=body, headers={"Content-Type": METRICS_CONTENT_TYPE})
 
     async def tokenize(self, request: web.Request) -> web.Response:
         try:
