@@ -68,9 +68,9 @@ class RoundRobin(_Rotation):
     name = "round_robin"
 
     def choose(self, ready: tuple[Backend, ...], in_flight: Mapping[str, int], tried: Collection[str] = ()) -> Backend | None:
-        if tried or not ready:
+        if tried or not ready or self._weights:
             return next(self._candidates(ready, tried), None)
-        start = self._counter  # the common case, inlined: a first try
+        start = self._counter  # the common case, inlined: a first try over unweighted instances
         self._counter = start + 1
         return ready[start % len(ready)]
 
