@@ -24,6 +24,7 @@ from aiohttp import web
 from . import openai_api as api
 from .cli import ServeArgs, UsageError, parse_args
 from .events import EventLog
+from .prefix_cache import PrefixCache
 from .settings import Faults, SettingsError, load_faults
 from .tree import EngineCore, SharedMemoryFiles
 
@@ -95,6 +96,10 @@ class FakeVllm:
         max_seqs = faults.max_num_seqs or args.max_num_seqs
         self.slots = asyncio.Semaphore(max_seqs) if max_seqs else None
         self.prompt_tokens_total = 0
+        self.prefix_cache = PrefixCache(faults.prefix_cache_blocks)
+        self.prefix_queries_total = 0
+        self.prefix_hits_total = 0
+        self.prefill_lock = asyncio.Lock()  # one prefill at a time, as one engine computes them
         self.generation_tokens_total = 0
         self.success_total = 0
         self.created = int(time.time())
@@ -385,6 +390,10 @@ class FakeVllm:
             ("vllm:generation_tokens", "counter", "Number of generation tokens processed.",
              self.generation_tokens_total),
             ("vllm:request_success", "counter", "Count of successfully processed requests.", self.success_total),
+            ("vllm:prefix_cache_queries", "counter", "Prefix cache queries, in terms of number of queried tokens.",
+             self.prefix_queries_total),
+            ("vllm:prefix_cache_hits", "counter", "Prefix cache hits, in terms of number of cached tokens.",
+             self.prefix_hits_total),
         ]
         lines = []
         for metric, kind, help_text, value in rows:
@@ -446,10 +455,17 @@ class FakeVllm:
                                             "EngineCore encountered an issue. See stack trace (above) for the root cause."),
                                rid, request.path)
         try:
-            gen = parse(await self._read_json(request), self.args.names, self.args.max_model_len)
+            body = await self._read_json(request)
+            gen = parse(body, self.args.names, self.args.max_model_len)
         except api.ApiError as err:
             return self._error(err, rid, request.path)
         self.prompt_tokens_total += gen.prompt_tokens
+        uncached = 0
+        for words in api.prompt_words(gen.kind, body):
+            hits = self.prefix_cache.lookup(words)
+            self.prefix_queries_total += len(words)
+            self.prefix_hits_total += hits
+            uncached += len(words) - hits
         progress = _Progress()
         try:
             if self.slots is not None and self.slots.locked():
@@ -464,6 +480,9 @@ class FakeVllm:
             progress.phase = "waiting_first_token"
             self.running += 1
             try:
+                if f.prefill_delay and uncached:
+                    async with self.prefill_lock:  # what the cache did not hold is computed, in turn
+                        await asyncio.wait((self.stop_fut,), timeout=uncached * f.prefill_delay)
                 if gen.stream:
                     return await self._stream(request, gen, rid, progress, crash_at_token)
                 return await self._complete(request, gen, rid, progress, crash_at_token)
