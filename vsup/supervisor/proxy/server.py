@@ -54,7 +54,7 @@ class ProxyServer:
         self.config = config
         self.pool = pool
         self._auth = BearerAuth(api_key if api_key is not None else config.api_key)
-        self._balancer = make_balancer(config.policy)
+        self._balancer = make_balancer(config.policy, config)
         self._forwarder: Forwarder | None = None
         self._client: UpstreamClient | None = None
         self._session: aiohttp.ClientSession | None = None  # for /v1/models only
@@ -62,6 +62,7 @@ class ProxyServer:
         self._clients: ClientPolicy | None = None
         self._port: int | None = None
         self.metrics = ProxyMetrics(self.in_flight, pool.states, pool.is_ready)
+        self.metrics.policy, self.metrics.policy_decisions = self._balancer.name, self._balancer.decisions
         self._own = {"/health": self._health, "/ready": self._ready, "/metrics": self._metrics}
         self._pid = str(os.getpid())
         pool.subscribe(self._on_backend_change)
