@@ -36,8 +36,10 @@ KV per token) caches ~8,000 tokens per instance, and 8 sessions of ~1,050 tokens
 round robin each instance would hold every session's prefix and runs out of room, under
 prefix_affinity each holds about half — the N-copies effect the policy removes. With a cache that
 fits every prefix on every instance, round robin pays N prefills per session instead of 1, and its
-TTFT p50 is a miss only while N >= Q / 2 (raise --kvcache-gib and see). The KV capacity each
-instance reports (vllm:cache_config_info) is printed with the results.
+TTFT p50 is a miss only while N >= Q / 2 (raise --kvcache-gib and see). vLLM's CPU backend caches
+in blocks of 128 tokens (platforms/cpu.py), so only whole 128-token blocks of a prefix are reused.
+The KV cache each instance reports (vllm:cache_config_info: capacity, block size, whether prefix
+caching is on) is printed with the results.
 """
 
 from __future__ import annotations
@@ -244,7 +246,7 @@ async def run_phase(phase: Phase, proxy_url: str, requests: list[Request], args)
 
 def scrape(url: str) -> tuple[dict[str, float], str]:
     """An instance's prefix-cache and request counters (summed over label sets), and its KV cache
-    capacity in tokens as it reports it (vllm:cache_config_info), or "?"."""
+    as it reports it (vllm:cache_config_info: capacity, block size, prefix caching on), or "?"."""
     with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
         text = response.read().decode()
     wanted = {name: key for key, name in COUNTERS.items()}
@@ -256,8 +258,10 @@ def scrape(url: str) -> tuple[dict[str, float], str]:
             if key:
                 values[key] = values.get(key, 0.0) + sample.value
             elif sample.name == "vllm:cache_config_info":
+                labels = sample.labels
                 try:
-                    capacity = str(int(sample.labels["block_size"]) * int(sample.labels["num_gpu_blocks"]))
+                    capacity = (f"{int(labels['block_size']) * int(labels['num_gpu_blocks'])} tokens in blocks of "
+                                f"{labels['block_size']}, prefix caching {labels.get('enable_prefix_caching', '?')}")
                 except (KeyError, ValueError):
                     pass
     return values, capacity
@@ -352,7 +356,7 @@ def merged(phases: list[Phase], workload: str, policy: str) -> Phase:
 def report(phases: list[Phase], instances: list[str], capacities: list[str], args) -> str:
     names = {url: f"i{n}" for n, url in enumerate(instances)}
     lines = [
-        f"{len(instances)} instances (KV cache, tokens: {' / '.join(capacities)}); api {args.api}; shared: {args.sessions} sessions x "
+        f"{len(instances)} instances (KV cache: {' / '.join(capacities)}); api {args.api}; shared: {args.sessions} sessions x "
         f"{args.questions} questions, prefixes >= {args.prefix_tokens_seen} tokens and {args.prefix_chars_seen} characters; distinct: {args.sessions * args.questions} prompts "
         f"of {args.distinct_tokens} tokens; {args.max_tokens} tokens per answer; concurrency {args.concurrency}; "
         f"{args.rounds} round(s); prefix_affinity: affinity_prefix_chars {args.affinity_prefix_chars}, "

@@ -88,7 +88,7 @@ class ProxyConfig(_Section):
     port: int = Field(8000, ge=0, le=65535, description="port clients use (http://host:port/v1); not one of the instances' ports")
     api_key: str | None = Field(None, description="Bearer token clients must send; env VSUP_API_KEY overrides; null: no auth")
     policy: Literal["round_robin", "least_outstanding", "prefix_affinity"] = Field("round_robin", description="round_robin, least_outstanding (fewest requests in flight), or prefix_affinity (requests that share a prompt prefix or a session go to the same instance, whose prefix cache holds it; docs/proxy.md)")
-    affinity_prefix_chars: int = Field(2048, ge=16, description="prefix_affinity: the characters that pick the instance (chat: system prompt and messages up to the first user message; completions: the prompt's start); requests alike in these share an instance")
+    affinity_prefix_chars: int = Field(2048, ge=16, description="prefix_affinity: how many leading characters of a request pick its instance (chat: the messages up to the first user message; completions: the prompt); requests alike in these share an instance")
     affinity_max_imbalance: int = Field(4, ge=0, description="prefix_affinity: the chosen instance may have this many requests in flight more than the least loaded one (per unit of weight); beyond that the least loaded gets the request")
     max_body_bytes: int = Field(8 * MiB, ge=1024, description="larger request bodies get 413")
     connect_timeout: float = Field(5.0, gt=0, description="seconds to connect to an instance")

@@ -1,8 +1,8 @@
 """prefix_affinity: requests that share a prefix go to the instance that already holds it.
 
-vLLM's prefix cache (on by default) skips the prefill of every leading block of 16 tokens that an
-instance has computed before, but only on that instance; on CPU that prefill is most of a long
-prompt's time to first token. This policy picks the instance from what a request starts with, so
+vLLM's prefix cache (on by default) skips the prefill of every leading KV block (128 tokens on its
+CPU backend, 16 on GPUs) that an instance has computed before, but only on that instance; on CPU
+that prefill is most of a long prompt's time to first token. This policy picks the instance from what a request starts with, so
 requests that share a system prompt, a document or a conversation's opening meet the same cache:
 
   key       an explicit session first: the X-Session-ID header, else the body's OpenAI `user`;
@@ -21,10 +21,10 @@ requests that share a system prompt, a document or a conversation's opening meet
 
 Why a bounded prefix of characters, not tokens or a radix tree (docs/proxy.md compares vllm-router
 and SGLang): the proxy has no tokenizer, and it keeps no per-prompt state. Requests that agree on
-their first `prefix_chars` characters (2048 by default, roughly 400-600 tokens, 25-40 of vLLM's
-16-token blocks) share an instance; a prefix shared for less than that (a one-line system prompt)
-saves little prefill and must not pull every conversation onto one instance, and the distinct
-rest of the key spreads them. The first user message is part of a chat key because it stays the
+their first `prefix_chars` characters (2048 by default, roughly 400-600 tokens: 3-4 of the CPU
+backend's 128-token blocks) share an instance; a prefix shared for less than that (a one-line
+system prompt) saves little prefill (nothing under one block) and must not pull every
+conversation onto one instance: the distinct rest of the key spreads them. The first user message is part of a chat key because it stays the
 same for every later turn of that conversation, whose whole history is then cached where it went.
 
 Cheap on purpose: the forwarder has parsed the body already (it validates every JSON body), so
@@ -59,14 +59,6 @@ class Key(NamedTuple):
 def _digest(text: str) -> int:
     # surrogatepass: JSON may carry lone surrogates ("\\ud800"), which plain UTF-8 refuses
     return int.from_bytes(blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")
-
-
-def _uniform(x: int) -> float:
-    """splitmix64's finalizer: a 64-bit value -> a uniform float in the open interval (0, 1)."""
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
-    x ^= x >> 31
-    return ((x >> 11) + 0.5) / 9007199254740992.0  # 53 bits, never 0 or 1
 
 
 def _content_text(content: object, budget: int) -> str:
@@ -196,14 +188,9 @@ class PrefixAffinity(LeastOutstanding):
     def _count(self, decision: str) -> None:
         self.decisions[decision] = self.decisions.get(decision, 0) + 1
 
-    def _score(self, name: str, digest: int) -> float:
-        seed = self._seeds.get(name)
-        if seed is None:
-            seed = self._seeds[name] = _digest("instance\x00" + name)
-        u = _uniform(digest ^ seed)
-        if not self._weights:
-            return u  # all weights 1: -1 / ln(u) orders the instances as u does
-        return -self._weights.get(name, 1) / math.log(u)
+    def _seed(self, name: str) -> int:
+        seed = self._seeds[name] = _digest("instance\x00" + name)
+        return seed
 
     def choose(self, ready: tuple[Backend, ...], in_flight: Mapping[str, int], tried: Collection[str] = (), key: Key | None = None) -> Backend | None:
         if key is None:
@@ -213,6 +200,7 @@ class PrefixAffinity(LeastOutstanding):
             return backend
         digest = key.digest
         weights = self._weights
+        seeds = self._seeds
         best: Backend | None = None
         best_score = best_load = 0.0
         least: Backend | None = None
@@ -221,8 +209,18 @@ class PrefixAffinity(LeastOutstanding):
             name = backend.name
             if name in tried:
                 continue
-            score = self._score(name, digest)
-            load = in_flight.get(name, 0) / weights.get(name, 1) if weights else in_flight.get(name, 0)
+            # the instance's score u in (0, 1): splitmix64's finalizer of key ^ instance, its top
+            # 53 bits (never 0 or 1); inlined, as it runs per instance and per request
+            x = digest ^ (seeds.get(name) or self._seed(name))
+            x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+            x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+            score = (((x ^ (x >> 31)) >> 11) + 0.5) / 9007199254740992.0
+            if weights:  # -weight / ln(u); with all weights 1 it orders the instances as u does
+                weight = weights.get(name, 1)
+                score = -weight / math.log(score)
+                load = in_flight.get(name, 0) / weight
+            else:
+                load = in_flight.get(name, 0)
             if best is None or score > best_score:
                 best, best_score, best_load = backend, score, load
             if least is None or load < least_load or (load == least_load and score > least_score):
