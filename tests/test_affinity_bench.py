@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.proxy_support import LEAN, start_fakes
+from tests.proxy_support import start_fakes
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench" / "affinity_bench.py"
