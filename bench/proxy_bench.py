@@ -3,7 +3,7 @@
 through nginx round-robin when `nginx` is installed), at a fixed client concurrency.
 
     .venv/bin/python bench/proxy_bench.py [--concurrency 16] [--requests 4000] [--streams 200] [--chunks 100]
-                                          [--runs 3] [--pin] [--baseline DIR]
+                                          [--runs 3] [--pin] [--baseline DIR] [--scrape SECONDS]
                                           [--policy round_robin,prefix_affinity] [--system-chars 3000]
 
 Upstreams are minimal aiohttp apps (no delays for requests, a fixed pace between SSE chunks so
@@ -33,6 +33,12 @@ CPU ratios of each to the first: e.g. prefix_affinity's cost over round_robin's 
 The requests cycle through 64 bodies that differ in their user message (so prefix_affinity spreads
 them like distinct conversations); --system-chars N puts a system prompt of N characters in front
 of each (longer than proxy.affinity_prefix_chars: they all share it, the policy's costliest key).
+
+--scrape S adds two rows: the same ProxyServer as `vsup run` has, in a process of its own, once
+without and once with vsup run's metrics collection (vsup/supervisor/observe/) every S seconds:
+each upstream's /metrics (vLLM's families, made by the fake vLLM's prometheus_client code) and its
+process tree's CPU, RSS/PSS and numa_maps, while the client also GETs the proxy's /metrics every S
+seconds as Prometheus would. Their difference is what the collection costs the request path.
 Speed is machine- and load-dependent: compare the rows of one run, not runs on different days.
 """
 
@@ -95,9 +101,25 @@ def run_upstream(port: int, chunks: int, pace: float) -> None:
     async def health(request: web.Request) -> web.Response:
         return web.Response()
 
+    sys.path.insert(0, str(REPO))
+    from tests.fakevllm.metrics import CONTENT_TYPE, VllmMetrics  # vLLM's families, as vLLM makes them
+
+    vllm_metrics = VllmMetrics("bench", lambda: 3, lambda: 1)
+    for i in range(1000):  # histograms with data in many buckets, as after a while of serving
+        vllm_metrics.ttft.observe(0.01 * (i % 300))
+        vllm_metrics.itl.observe(0.001 * (i % 200))
+        vllm_metrics.e2e.observe(0.05 * (i % 400))
+        vllm_metrics.queue.observe(0.001 * (i % 50))
+    vllm_metrics.prompt_tokens.inc(12000)
+    vllm_metrics.generation_tokens.inc(100000)
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(body=vllm_metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
     try:
         import uvloop
 
@@ -105,6 +127,34 @@ def run_upstream(port: int, chunks: int, pace: float) -> None:
     except ImportError:
         pass
     web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+
+
+def run_proxy(port: int, upstreams: list[str], pids: list[int], interval: float) -> None:
+    """vsup run's ProxyServer over the upstreams; with interval > 0 also its metrics collection."""
+    sys.path.insert(0, str(REPO))
+    import aiohttp
+
+    from vsup.supervisor.backends import Backend, BackendPool
+    from vsup.supervisor.config import ProxyConfig
+    from vsup.supervisor.observe.collector import Collector, Target
+    from vsup.supervisor.proxy import ProxyServer
+    from vsup.supervisor.proxy.runloop import run
+
+    async def main() -> None:
+        pool = BackendPool(Backend(str(i), url) for i, url in enumerate(upstreams))
+        for i in range(len(upstreams)):
+            pool.set_state(str(i), "ready", True)
+        proxy = ProxyServer(ProxyConfig(port=port), pool)
+        await proxy.start()
+        if interval > 0:
+            session = aiohttp.ClientSession()
+            targets = [Target(str(i), f"{url}/metrics", (0,), leader=pid) for i, (url, pid) in enumerate(zip(upstreams, pids))]
+            collector = Collector(lambda: targets, session, interval=interval, timeout=2.0)
+            proxy.extra_metrics = collector.text
+            asyncio.get_running_loop().create_task(collector.run())
+        await asyncio.Event().wait()  # until SIGTERM
+
+    run(main())
 
 
 # ------------------------------------------------------------------------------- measuring
@@ -237,20 +287,36 @@ def start_nginx(upstream_ports: list[int], workdir: Path) -> tuple[subprocess.Po
     return proc, port
 
 
-async def measure(name: str, base_urls: list[str], pids: list[int] | None, args, results: list[dict]) -> None:
+async def poll_metrics(session, url: str, interval: float, scrapes: list[int]) -> None:
+    """GET url every `interval` seconds (Prometheus's part), counting the scrapes."""
+    while True:
+        async with session.get(url) as response:
+            await response.read()
+            if response.status != 200:
+                raise SystemExit(f"{url}: HTTP {response.status}")
+        scrapes[0] += 1
+        await asyncio.sleep(interval)
+
+
+async def measure(name: str, base_urls: list[str], pids: list[int] | None, args, results: list[dict],
+                  scrape: float = 0.0) -> None:
     import aiohttp
 
     connector = aiohttp.TCPConnector(limit=args.concurrency * 2)
+    scrapes = [0]
     async with aiohttp.ClientSession(connector=connector) as session:
         chat_urls = [u + "/v1/chat/completions" for u in base_urls]
         chat = bodies("Say hello in one word.", args.system_chars, max_tokens=8)
         stream = bodies("Count.", args.system_chars, max_tokens=100, stream=True)
+        poller = asyncio.create_task(poll_metrics(session, base_urls[0] + "/metrics", scrape, scrapes)) if scrape else None
         await load(session, chat_urls, chat, 200, args.concurrency, False)  # warm-up: connections, caches
         cpu0 = cpu_seconds(pids) if pids else (0.0, 0.0)
         lat, _, wall = await load(session, chat_urls, chat, args.requests, args.concurrency, False)
         cpu1 = cpu_seconds(pids) if pids else (0.0, 0.0)
         slat, chunks, swall = await load(session, chat_urls, stream, args.streams, args.concurrency, True)
         cpu2 = cpu_seconds(pids) if pids else (0.0, 0.0)
+        if poller is not None:
+            poller.cancel()
     row = {
         "target": name,
         "rps": args.requests / wall,
@@ -258,6 +324,7 @@ async def measure(name: str, base_urls: list[str], pids: list[int] | None, args,
         "p99_ms": pct(lat, 0.99) * 1e3,
         "stream_p50_ms": pct(slat, 0.5) * 1e3,
         "chunks_read": chunks,
+        "scrapes": scrapes[0],
     }
     if pids:
         upstream_chunks = args.streams * (args.chunks + 1)
@@ -351,6 +418,20 @@ async def bench(args) -> None:
             wait_http(proxy_port, "/ready")
             started.append((name, proxy, proxy_port))
 
+        observed: list[tuple[str, int, float, int]] = []  # (row name, port, collection interval, pid)
+        if args.scrape:
+            upstream_pids = [p.pid for p in procs[: len(ports)]]
+            for row, interval in (("proxy, no scrape", 0.0), (f"proxy, scrape {args.scrape:g}s", args.scrape)):
+                port = free_port()
+                procs.append(subprocess.Popen(
+                    [sys.executable, __file__, "proxy", "--port", str(port), "--scrape", str(interval),
+                     *[a for u in direct for a in ("--upstream", u)], *[a for p in upstream_pids for a in ("--upstream-pid", str(p))]],
+                    env=dict(os.environ, PYTHONPATH=str(REPO)), start_new_session=True, stderr=subprocess.DEVNULL,
+                ))
+                pin([procs[-1].pid], proxy_cpus)
+                wait_http(port, "/ready")
+                observed.append((row, port, interval, procs[-1].pid))
+
         nginx = start_nginx(ports, workdir)
         nginx_pids: list[int] = []
         if nginx is not None:
@@ -365,6 +446,8 @@ async def bench(args) -> None:
             await measure("direct", direct, None, args, results)
             for name, proxy, proxy_port in started:
                 await measure(name, [f"http://127.0.0.1:{proxy_port}"], [proxy.pid], args, results)
+            for row, port, interval, pid in observed:
+                await measure(row, [f"http://127.0.0.1:{port}"], [pid], args, results, scrape=interval)
             if nginx is not None:
                 await measure("nginx", [f"http://127.0.0.1:{nginx[1]}"], nginx_pids, args, results)
             runs.append(results)
@@ -409,8 +492,12 @@ def format_cpus(cpus: set[int]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", nargs="?", default="bench", choices=["bench", "upstream"])
+    parser.add_argument("mode", nargs="?", default="bench", choices=["bench", "upstream", "proxy"])
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--upstream", action="append", default=[], help=argparse.SUPPRESS)
+    parser.add_argument("--upstream-pid", type=int, action="append", default=[], help=argparse.SUPPRESS)
+    parser.add_argument("--scrape", type=float, default=0.0,
+                        help="also measure vsup run's proxy without and with metrics collection every SECONDS")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--requests", type=int, default=4000, help="small chat requests per target")
     parser.add_argument("--streams", type=int, default=200, help="streamed requests per target")
@@ -426,6 +513,12 @@ def main() -> None:
     parser.add_argument("--system-chars", type=int, default=0, metavar="N",
                         help="a system prompt of N characters in every request (default none)")
     args = parser.parse_args()
+    if args.mode == "upstream":
+        run_upstream(args.port, args.chunks, args.pace)
+        return
+    if args.mode == "proxy":
+        run_proxy(args.port, args.upstream, args.upstream_pid, args.scrape)
+        return
     args.policies = [p.strip() for p in args.policy.split(",") if p.strip()]
     from typing import get_args
 
@@ -436,9 +529,6 @@ def main() -> None:
         parser.error(f"--policy {args.policy!r}: a comma-separated list of distinct policies from {', '.join(known)}")
     # one policy: the row keeps its old name; several: one row per policy
     args.policy_rows = ["vsup proxy"] if len(args.policies) == 1 else [f"vsup {p}" for p in args.policies]
-    if args.mode == "upstream":
-        run_upstream(args.port, args.chunks, args.pace)
-        return
     args.loadavg = " ".join(f"{x:.2f}" for x in os.getloadavg())
     try:
         import uvloop

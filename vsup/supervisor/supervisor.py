@@ -12,6 +12,8 @@ The `Supervisor` owns the pieces and the wiring between them:
   stop.timeout each), exit 0. Each step is guarded: one that raises is logged and the next runs,
   so the instances are always stopped (exit 1 then). SIGHUP gives failed instances a new chance
   (config reload is not supported: restart the service to apply a changed config);
+- a metrics collector (observe/collector.py) looks at every instance in the background every
+  `metrics.interval` seconds; the proxy appends its cached text to /metrics and serves /status;
 - a state file in the runtime directory lets the next vsup clean up if this one is killed
   (leftovers.py); the instances' processes and clock come from an `Operations` object.
 """
@@ -38,6 +40,8 @@ from vsup.supervisor.launch import build_command
 from vsup.supervisor.lifecycle import Instance, State, Transition
 from vsup.supervisor.logs import InstanceLog
 from vsup.supervisor.notify import Notifier
+from vsup.supervisor.observe.collector import Collector, Target
+from vsup.supervisor.observe.page import status_page
 from vsup.supervisor.operations import Operations, SystemOperations
 from vsup.supervisor.placement import pin_self, placement_drift, read_placement
 from vsup.supervisor.processes import Child, become_subreaper, reap_orphans, sweep_stale_shm, tree_pids
@@ -81,6 +85,7 @@ class Supervisor:
         self.placement: dict[str, list[str] | None] = {}  # name -> drift lines ([] ok, None not checked)
         self.proxy: ProxyServer | None = None
         self.control: ControlServer | None = None
+        self.collector: Collector | None = None  # None: metrics.interval 0
         self.started_at = self._now()
         self._stop_requested = asyncio.Event()
         self._stopping = False
@@ -115,7 +120,12 @@ class Supervisor:
             self._build_instances()
             api_key = self.environ.get("VSUP_API_KEY") or self.config.proxy.api_key
             self.proxy = ProxyServer(self.config.proxy, self.pool, api_key=api_key)
+            self.proxy.add_page("/status", status_page(self.status, self.config.metrics.interval))
             await self.proxy.start()
+            if self.config.metrics.interval > 0:
+                self.collector = Collector(self._observed, session, interval=self.config.metrics.interval,
+                                           timeout=self.config.metrics.timeout)
+                self.proxy.extra_metrics = self.collector.text
             self.control = ControlServer(control_socket_path(self.config, self.environ), self)
             await self.control.start()
             logger.info("control socket %s", self.control.path)
@@ -126,6 +136,8 @@ class Supervisor:
             drivers = [asyncio.create_task(inst.run(), name=f"instance-{inst.name}") for inst in self.instances]
             self._tasks = [*drivers, asyncio.create_task(self._start_all(), name="start"),
                            asyncio.create_task(self._tick(), name="tick")]
+            if self.collector is not None:
+                self._tasks.append(asyncio.create_task(self.collector.run(), name="metrics"))
             self._update_status()
             waiter = asyncio.create_task(self._stop_requested.wait())
             done, _ = await asyncio.wait([waiter, *drivers], return_when=asyncio.FIRST_COMPLETED)
@@ -313,6 +325,23 @@ class Supervisor:
         for line in drift:
             logger.warning("instance %s: placement drift: %s", inst.name, line)
 
+    def _observed(self) -> list[Target]:
+        """What the metrics collector looks at this round: a serving instance's /metrics, and the
+        process tree of every instance that has one (a model load's memory shows too)."""
+        targets = []
+        for inst in self.instances:
+            child = inst.child if isinstance(inst.child, Child) else None
+            serving = inst.state in (State.READY, State.UNHEALTHY)
+            targets.append(Target(
+                name=inst.name,
+                metrics_url=f"{inst.url}/metrics" if serving else None,
+                nodes=tuple(self.plans[inst.name].nodes),
+                leader=child.pid if child else None,
+                token=child.token if child else None,
+                known=dict(child.seen) if child else {},
+            ))
+        return targets
+
     def _ready_count(self) -> int:
         return sum(inst.state is State.READY for inst in self.instances)
 
@@ -406,6 +435,7 @@ class Supervisor:
                 "stopping": self._stopping,
                 "reserved_cpus": list(self.plan.reserved_cpus),
                 "control_socket": str(self.control.path) if self.control else None,
+                "metrics_interval": self.config.metrics.interval,
             },
             "instances": [self.instance_status(inst) for inst in self.instances],
         }
@@ -431,6 +461,8 @@ class Supervisor:
             "in_flight": in_flight,
             "next_start_in": round(max(0.0, inst.next_start_at - now), 3) if inst.next_start_at else None,
             "backoff_failures": inst.policy.attempt,
+            # the last background collection (observe/collector.py); None when off or not yet done
+            "metrics": self.collector.figures(inst.name) if self.collector else None,
             "transitions": [
                 {"at": round(t.at - self.started_at, 3), "from": t.old.value, "to": t.new.value,
                  "event": t.event.value, "reason": t.reason}

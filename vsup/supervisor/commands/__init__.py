@@ -17,8 +17,10 @@ _MODULES: dict[str, str] = {
     "plan": "plan_command",
     "run": "run_command",
     "status": "status_command",
+    "top": "top_command",
     "restart": "restart_command",
     "proxy": "proxy_command",
+    "tune": "tune_command",
     "export": "export_command",
 }
 

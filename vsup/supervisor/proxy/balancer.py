@@ -79,7 +79,7 @@ class RoundRobin(_Rotation):
     def choose(self, ready: tuple[Backend, ...], in_flight: Mapping[str, int], tried: Collection[str] = (), key: Any = None) -> Backend | None:
         if tried or not ready or self._weights:
             return next(self._candidates(ready, tried), None)
-        start = self._counter  # the common case, inlined: a first try over unweighted instances
+        start = self._counter  # the common case, inlined: a first try, no weights
         self._counter = start + 1
         return ready[start % len(ready)]
 

@@ -1,7 +1,8 @@
 """ProxyServer: the aiohttp app, its own endpoints, start and drain.
 
 Routes: /v1/* and /tokenize, /detokenize -> an instance (forward.py); GET /v1/models -> merged
-from the ready instances (models.py); /health, /ready, /metrics -> answered here; anything else
+from the ready instances (models.py); /health, /ready, /metrics (and pages added with add_page:
+vsup run's /status) -> answered here; anything else
 -> 404 in the OpenAI error shape.
 """
 
@@ -12,6 +13,7 @@ import errno
 import json
 import os
 import logging
+from collections.abc import Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
@@ -29,6 +31,8 @@ from vsup.supervisor.proxy.forward import Forwarder
 from vsup.supervisor.proxy.metrics import CONTENT_TYPE, ProxyMetrics
 from vsup.supervisor.proxy.models import merged_models
 from vsup.supervisor.proxy.upstream import UpstreamClient
+
+PageHandler = Callable[[web.BaseRequest, BearerAuth], Awaitable[web.StreamResponse]]
 
 log = logging.getLogger("vsup.proxy")
 
@@ -64,6 +68,8 @@ class ProxyServer:
         self.metrics = ProxyMetrics(self.in_flight, pool.states, pool.is_ready)
         self.metrics.policy, self.metrics.policy_decisions = self._balancer.name, self._balancer.decisions
         self._own = {"/health": self._health, "/ready": self._ready, "/metrics": self._metrics}
+        # vsup run's collection of the instances' metrics (observe/): its cached text is appended to /metrics
+        self.extra_metrics: Callable[[], bytes] | None = None
         self._pid = str(os.getpid())
         pool.subscribe(self._on_backend_change)
 
@@ -117,6 +123,15 @@ class ProxyServer:
         # Requests in flight keep their connections.
         if self._client is not None:
             self._client.set_reusable(backend.url, ready)
+
+    def add_page(self, path: str, handler: PageHandler) -> None:
+        """Answer GET `path` here with `handler(request, auth)` (vsup run's /status page)."""
+        auth = self._auth
+
+        async def page(request: web.BaseRequest) -> web.StreamResponse:
+            return await handler(request, auth)
+
+        self._own[path] = page
 
     def set_weight(self, name: str, weight: int) -> None:
         """The share of requests `name` gets relative to the others (standalone upstreams: the
@@ -226,7 +241,10 @@ class ProxyServer:
     async def _metrics(self, request: web.BaseRequest) -> web.Response:
         if not self._auth.allows(request):
             return errors.unauthorized()
-        response = web.Response(body=self.metrics.render())
+        body = self.metrics.render()
+        if self.extra_metrics is not None:
+            body += self.extra_metrics()
+        response = web.Response(body=body)
         response.headers["Content-Type"] = CONTENT_TYPE
         return response
 
