@@ -4,8 +4,11 @@ policy end to end with the `openai` SDK in front of fake vLLM processes."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import time
+import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -378,3 +381,52 @@ async def test_round_robin_reports_no_policy_decisions(fakes):
     async with running_proxy(ready_pool(fakes)) as proxy:
         await client(proxy).chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "x"}], max_tokens=1)
         assert "vsup_proxy_policy_decisions_total{" not in await metrics_text(proxy)
+
+
+def test_vsup_run_with_prefix_affinity_and_the_instances_cache_hits_in_its_metrics(tmp_path):
+    """The whole chain: proxy.policy in the YAML, `vsup run` over two fake instances, sessions that
+    share long system prompts, and each instance's prefix-cache counters re-exported on the proxy's
+    /metrics beside the policy's decisions."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.vsup_harness import VsupRun, make_config
+
+    config = make_config(tmp_path, proxy={"policy": "prefix_affinity"}, metrics={"interval": 0.3, "timeout": 1.0},
+                         vllm={"env": {"FAKE_VLLM_TOKEN_DELAY": "0.001", "FAKE_VLLM_ACCESS_LOG": "0",
+                                       "FAKE_VLLM_CHILD": "0", "FAKE_VLLM_SHM": "0"}})
+    run = VsupRun(tmp_path, config)
+    try:
+        run.wait_ready()
+        sessions = 5  # odd: round robin, alternating, would send each session to both instances
+        for question in range(3):
+            for session in range(sessions):
+                body = chat(("system", f"Manual {session}. " + LONG_SYSTEM), ("user", f"question {question}"), max_tokens=1)
+                body["model"] = "fake-model"
+                request = urllib.request.Request(f"http://127.0.0.1:{run.proxy_port}/v1/chat/completions",
+                                                 json.dumps(body).encode(), {"Content-Type": "application/json"})
+                with urllib.request.urlopen(request, timeout=30) as response:
+                    assert response.status == 200
+
+        def families() -> dict:
+            with urllib.request.urlopen(f"http://127.0.0.1:{run.proxy_port}/metrics", timeout=10) as response:
+                return {f.name: f for f in text_string_to_metric_families(response.read().decode())}
+
+        def per_instance(found: dict, name: str) -> dict[str, float]:
+            family = found.get(name)
+            return {s.labels["instance"]: s.value for s in family.samples if s.name == name + "_total"} if family else {}
+
+        deadline = time.monotonic() + 30
+        while True:  # the collector re-exports every 0.3 s
+            found = families()
+            queries = per_instance(found, "vllm:prefix_cache_queries")
+            if sum(queries.values()) >= 3 * sessions * 100 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        hits = per_instance(found, "vllm:prefix_cache_hits")
+        assert set(queries) == {"0", "1"}, found.keys()
+        # every session's second and third question found its system prompt cached: 2 of 3 hit
+        assert sum(hits.values()) / sum(queries.values()) > 0.6
+        decisions = {s.labels["decision"]: s.value for s in found["vsup_proxy_policy_decisions"].samples}
+        assert decisions == {"affinity": 3 * sessions}
+    finally:
+        run.close()
