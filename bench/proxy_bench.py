@@ -4,6 +4,7 @@ through nginx round-robin when `nginx` is installed), at a fixed client concurre
 
     .venv/bin/python bench/proxy_bench.py [--concurrency 16] [--requests 4000] [--streams 200] [--chunks 100]
                                           [--runs 3] [--pin] [--baseline DIR] [--scrape SECONDS]
+                                          [--policy round_robin,prefix_affinity] [--system-chars 3000]
 
 Upstreams are minimal aiohttp apps (no delays for requests, a fixed pace between SSE chunks so
 each chunk is its own TCP segment, as from vLLM), two processes, so they are not the bottleneck.
@@ -27,6 +28,11 @@ the same placement (client and upstreams on the other CPUs).
 `git archive <commit> | tar -x -C DIR`) in the same run, as the row "vsup (baseline)", and print
 the CPU ratios of this tree's proxy to it: a before/after that a noisy box cannot skew, since
 both are measured in turn under the same load.
+--policy P1,P2,...: one proxy per policy (rows "vsup P1", "vsup P2", ...), measured in turn, and the
+CPU ratios of each to the first: e.g. prefix_affinity's cost over round_robin's in the same run.
+The requests cycle through 64 bodies that differ in their user message (so prefix_affinity spreads
+them like distinct conversations); --system-chars N puts a system prompt of N characters in front
+of each (longer than proxy.affinity_prefix_chars: they all share it, the policy's costliest key).
 
 --scrape S adds two rows: the same ProxyServer as `vsup run` has, in a process of its own, once
 without and once with vsup run's metrics collection (vsup/supervisor/observe/) every S seconds:
@@ -54,12 +60,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
-CHAT_BODY = json.dumps(
-    {"model": "bench", "messages": [{"role": "user", "content": "Say hello in one word."}], "max_tokens": 8}
-).encode()
-STREAM_BODY = json.dumps(
-    {"model": "bench", "messages": [{"role": "user", "content": "Count."}], "max_tokens": 100, "stream": True}
-).encode()
+VARIANTS = 64  # request bodies, cycled: as many conversations
+
+
+def bodies(text: str, system_chars: int, **extra) -> list[bytes]:
+    system = [{"role": "system", "content": ("You are a helpful assistant. " * (system_chars // 29 + 1))[:system_chars]}] if system_chars else []
+    return [json.dumps({"model": "bench", "messages": [*system, {"role": "user", "content": f"{text} ({i})"}], **extra}).encode()
+            for i in range(VARIANTS)]
+
+
 CHAT_RESPONSE = json.dumps(
     {
         "id": "chatcmpl-bench", "object": "chat.completion", "created": 0, "model": "bench",
@@ -207,8 +216,8 @@ def wait_http(port: int, path: str = "/health", timeout: float = 30.0) -> None:
         time.sleep(0.05)
 
 
-async def load(session, urls: list[str], body: bytes, total: int, concurrency: int, streaming: bool) -> tuple[list[float], int, float]:
-    """`total` POSTs, `concurrency` at a time, cycling over `urls`; latencies, chunks read, wall."""
+async def load(session, urls: list[str], body: list[bytes], total: int, concurrency: int, streaming: bool) -> tuple[list[float], int, float]:
+    """`total` POSTs, `concurrency` at a time, cycling over `urls` and the bodies; latencies, chunks read, wall."""
     latencies: list[float] = []
     chunks = 0
     counter = iter(range(total))
@@ -219,7 +228,7 @@ async def load(session, urls: list[str], body: bytes, total: int, concurrency: i
         for i in counter:
             url = urls[i % len(urls)]
             t0 = time.perf_counter()
-            async with session.post(url, data=body, headers=headers) as response:
+            async with session.post(url, data=body[i % len(body)], headers=headers) as response:
                 if response.status != 200:
                     raise SystemExit(f"{url}: HTTP {response.status}: {(await response.read())[:200]!r}")
                 if streaming:
@@ -297,12 +306,14 @@ async def measure(name: str, base_urls: list[str], pids: list[int] | None, args,
     scrapes = [0]
     async with aiohttp.ClientSession(connector=connector) as session:
         chat_urls = [u + "/v1/chat/completions" for u in base_urls]
+        chat = bodies("Say hello in one word.", args.system_chars, max_tokens=8)
+        stream = bodies("Count.", args.system_chars, max_tokens=100, stream=True)
         poller = asyncio.create_task(poll_metrics(session, base_urls[0] + "/metrics", scrape, scrapes)) if scrape else None
-        await load(session, chat_urls, CHAT_BODY, 200, args.concurrency, False)  # warm-up: connections, caches
+        await load(session, chat_urls, chat, 200, args.concurrency, False)  # warm-up: connections, caches
         cpu0 = cpu_seconds(pids) if pids else (0.0, 0.0)
-        lat, _, wall = await load(session, chat_urls, CHAT_BODY, args.requests, args.concurrency, False)
+        lat, _, wall = await load(session, chat_urls, chat, args.requests, args.concurrency, False)
         cpu1 = cpu_seconds(pids) if pids else (0.0, 0.0)
-        slat, chunks, swall = await load(session, chat_urls, STREAM_BODY, args.streams, args.concurrency, True)
+        slat, chunks, swall = await load(session, chat_urls, stream, args.streams, args.concurrency, True)
         cpu2 = cpu_seconds(pids) if pids else (0.0, 0.0)
         if poller is not None:
             poller.cancel()
@@ -355,7 +366,7 @@ def print_table(results: list[dict], args) -> None:
     print(f"\nconcurrency {args.concurrency}; {args.requests} small chat requests; {args.streams} streams x {args.chunks + 1} chunks "
           f"(upstream pace {args.pace * 1e3:g} ms); {placement}; median of {args.runs} run(s); "
           f"loadavg before: {args.loadavg}, after: {args.loadavg_after}")
-    print(f"{'target':<20} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} {'+p99 ms':>8} {'CPU µs/req':>11} {'(user+sys)':>12} {'CPU µs/chunk':>13} {'(user+sys)':>12}")
+    print(f"{'target':<22} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} {'+p99 ms':>8} {'CPU µs/req':>11} {'(user+sys)':>12} {'CPU µs/chunk':>13} {'(user+sys)':>12}")
     for row in results:
         added50 = row["added_p50_ms"]
         added99 = row["added_p99_ms"]
@@ -364,7 +375,7 @@ def print_table(results: list[dict], args) -> None:
         chunk = f"{row['us_per_chunk']:.1f}" if "us_per_chunk" in row else "-"
         chunk_split = f"{row['us_per_chunk_user']:.1f}+{row['us_per_chunk_sys']:.1f}" if "us_per_chunk" in row else ""
         extra = "" if row is direct else f"{added50:8.2f} {added99:8.2f}"
-        print(f"{row['target']:<20} {row['rps']:8.0f} {row['p50_ms']:8.2f} {row['p99_ms']:8.2f} {extra:>17} {req:>11} {req_split:>12} {chunk:>13} {chunk_split:>12}")
+        print(f"{row['target']:<22} {row['rps']:8.0f} {row['p50_ms']:8.2f} {row['p99_ms']:8.2f} {extra:>17} {req:>11} {req_split:>12} {chunk:>13} {chunk_split:>12}")
 
 
 async def bench(args) -> None:
@@ -390,15 +401,16 @@ async def bench(args) -> None:
             wait_http(port)
         direct = [f"http://127.0.0.1:{p}" for p in ports]
 
-        proxies = [("vsup proxy", REPO)]
+        proxies = [(name, REPO, policy) for name, policy in zip(args.policy_rows, args.policies)]
         if args.baseline:
-            proxies.append(("vsup (baseline)", Path(args.baseline).resolve()))
+            proxies.append(("vsup (baseline)", Path(args.baseline).resolve(), args.policies[0]))
         started: list[tuple[str, subprocess.Popen, int]] = []
-        for name, source in proxies:
+        for name, source, policy in proxies:
             proxy_port = free_port()
             env = dict(os.environ, PYTHONPATH=str(source))
+            policy_args = [] if policy == "round_robin" else ["--policy", policy]  # a baseline tree may predate --policy
             proxy = subprocess.Popen(
-                [sys.executable, "-c", "from vsup.supervisor.cli import main; main()", "proxy", "--port", str(proxy_port), *[a for u in direct for a in ("--upstream", u)]],
+                [sys.executable, "-c", "from vsup.supervisor.cli import main; main()", "proxy", "--port", str(proxy_port), *policy_args, *[a for u in direct for a in ("--upstream", u)]],
                 env=env, start_new_session=True, stderr=subprocess.DEVNULL,
             )
             procs.append(proxy)
@@ -454,21 +466,24 @@ async def bench(args) -> None:
     args.loadavg_after = " ".join(f"{x:.2f}" for x in os.getloadavg())
     summary = summarize(runs)
     print_table(summary, args)
+    first = args.policy_rows[0]
+    for other in args.policy_rows[1:]:
+        print_ratios(runs, other, first, f"{other} / {first}")
     if args.baseline:
-        print_ratios(runs)
+        print_ratios(runs, first, "vsup (baseline)", "this tree / baseline")
     if args.json:
         print(json.dumps({"summary": summary, "runs": runs}))
 
 
-def print_ratios(runs: list[list[dict]]) -> None:
-    """This tree's proxy CPU over the baseline's, per run (both measured in turn in each run)."""
+def print_ratios(runs: list[list[dict]], target: str, reference: str, what: str) -> None:
+    """One proxy's CPU over another's, per run (both measured in turn in each run)."""
     for key, label in (("us_per_request", "CPU per request"), ("us_per_chunk", "CPU per chunk")):
         ratios = []
         for run in runs:
             rows = {row["target"]: row for row in run}
-            ratios.append(rows["vsup proxy"][key] / rows["vsup (baseline)"][key])
+            ratios.append(rows[target][key] / rows[reference][key])
         shown = ", ".join(f"{r:.2f}" for r in ratios)
-        print(f"{label}, this tree / baseline: median {median(ratios):.2f} (runs: {shown})")
+        print(f"{label}, {what}: median {median(ratios):.2f} (runs: {shown})")
 
 
 def format_cpus(cpus: set[int]) -> str:
@@ -493,6 +508,10 @@ def main() -> None:
     parser.add_argument("--pin", action="store_true", help="proxy/nginx on the first CPU, client and upstreams on the others")
     parser.add_argument("--json", action="store_true", help="also print the rows as JSON")
     parser.add_argument("--baseline", metavar="DIR", help="also measure the proxy of the vsup source tree in DIR, in turn")
+    parser.add_argument("--policy", default="round_robin", metavar="P1,P2",
+                        help="proxy policies, one proxy each, measured in turn (default round_robin)")
+    parser.add_argument("--system-chars", type=int, default=0, metavar="N",
+                        help="a system prompt of N characters in every request (default none)")
     args = parser.parse_args()
     if args.mode == "upstream":
         run_upstream(args.port, args.chunks, args.pace)
@@ -500,6 +519,16 @@ def main() -> None:
     if args.mode == "proxy":
         run_proxy(args.port, args.upstream, args.upstream_pid, args.scrape)
         return
+    args.policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    from typing import get_args
+
+    from vsup.supervisor.config import ProxyConfig
+
+    known = get_args(ProxyConfig.model_fields["policy"].annotation)
+    if not args.policies or any(p not in known for p in args.policies) or len(set(args.policies)) != len(args.policies):
+        parser.error(f"--policy {args.policy!r}: a comma-separated list of distinct policies from {', '.join(known)}")
+    # one policy: the row keeps its old name; several: one row per policy
+    args.policy_rows = ["vsup proxy"] if len(args.policies) == 1 else [f"vsup {p}" for p in args.policies]
     args.loadavg = " ".join(f"{x:.2f}" for x in os.getloadavg())
     try:
         import uvloop

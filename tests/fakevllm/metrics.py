@@ -3,8 +3,9 @@ vLLM makes it (prometheus_client, text format 0.0.4, labels model_name + engine,
 bounds), plus the process_* and python_* families vLLM's default registry carries.
 
 Scheduler gauges are read from the server when scraped; counters and histograms are fed by the
-generation code: prompt/generation tokens, request_success{finished_reason}, time to first token,
-inter-token latency, end-to-end latency and queue time.
+generation code: prompt/generation tokens, prefix-cache queries and hits (prefix_cache.py),
+request_success{finished_reason}, time to first token, inter-token latency, end-to-end latency and
+queue time.
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ class VllmMetrics:
         gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", lambda: min(1.0, running() / KV_BLOCKS))
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", LABELS, registry=registry).labels(*values)
         self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.", LABELS, registry=registry).labels(*values)
+        self.prefix_cache_queries = Counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+                                            LABELS, registry=registry).labels(*values)
+        self.prefix_cache_hits = Counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                                         LABELS, registry=registry).labels(*values)
         self.preemptions = Counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", LABELS, registry=registry).labels(*values)
         success = Counter("vllm:request_success", "Count of successfully processed requests.", LABELS + ["finished_reason"], registry=registry)
         self.success = {reason: success.labels(*values, reason) for reason in ("stop", "length", "abort")}

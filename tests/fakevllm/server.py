@@ -26,6 +26,7 @@ from .cli import ServeArgs, UsageError, parse_args
 from .engine import BatchEngine
 from .events import EventLog
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, VllmMetrics
+from .prefix_cache import PrefixCache
 from .settings import Faults, SettingsError, load_faults
 from .tree import EngineCore, SharedMemoryFiles
 
@@ -99,6 +100,8 @@ class FakeVllm:
         max_seqs = faults.max_num_seqs or args.max_num_seqs
         self.slots = asyncio.Semaphore(max_seqs) if max_seqs else None
         self.prom = VllmMetrics(args.names[0], lambda: self.running, lambda: self.waiting)
+        self.prefix_cache = PrefixCache(faults.prefix_cache_blocks)
+        self.prefill_lock = asyncio.Lock()  # one prefill at a time, as one engine computes them
         self.created = int(time.time())
         self.early_signals: list[str] = []
         self.engine_model: BatchEngine | None = None  # the speed model, when FAKE_VLLM_STEP_TIME is set
@@ -441,10 +444,17 @@ class FakeVllm:
                                             "EngineCore encountered an issue. See stack trace (above) for the root cause."),
                                rid, request.path)
         try:
-            gen = parse(await self._read_json(request), self.args.names, self.args.max_model_len)
+            body = await self._read_json(request)
+            gen = parse(body, self.args.names, self.args.max_model_len)
         except api.ApiError as err:
             return self._error(err, rid, request.path)
         self.prom.prompt_tokens.inc(gen.prompt_tokens)
+        uncached = 0
+        for words in api.prompt_words(gen.kind, body):
+            hits = self.prefix_cache.lookup(words)
+            self.prom.prefix_cache_queries.inc(len(words))
+            self.prom.prefix_cache_hits.inc(hits)
+            uncached += len(words) - hits
         progress = _Progress()
         try:
             if self.slots is not None and self.slots.locked():
@@ -460,6 +470,9 @@ class FakeVllm:
             self.prom.queue.observe(time.monotonic() - progress.arrived)
             self.running += 1
             try:
+                if f.prefill_delay and uncached:
+                    async with self.prefill_lock:  # what the cache did not hold is computed, in turn
+                        await asyncio.wait((self.stop_fut,), timeout=uncached * f.prefill_delay)
                 if gen.stream:
                     return await self._stream(request, gen, rid, progress, crash_at_token)
                 return await self._complete(request, gen, rid, progress, crash_at_token)

@@ -40,6 +40,8 @@ class Faults:
     exit_on_engine_death: bool = True  # like vLLM: EngineCore gone -> API server exits 0
     access_log: bool = True
     max_num_seqs: int | None = None  # concurrent generations; more wait ("queued"), like --max-num-seqs
+    prefill_delay: float = 0.0  # seconds per prompt token not in the prefix cache, one prefill at a time
+    prefix_cache_blocks: int = 4096  # blocks of 16 tokens the prefix cache holds (LRU)
     # speed model (engine.py): batched steps whose length depends on threads, CPUs and LD_PRELOAD
     step_time: float | None = None  # seconds per step with one thread; None: per-request delays instead
     seq_cost: float = 0.0  # a step grows by this fraction per extra sequence in the batch
@@ -116,6 +118,8 @@ def load_faults(env: Mapping[str, str] = os.environ) -> Faults:
         exit_on_engine_death=_flag(env, "FAKE_VLLM_EXIT_ON_ENGINE_DEATH", True),
         access_log=_flag(env, "FAKE_VLLM_ACCESS_LOG", True),
         max_num_seqs=num("FAKE_VLLM_MAX_NUM_SEQS", int, 1, "4"),
+        prefill_delay=default(num("FAKE_VLLM_PREFILL_DELAY", example="0.001"), 0.0),
+        prefix_cache_blocks=default(num("FAKE_VLLM_PREFIX_CACHE_BLOCKS", int, 0, "64"), 4096),
         step_time=num("FAKE_VLLM_STEP_TIME", example="0.02"),
         seq_cost=default(num("FAKE_VLLM_SEQ_COST", example="0.05"), 0.0),
         saturate_threads=num("FAKE_VLLM_SATURATE_THREADS", int, 1, "2"),

@@ -320,6 +320,7 @@ class Forwarder:
     async def _handle(self, request: web.BaseRequest, exchange: Exchange) -> tuple[web.StreamResponse, str]:
         limit = self.config.max_body_bytes
         body = b""
+        document = None
         if request.body_exists:
             declared = request.content_length
             if declared is not None and declared > limit:
@@ -346,6 +347,7 @@ class Forwarder:
                 if not isinstance(document, dict):
                     return errors.bad_request(f"the request body must be a JSON object, got {type(document).__name__}"), ""
                 exchange.stream = document.get("stream") is True
+        key = self.balancer.key(document, request.headers)  # prefix_affinity: its prefix or session; else None
 
         headers = request_headers(request.raw_headers, self.drop_authorization)
         # The request target exactly as the client sent it (path and query, still percent-encoded).
@@ -357,7 +359,7 @@ class Forwarder:
         backend: Backend | None = None
         while True:
             last = backend
-            backend = self.balancer.choose(self.pool.ready(), self.in_flight, tried)
+            backend = self.balancer.choose(self.pool.ready(), self.in_flight, tried, key)
             if backend is None and reason == "stale" and tried.count(last.name) == 1 and self.pool.is_ready(last.name):  # type: ignore[union-attr]
                 # A stale keep-alive connection and no other instance to try: one fresh
                 # connection to the same instance (its idle ones were closed), which either

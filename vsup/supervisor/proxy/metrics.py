@@ -79,6 +79,9 @@ class ProxyMetrics:
         self.malformed_requests: dict[int, int] = {}
         self.connections_refused = 0
         self.client_connections: Callable[[], int] = lambda: 0  # set by the server: open client connections
+        # Set by the server: the balancer's policy and its own decision counts (it bumps them).
+        self.policy = ""
+        self.policy_decisions: Mapping[str, int] = {}
         self._ttfb = {True: _Histogram(TTFB_BUCKETS), False: _Histogram(TTFB_BUCKETS)}
         self._duration = {True: _Histogram(DURATION_BUCKETS), False: _Histogram(DURATION_BUCKETS)}
         self.registry = CollectorRegistry(auto_describe=False)
@@ -146,6 +149,14 @@ class ProxyMetrics:
         family = CounterMetricFamily("vsup_proxy_malformed_requests", "Requests the proxy could not parse, by the status it answered", labels=["status"])
         for status, count in self.malformed_requests.items():
             family.add_metric([str(status)], count)
+        yield family
+        family = CounterMetricFamily(
+            "vsup_proxy_policy_decisions",
+            "Routing decisions of the proxy's policy (prefix_affinity: affinity, session, escaped, no_prefix)",
+            labels=["policy", "decision"],
+        )
+        for decision, count in self.policy_decisions.items():
+            family.add_metric([self.policy, decision], count)
         yield family
         yield CounterMetricFamily("vsup_proxy_client_connections_refused", "Client connections refused at the connection limit", value=self.connections_refused)
         yield GaugeMetricFamily("vsup_proxy_client_connections", "Client connections open", value=self.client_connections())

@@ -58,7 +58,7 @@ class ProxyServer:
         self.config = config
         self.pool = pool
         self._auth = BearerAuth(api_key if api_key is not None else config.api_key)
-        self._balancer = make_balancer(config.policy)
+        self._balancer = make_balancer(config.policy, config)
         self._forwarder: Forwarder | None = None
         self._client: UpstreamClient | None = None
         self._session: aiohttp.ClientSession | None = None  # for /v1/models only
@@ -66,6 +66,7 @@ class ProxyServer:
         self._clients: ClientPolicy | None = None
         self._port: int | None = None
         self.metrics = ProxyMetrics(self.in_flight, pool.states, pool.is_ready)
+        self.metrics.policy, self.metrics.policy_decisions = self._balancer.name, self._balancer.decisions
         self._own = {"/health": self._health, "/ready": self._ready, "/metrics": self._metrics}
         # vsup run's collection of the instances' metrics (observe/): its cached text is appended to /metrics
         self.extra_metrics: Callable[[], bytes] | None = None
