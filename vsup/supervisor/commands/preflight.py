@@ -1,12 +1,13 @@
-"""The checks `vsup plan` and `vsup run` share, so that a configuration one accepts the other does
-not reject: the model path, the plan, the instances' ports against the proxy's, and every
-instance's launch line (vllm.args, vllm.env, vllm.command/venv)."""
+"""The checks `vsup plan`, `vsup run` and `vsup reload` share, so that a configuration one accepts
+the others do not reject: the model path, the plan, the instances' (and their spare) ports against
+the proxy's, the memory watchdog's limit, and every instance's launch line (vllm.args, vllm.env,
+vllm.command/venv)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from vsup.supervisor.config import VsupConfig, check_instance_ports, check_model_path
+from vsup.supervisor.config import VsupConfig, check_instance_ports, check_model_path, check_rss_limit
 from vsup.supervisor.launch import build_command
 from vsup.supervisor.planning import plan_from_config
 from vsup.topology.model import Machine
@@ -26,6 +27,7 @@ def checked_plan(cfg: VsupConfig, fsroot: str, environ: Mapping[str, str], *, ru
         check_model_path(cfg, flags.get("model"))
     machine, plan = plan_from_config(cfg, fsroot, flags=planned)
     check_instance_ports(cfg, len(plan.instances), flags.get("vllm.base_port"))
+    check_rss_limit(cfg, [instance.weights_bytes for instance in plan.instances])
     for instance in plan.instances:
         build_command(instance, cfg, environ)
     return machine, plan
