@@ -40,6 +40,7 @@ class Faults:
     exit_on_engine_death: bool = True  # like vLLM: EngineCore gone -> API server exits 0
     access_log: bool = True
     max_num_seqs: int | None = None  # concurrent generations; more wait ("queued"), like --max-num-seqs
+    grow_mib_per_s: float = 0.0  # resident memory the server adds per second once ready (a leak)
 
 
 def _number(env: Mapping[str, str], key: str, kind: type, low: float, example: str):
@@ -110,4 +111,5 @@ def load_faults(env: Mapping[str, str] = os.environ) -> Faults:
         exit_on_engine_death=_flag(env, "FAKE_VLLM_EXIT_ON_ENGINE_DEATH", True),
         access_log=_flag(env, "FAKE_VLLM_ACCESS_LOG", True),
         max_num_seqs=num("FAKE_VLLM_MAX_NUM_SEQS", int, 1, "4"),
+        grow_mib_per_s=default(num("FAKE_VLLM_GROW_MIB_PER_S", example="20"), 0.0),
     )
