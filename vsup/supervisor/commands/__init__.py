@@ -18,6 +18,7 @@ _MODULES: dict[str, str] = {
     "run": "run_command",
     "status": "status_command",
     "restart": "restart_command",
+    "reload": "reload_command",
     "proxy": "proxy_command",
     "export": "export_command",
 }

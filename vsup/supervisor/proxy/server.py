@@ -100,6 +100,20 @@ class ProxyServer:
         if self._client is not None:
             self._client.set_reusable(backend.url, ready)
 
+    def reconfigure(self, config: ProxyConfig, api_key: str | None) -> None:
+        """Apply changed settings at once (`vsup reload`): timeouts, retries, drain timeout, policy,
+        API key. Requests already in flight keep the timeouts they were armed with. host, port,
+        max_connections and max_body_bytes are built into the listening socket and the pools: a
+        reload refuses to change them."""
+        self.config = config
+        self._auth = BearerAuth(api_key if api_key is not None else config.api_key)
+        if config.policy != self._balancer.name:
+            self._balancer = make_balancer(config.policy)
+        if self._forwarder is not None:
+            self._forwarder.config = config
+            self._forwarder.balancer = self._balancer
+            self._forwarder.drop_authorization = self._auth.enabled
+
     def set_weight(self, name: str, weight: int) -> None:
         """The share of requests `name` gets relative to the others (standalone upstreams: the
         instances ready behind it, see healthcheck.py)."""
