@@ -254,7 +254,7 @@ def served_config(tmp: Path, model: Path, instances: int | None = None) -> dict:
     config["model"] = str(model)
     if instances is not None:
         config["instances"] = instances
-    config["vllm"]["base_port"], proxy_port = ports_for(config["instances"])
+    config["vllm"]["base_port"], config["vllm"]["spare_base_port"], proxy_port = ports_for(config["instances"])
     config["vllm"]["env"] = {**config["vllm"].get("env", {}), "VLLM_CACHE_ROOT": str(tmp / "vllm-cache")}
     config["proxy"] = {**config.get("proxy", {}), "port": proxy_port, "drain_timeout": 5}
     config["health"] = {"interval": 1.0, "timeout": 10.0, "failures": 3, "startup_timeout": STARTUP_TIMEOUT}
