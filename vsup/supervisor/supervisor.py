@@ -637,7 +637,8 @@ class Supervisor:
             record.finish("done", self._now())
             logger.info("%s done: %s", record.kind, record.summary())
             return
-        if record.kind == "reload":
+        announce = record.kind == "reload" and self._ready_sent  # a READY=1 before the first one would end the start
+        if announce:
             self.notifier.reloading(f"reloading: {len(record.steps)} instance(s) to change")
         try:
             ok = await rollout.Rollout(self, record).run()
@@ -654,7 +655,7 @@ class Supervisor:
             record.finish("failed", self._now(), f"{type(exc).__name__}: {exc}")
         finally:
             self._write_state()
-            if record.kind == "reload" and not self._stopping:
+            if announce and not self._stopping:
                 self._status_text = ""
                 self.notifier.ready(self._status_line())
             self._update_status()
