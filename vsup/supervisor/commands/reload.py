@@ -8,7 +8,8 @@ import sys
 
 import click
 
-from vsup.supervisor.control import request
+from vsup.supervisor.control import find_socket, request
+from vsup.supervisor.errors import ConfigError
 
 from .options import format_option
 from .rollout_view import render_rollout
@@ -30,7 +31,12 @@ def reload_command(no_wait: bool, config_path: str | None, socket_path: str | No
     drained). Waits until it is done; exit code 1 if an instance did not come up. Same as SIGHUP
     and `systemctl reload vsup`. --config only helps find the running vsup's control socket.
     """
-    path = socket_for(config_path, socket_path)
+    try:
+        path = socket_for(config_path, socket_path)
+    except ConfigError:
+        # the file is only read here to find the socket: the running vsup re-reads it, refuses it
+        # with the same error, and records the refusal for `vsup status`
+        path = find_socket(socket_path, None)
     data = asyncio.run(request(path, "POST", "/reload", {"wait": not no_wait}))
     record = data["rollout"]
     if output_format == "json":
