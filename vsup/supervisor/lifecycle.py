@@ -3,16 +3,16 @@
 Every transition an instance can make is in `TRANSITIONS`, and nowhere else::
 
     stopped ──start──▶ starting ──healthy──▶ warming ──warmed──▶ ready ──unhealthy──▶ unhealthy
-                         │ exited,             │ exited,           │ │ exited,             │ exited,
-                         │ startup_timeout,    │ warmup_failed,    │ │ stop                │ stop
-                         │ stop                │ stop              │ ▼                     │
-                         └─────────────────────┴───────────▶ stopping ◀────────────────────┘
-                                                               ▲     ▲
-                                 ready ──drain──▶ draining ──drained, exited, stop
-                                             ├── cleaned_up ──▶ backoff ──delay_over, start──▶ starting
-                                 stopping ───├── crash_loop ──▶ failed ──start──▶ starting
-                                             ├── restart ─────▶ starting
-                                             └── halted ──────▶ stopped
+                                                                   └──drain──▶ draining
+    starting  ──exited, startup_timeout, stop──▶ stopping
+    warming   ──exited, warmup_failed, stop────▶ stopping
+    ready     ──exited, stop───────────────────▶ stopping
+    unhealthy ──exited, stop───────────────────▶ stopping
+    draining  ──drained, exited, stop──────────▶ stopping
+    stopping  ──cleaned_up──▶ backoff ──delay_over, start──▶ starting
+              ──crash_loop──▶ failed ──start──▶ starting
+              ──restart─────▶ starting
+              ──halted──────▶ stopped
     backoff ──stop──▶ stopped        failed ──stop──▶ stopped
 
 `warming`: /health answered; one short completion (`health.warmup`) runs before the instance joins
