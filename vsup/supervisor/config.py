@@ -164,7 +164,7 @@ class LogConfig(_Section):
 
 
 class ControlConfig(_Section):
-    socket: Path | None = Field(None, strict=False, description="unix socket (0600) for `vsup status` / `vsup restart`; null: $RUNTIME_DIRECTORY/control.sock under systemd, else /tmp/vsup-<uid>/control-<proxy.port>.sock")
+    socket: Path | None = Field(None, strict=False, description="unix socket (0600) for `vsup status` / `restart` / `reload`; null: $RUNTIME_DIRECTORY/control.sock under systemd (/run/vsup), else /tmp/vsup-<uid>/control-<proxy.port>.sock")
 
 
 class NotifyConfig(_Section):
@@ -179,11 +179,11 @@ class VsupConfig(_Section):
     vllm: VllmConfig = Field(default_factory=VllmConfig, description="vsup runs `<launcher> <command> <model> --host 127.0.0.1 --port P <args>`")
     proxy: ProxyConfig = Field(default_factory=ProxyConfig, description="the one OpenAI-compatible endpoint in front of the ready instances")
     health: HealthConfig = Field(default_factory=HealthConfig, description="when an instance counts as ready, and when as unhealthy")
-    restart: RestartConfig = Field(default_factory=RestartConfig, description="restart policy after a failure (any exit, code 0 too; startup timeout; unhealthy)")
+    restart: RestartConfig = Field(default_factory=RestartConfig, description="restart policy after a failure (any exit, code 0 too; startup timeout; failed warm-up; unhealthy), and the memory watchdog")
     start: StartConfig = Field(default_factory=StartConfig, description="how the instances start")
     stop: StopConfig = Field(default_factory=StopConfig, description="how the instances stop (vsup stopping, `vsup restart N`, a failure)")
     log: LogConfig = Field(default_factory=LogConfig, description="the instances' output and vsup's own log")
-    control: ControlConfig = Field(default_factory=ControlConfig, description="where `vsup status` and `vsup restart` reach a running vsup")
+    control: ControlConfig = Field(default_factory=ControlConfig, description="where `vsup status`, `vsup restart` and `vsup reload` reach a running vsup")
     notify: NotifyConfig = Field(default_factory=NotifyConfig, description="systemd Type=notify (no-op outside systemd)")
 
     # Where each key was written (file and YAML tree), for error lines; not a key.
