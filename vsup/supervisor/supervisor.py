@@ -44,7 +44,7 @@ from vsup.supervisor.config import VsupConfig, load_config, spare_base_port
 from vsup.supervisor.control import ControlServer, control_socket_path
 from vsup.supervisor.errors import VsupError
 from vsup.supervisor.launch import build_command
-from vsup.supervisor.lifecycle import Instance, Intent, State, Transition
+from vsup.supervisor.lifecycle import Instance, State, Transition
 from vsup.supervisor.logs import InstanceLog
 from vsup.supervisor.memwatch import MemoryWatchdog
 from vsup.supervisor.notify import Notifier
@@ -502,7 +502,7 @@ class Supervisor:
         record = rollout.Record("rolling restart", "vsup restart --rolling", self._now())
         record.steps = [rollout.Step(inst.index, "replace", "restart requested", plan=self.plans[inst.name])
                         for inst in targets]
-        await asyncio.shield(self._start_rollout(record))
+        await asyncio.shield(self._start_rollout(record))  # a client that goes away does not cut it in half
         return [self.instance_status(self.instances[step.index]) for step in record.steps
                 if step.state in ("done", "failed") and step.index < len(self.instances)]
 
@@ -539,11 +539,9 @@ class Supervisor:
         for index in record.unchanged:  # as SIGHUP always did: a crash-looped instance gets a new chance
             if self.instances[index].state is State.FAILED:
                 self.instances[index].start()
-        job = asyncio.ensure_future(self._start_rollout(record))
+        task = self._start_rollout(record)
         if wait:
-            await asyncio.shield(job)
-        else:
-            await asyncio.sleep(0)
+            await asyncio.shield(task)
         return record.to_json(self.started_at, self._now())
 
     def _check_free_to_change(self, outcome: str) -> None:
@@ -624,13 +622,12 @@ class Supervisor:
             steps.append(rollout.Step(index, "remove", f"the configuration runs {count} instance(s)"))
         return steps, unchanged
 
-    async def _start_rollout(self, record: rollout.Record) -> None:
-        """Run `record`'s steps as the one rollout (a task of its own: a client that goes away does
-        not cut it in half); returns when it is over."""
+    def _start_rollout(self, record: rollout.Record) -> asyncio.Task:
+        """Run `record`'s steps as the one rollout, in a task of its own (set before anything can
+        await: a second request sees it at once)."""
         self.rollout = record
-        task = asyncio.create_task(self._run_rollout(record), name=record.kind)
-        self._rollout_task = task
-        await asyncio.shield(task)
+        self._rollout_task = asyncio.create_task(self._run_rollout(record), name=record.kind)
+        return self._rollout_task
 
     async def _run_rollout(self, record: rollout.Record) -> None:
         if not record.steps:
