@@ -329,3 +329,18 @@ async def test_rolling_restart_drains_restarts_and_warms_each_instance_in_turn(f
     assert f.sup.rollout.kind == "rolling restart" and f.sup.rollout.state == "done"
     for inst in f.sup.instances:
         assert [t.event for t in inst.history][-5:] == [Event.DRAIN, Event.DRAINED, Event.RESTART, Event.HEALTHY, Event.WARMED]
+
+
+async def test_a_new_base_port_moves_each_instance_one_at_a_time(fleet):
+    f = await fleet()
+    old = list(f.sup.instances)
+    f.write(vllm={"base_port": 42000})
+    record = await f.run(f.sup.reload("vsup reload"))
+    assert record["state"] == "done", record
+    assert [s["why"].split(";")[0] for s in record["steps"]] == ["port 41000 -> 42000", "port 41001 -> 42001"]
+    assert [s["how"].split(":")[0] for s in record["steps"]] == ["in place, on port 42000", "in place, on port 42001"]
+    assert [(i.name, i.port, i.state) for i in f.sup.instances] == [("0", 42000, State.READY), ("1", 42001, State.READY)]
+    assert all(o.state is State.STOPPED and o not in f.sup._drivers for o in old)
+    assert set(f.sup.pool.states()) == {"0", "1"} and {b.url for b in f.sup.pool.all()} == {
+        "http://127.0.0.1:42000", "http://127.0.0.1:42001"}
+    assert min(f.rotation) == 1
