@@ -3,7 +3,8 @@
 through nginx round-robin when `nginx` is installed), at a fixed client concurrency.
 
     .venv/bin/python bench/proxy_bench.py [--concurrency 16] [--requests 4000] [--streams 200] [--chunks 100]
-                                          [--runs 3] [--pin]
+                                          [--runs 3] [--pin] [--baseline DIR] [--scrape SECONDS]
+                                          [--policy round_robin,prefix_affinity] [--system-chars 3000]
 
 Upstreams are minimal aiohttp apps (no delays for requests, a fixed pace between SSE chunks so
 each chunk is its own TCP segment, as from vLLM), two processes, so they are not the bottleneck.
@@ -23,6 +24,21 @@ the upstreams on the others, so that its numbers are the proxy's own cost rather
 queued behind the client and upstreams on the same cores. Without --pin every process floats over
 all CPUs, as on a box where one core is shared by everything. The direct rows are measured with
 the same placement (client and upstreams on the other CPUs).
+--baseline DIR: also measure the proxy of another vsup source tree (e.g. an older commit:
+`git archive <commit> | tar -x -C DIR`) in the same run, as the row "vsup (baseline)", and print
+the CPU ratios of this tree's proxy to it: a before/after that a noisy box cannot skew, since
+both are measured in turn under the same load.
+--policy P1,P2,...: one proxy per policy (rows "vsup P1", "vsup P2", ...), measured in turn, and the
+CPU ratios of each to the first: e.g. prefix_affinity's cost over round_robin's in the same run.
+The requests cycle through 64 bodies that differ in their user message (so prefix_affinity spreads
+them like distinct conversations); --system-chars N puts a system prompt of N characters in front
+of each (longer than proxy.affinity_prefix_chars: they all share it, the policy's costliest key).
+
+--scrape S adds two rows: the same ProxyServer as `vsup run` has, in a process of its own, once
+without and once with vsup run's metrics collection (vsup/supervisor/observe/) every S seconds:
+each upstream's /metrics (vLLM's families, made by the fake vLLM's prometheus_client code) and its
+process tree's CPU, RSS/PSS and numa_maps, while the client also GETs the proxy's /metrics every S
+seconds as Prometheus would. Their difference is what the collection costs the request path.
 Speed is machine- and load-dependent: compare the rows of one run, not runs on different days.
 """
 
@@ -44,12 +60,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
-CHAT_BODY = json.dumps(
-    {"model": "bench", "messages": [{"role": "user", "content": "Say hello in one word."}], "max_tokens": 8}
-).encode()
-STREAM_BODY = json.dumps(
-    {"model": "bench", "messages": [{"role": "user", "content": "Count."}], "max_tokens": 100, "stream": True}
-).encode()
+VARIANTS = 64  # request bodies, cycled: as many conversations
+
+
+def bodies(text: str, system_chars: int, **extra) -> list[bytes]:
+    system = [{"role": "system", "content": ("You are a helpful assistant. " * (system_chars // 29 + 1))[:system_chars]}] if system_chars else []
+    return [json.dumps({"model": "bench", "messages": [*system, {"role": "user", "content": f"{text} ({i})"}], **extra}).encode()
+            for i in range(VARIANTS)]
+
+
 CHAT_RESPONSE = json.dumps(
     {
         "id": "chatcmpl-bench", "object": "chat.completion", "created": 0, "model": "bench",
@@ -82,9 +101,25 @@ def run_upstream(port: int, chunks: int, pace: float) -> None:
     async def health(request: web.Request) -> web.Response:
         return web.Response()
 
+    sys.path.insert(0, str(REPO))
+    from tests.fakevllm.metrics import CONTENT_TYPE, VllmMetrics  # vLLM's families, as vLLM makes them
+
+    vllm_metrics = VllmMetrics("bench", lambda: 3, lambda: 1)
+    for i in range(1000):  # histograms with data in many buckets, as after a while of serving
+        vllm_metrics.ttft.observe(0.01 * (i % 300))
+        vllm_metrics.itl.observe(0.001 * (i % 200))
+        vllm_metrics.e2e.observe(0.05 * (i % 400))
+        vllm_metrics.queue.observe(0.001 * (i % 50))
+    vllm_metrics.prompt_tokens.inc(12000)
+    vllm_metrics.generation_tokens.inc(100000)
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(body=vllm_metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
     try:
         import uvloop
 
@@ -92,6 +127,34 @@ def run_upstream(port: int, chunks: int, pace: float) -> None:
     except ImportError:
         pass
     web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+
+
+def run_proxy(port: int, upstreams: list[str], pids: list[int], interval: float) -> None:
+    """vsup run's ProxyServer over the upstreams; with interval > 0 also its metrics collection."""
+    sys.path.insert(0, str(REPO))
+    import aiohttp
+
+    from vsup.supervisor.backends import Backend, BackendPool
+    from vsup.supervisor.config import ProxyConfig
+    from vsup.supervisor.observe.collector import Collector, Target
+    from vsup.supervisor.proxy import ProxyServer
+    from vsup.supervisor.proxy.runloop import run
+
+    async def main() -> None:
+        pool = BackendPool(Backend(str(i), url) for i, url in enumerate(upstreams))
+        for i in range(len(upstreams)):
+            pool.set_state(str(i), "ready", True)
+        proxy = ProxyServer(ProxyConfig(port=port), pool)
+        await proxy.start()
+        if interval > 0:
+            session = aiohttp.ClientSession()
+            targets = [Target(str(i), f"{url}/metrics", (0,), leader=pid) for i, (url, pid) in enumerate(zip(upstreams, pids))]
+            collector = Collector(lambda: targets, session, interval=interval, timeout=2.0)
+            proxy.extra_metrics = collector.text
+            asyncio.get_running_loop().create_task(collector.run())
+        await asyncio.Event().wait()  # until SIGTERM
+
+    run(main())
 
 
 # ------------------------------------------------------------------------------- measuring
@@ -153,8 +216,8 @@ def wait_http(port: int, path: str = "/health", timeout: float = 30.0) -> None:
         time.sleep(0.05)
 
 
-async def load(session, urls: list[str], body: bytes, total: int, concurrency: int, streaming: bool) -> tuple[list[float], int, float]:
-    """`total` POSTs, `concurrency` at a time, cycling over `urls`; latencies, chunks read, wall."""
+async def load(session, urls: list[str], body: list[bytes], total: int, concurrency: int, streaming: bool) -> tuple[list[float], int, float]:
+    """`total` POSTs, `concurrency` at a time, cycling over `urls` and the bodies; latencies, chunks read, wall."""
     latencies: list[float] = []
     chunks = 0
     counter = iter(range(total))
@@ -165,7 +228,7 @@ async def load(session, urls: list[str], body: bytes, total: int, concurrency: i
         for i in counter:
             url = urls[i % len(urls)]
             t0 = time.perf_counter()
-            async with session.post(url, data=body, headers=headers) as response:
+            async with session.post(url, data=body[i % len(body)], headers=headers) as response:
                 if response.status != 200:
                     raise SystemExit(f"{url}: HTTP {response.status}: {(await response.read())[:200]!r}")
                 if streaming:
@@ -224,18 +287,36 @@ def start_nginx(upstream_ports: list[int], workdir: Path) -> tuple[subprocess.Po
     return proc, port
 
 
-async def measure(name: str, base_urls: list[str], pids: list[int] | None, args, results: list[dict]) -> None:
+async def poll_metrics(session, url: str, interval: float, scrapes: list[int]) -> None:
+    """GET url every `interval` seconds (Prometheus's part), counting the scrapes."""
+    while True:
+        async with session.get(url) as response:
+            await response.read()
+            if response.status != 200:
+                raise SystemExit(f"{url}: HTTP {response.status}")
+        scrapes[0] += 1
+        await asyncio.sleep(interval)
+
+
+async def measure(name: str, base_urls: list[str], pids: list[int] | None, args, results: list[dict],
+                  scrape: float = 0.0) -> None:
     import aiohttp
 
     connector = aiohttp.TCPConnector(limit=args.concurrency * 2)
+    scrapes = [0]
     async with aiohttp.ClientSession(connector=connector) as session:
         chat_urls = [u + "/v1/chat/completions" for u in base_urls]
-        await load(session, chat_urls, CHAT_BODY, 200, args.concurrency, False)  # warm-up: connections, caches
+        chat = bodies("Say hello in one word.", args.system_chars, max_tokens=8)
+        stream = bodies("Count.", args.system_chars, max_tokens=100, stream=True)
+        poller = asyncio.create_task(poll_metrics(session, base_urls[0] + "/metrics", scrape, scrapes)) if scrape else None
+        await load(session, chat_urls, chat, 200, args.concurrency, False)  # warm-up: connections, caches
         cpu0 = cpu_seconds(pids) if pids else (0.0, 0.0)
-        lat, _, wall = await load(session, chat_urls, CHAT_BODY, args.requests, args.concurrency, False)
+        lat, _, wall = await load(session, chat_urls, chat, args.requests, args.concurrency, False)
         cpu1 = cpu_seconds(pids) if pids else (0.0, 0.0)
-        slat, chunks, swall = await load(session, chat_urls, STREAM_BODY, args.streams, args.concurrency, True)
+        slat, chunks, swall = await load(session, chat_urls, stream, args.streams, args.concurrency, True)
         cpu2 = cpu_seconds(pids) if pids else (0.0, 0.0)
+        if poller is not None:
+            poller.cancel()
     row = {
         "target": name,
         "rps": args.requests / wall,
@@ -243,6 +324,7 @@ async def measure(name: str, base_urls: list[str], pids: list[int] | None, args,
         "p99_ms": pct(lat, 0.99) * 1e3,
         "stream_p50_ms": pct(slat, 0.5) * 1e3,
         "chunks_read": chunks,
+        "scrapes": scrapes[0],
     }
     if pids:
         upstream_chunks = args.streams * (args.chunks + 1)
@@ -284,7 +366,7 @@ def print_table(results: list[dict], args) -> None:
     print(f"\nconcurrency {args.concurrency}; {args.requests} small chat requests; {args.streams} streams x {args.chunks + 1} chunks "
           f"(upstream pace {args.pace * 1e3:g} ms); {placement}; median of {args.runs} run(s); "
           f"loadavg before: {args.loadavg}, after: {args.loadavg_after}")
-    print(f"{'target':<14} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} {'+p99 ms':>8} {'CPU µs/req':>11} {'(user+sys)':>12} {'CPU µs/chunk':>13} {'(user+sys)':>12}")
+    print(f"{'target':<22} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} {'+p99 ms':>8} {'CPU µs/req':>11} {'(user+sys)':>12} {'CPU µs/chunk':>13} {'(user+sys)':>12}")
     for row in results:
         added50 = row["added_p50_ms"]
         added99 = row["added_p99_ms"]
@@ -293,7 +375,7 @@ def print_table(results: list[dict], args) -> None:
         chunk = f"{row['us_per_chunk']:.1f}" if "us_per_chunk" in row else "-"
         chunk_split = f"{row['us_per_chunk_user']:.1f}+{row['us_per_chunk_sys']:.1f}" if "us_per_chunk" in row else ""
         extra = "" if row is direct else f"{added50:8.2f} {added99:8.2f}"
-        print(f"{row['target']:<14} {row['rps']:8.0f} {row['p50_ms']:8.2f} {row['p99_ms']:8.2f} {extra:>17} {req:>11} {req_split:>12} {chunk:>13} {chunk_split:>12}")
+        print(f"{row['target']:<22} {row['rps']:8.0f} {row['p50_ms']:8.2f} {row['p99_ms']:8.2f} {extra:>17} {req:>11} {req_split:>12} {chunk:>13} {chunk_split:>12}")
 
 
 async def bench(args) -> None:
@@ -319,15 +401,36 @@ async def bench(args) -> None:
             wait_http(port)
         direct = [f"http://127.0.0.1:{p}" for p in ports]
 
-        proxy_port = free_port()
-        env = dict(os.environ, PYTHONPATH=str(REPO))
-        proxy = subprocess.Popen(
-            [sys.executable, "-c", "from vsup.supervisor.cli import main; main()", "proxy", "--port", str(proxy_port), *[a for u in direct for a in ("--upstream", u)]],
-            env=env, start_new_session=True, stderr=subprocess.DEVNULL,
-        )
-        procs.append(proxy)
-        pin([proxy.pid], proxy_cpus)
-        wait_http(proxy_port, "/ready")
+        proxies = [(name, REPO, policy) for name, policy in zip(args.policy_rows, args.policies)]
+        if args.baseline:
+            proxies.append(("vsup (baseline)", Path(args.baseline).resolve(), args.policies[0]))
+        started: list[tuple[str, subprocess.Popen, int]] = []
+        for name, source, policy in proxies:
+            proxy_port = free_port()
+            env = dict(os.environ, PYTHONPATH=str(source))
+            policy_args = [] if policy == "round_robin" else ["--policy", policy]  # a baseline tree may predate --policy
+            proxy = subprocess.Popen(
+                [sys.executable, "-c", "from vsup.supervisor.cli import main; main()", "proxy", "--port", str(proxy_port), *policy_args, *[a for u in direct for a in ("--upstream", u)]],
+                env=env, start_new_session=True, stderr=subprocess.DEVNULL,
+            )
+            procs.append(proxy)
+            pin([proxy.pid], proxy_cpus)
+            wait_http(proxy_port, "/ready")
+            started.append((name, proxy, proxy_port))
+
+        observed: list[tuple[str, int, float, int]] = []  # (row name, port, collection interval, pid)
+        if args.scrape:
+            upstream_pids = [p.pid for p in procs[: len(ports)]]
+            for row, interval in (("proxy, no scrape", 0.0), (f"proxy, scrape {args.scrape:g}s", args.scrape)):
+                port = free_port()
+                procs.append(subprocess.Popen(
+                    [sys.executable, __file__, "proxy", "--port", str(port), "--scrape", str(interval),
+                     *[a for u in direct for a in ("--upstream", u)], *[a for p in upstream_pids for a in ("--upstream-pid", str(p))]],
+                    env=dict(os.environ, PYTHONPATH=str(REPO)), start_new_session=True, stderr=subprocess.DEVNULL,
+                ))
+                pin([procs[-1].pid], proxy_cpus)
+                wait_http(port, "/ready")
+                observed.append((row, port, interval, procs[-1].pid))
 
         nginx = start_nginx(ports, workdir)
         nginx_pids: list[int] = []
@@ -341,7 +444,10 @@ async def bench(args) -> None:
         for _ in range(args.runs):
             results: list[dict] = []
             await measure("direct", direct, None, args, results)
-            await measure("vsup proxy", [f"http://127.0.0.1:{proxy_port}"], [proxy.pid], args, results)
+            for name, proxy, proxy_port in started:
+                await measure(name, [f"http://127.0.0.1:{proxy_port}"], [proxy.pid], args, results)
+            for row, port, interval, pid in observed:
+                await measure(row, [f"http://127.0.0.1:{port}"], [pid], args, results, scrape=interval)
             if nginx is not None:
                 await measure("nginx", [f"http://127.0.0.1:{nginx[1]}"], nginx_pids, args, results)
             runs.append(results)
@@ -360,8 +466,24 @@ async def bench(args) -> None:
     args.loadavg_after = " ".join(f"{x:.2f}" for x in os.getloadavg())
     summary = summarize(runs)
     print_table(summary, args)
+    first = args.policy_rows[0]
+    for other in args.policy_rows[1:]:
+        print_ratios(runs, other, first, f"{other} / {first}")
+    if args.baseline:
+        print_ratios(runs, first, "vsup (baseline)", "this tree / baseline")
     if args.json:
         print(json.dumps({"summary": summary, "runs": runs}))
+
+
+def print_ratios(runs: list[list[dict]], target: str, reference: str, what: str) -> None:
+    """One proxy's CPU over another's, per run (both measured in turn in each run)."""
+    for key, label in (("us_per_request", "CPU per request"), ("us_per_chunk", "CPU per chunk")):
+        ratios = []
+        for run in runs:
+            rows = {row["target"]: row for row in run}
+            ratios.append(rows[target][key] / rows[reference][key])
+        shown = ", ".join(f"{r:.2f}" for r in ratios)
+        print(f"{label}, {what}: median {median(ratios):.2f} (runs: {shown})")
 
 
 def format_cpus(cpus: set[int]) -> str:
@@ -370,8 +492,12 @@ def format_cpus(cpus: set[int]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", nargs="?", default="bench", choices=["bench", "upstream"])
+    parser.add_argument("mode", nargs="?", default="bench", choices=["bench", "upstream", "proxy"])
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--upstream", action="append", default=[], help=argparse.SUPPRESS)
+    parser.add_argument("--upstream-pid", type=int, action="append", default=[], help=argparse.SUPPRESS)
+    parser.add_argument("--scrape", type=float, default=0.0,
+                        help="also measure vsup run's proxy without and with metrics collection every SECONDS")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--requests", type=int, default=4000, help="small chat requests per target")
     parser.add_argument("--streams", type=int, default=200, help="streamed requests per target")
@@ -381,10 +507,28 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3, help="measure every target this many times, in turn; report medians")
     parser.add_argument("--pin", action="store_true", help="proxy/nginx on the first CPU, client and upstreams on the others")
     parser.add_argument("--json", action="store_true", help="also print the rows as JSON")
+    parser.add_argument("--baseline", metavar="DIR", help="also measure the proxy of the vsup source tree in DIR, in turn")
+    parser.add_argument("--policy", default="round_robin", metavar="P1,P2",
+                        help="proxy policies, one proxy each, measured in turn (default round_robin)")
+    parser.add_argument("--system-chars", type=int, default=0, metavar="N",
+                        help="a system prompt of N characters in every request (default none)")
     args = parser.parse_args()
     if args.mode == "upstream":
         run_upstream(args.port, args.chunks, args.pace)
         return
+    if args.mode == "proxy":
+        run_proxy(args.port, args.upstream, args.upstream_pid, args.scrape)
+        return
+    args.policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    from typing import get_args
+
+    from vsup.supervisor.config import ProxyConfig
+
+    known = get_args(ProxyConfig.model_fields["policy"].annotation)
+    if not args.policies or any(p not in known for p in args.policies) or len(set(args.policies)) != len(args.policies):
+        parser.error(f"--policy {args.policy!r}: a comma-separated list of distinct policies from {', '.join(known)}")
+    # one policy: the row keeps its old name; several: one row per policy
+    args.policy_rows = ["vsup proxy"] if len(args.policies) == 1 else [f"vsup {p}" for p in args.policies]
     args.loadavg = " ".join(f"{x:.2f}" for x in os.getloadavg())
     try:
         import uvloop

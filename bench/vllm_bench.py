@@ -345,14 +345,8 @@ def table(results: list[Result], args) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    home = Path(os.environ.get("HOME", "."))
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layouts", default="a,b,c", help="which layouts, in order (default a,b,c)")
-    parser.add_argument("--streams", type=int, default=32, help="concurrent streams (default 32)")
-    parser.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default 64)")
-    parser.add_argument("--duration", type=float, default=60.0, help="seconds of load per layout (default 60)")
-    parser.add_argument("--rounds", type=int, default=1, help="repeat the layouts, interleaved (a,b,c,a,b,c...), to even out background load")
+def add_model_options(parser: argparse.ArgumentParser) -> None:
+    """The bench model and vLLM install (shared with bench/affinity_bench.py)."""
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--heads", type=int, default=16)
@@ -360,6 +354,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--startup-timeout", type=float, default=900.0)
     parser.add_argument("--venv", type=Path, default=None, help="vLLM's venv (default: scripts/vllm-env's)")
     parser.add_argument("--model-dir", type=Path, default=None, help="default ~/.cache/vsup/bench-llama-h<hidden>-l<layers>")
+
+
+def resolve_model(args) -> None:
+    """vLLM's venv (built by scripts/vllm-env when missing) and the bench model (built once)."""
+    if args.venv is None:
+        args.venv = Path(subprocess.run([str(ROOT / "scripts" / "vllm-env")], check=True, capture_output=True,
+                                        text=True).stdout.strip().splitlines()[-1])
+    if args.model_dir is None:
+        home = Path(os.environ.get("HOME", "."))
+        args.model_dir = home / ".cache" / "vsup" / f"bench-llama-h{args.hidden}-l{args.layers}"
+    ensure_model(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layouts", default="a,b,c", help="which layouts, in order (default a,b,c)")
+    parser.add_argument("--streams", type=int, default=32, help="concurrent streams (default 32)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default 64)")
+    parser.add_argument("--duration", type=float, default=60.0, help="seconds of load per layout (default 60)")
+    parser.add_argument("--rounds", type=int, default=1, help="repeat the layouts, interleaved (a,b,c,a,b,c...), to even out background load")
+    add_model_options(parser)
     args = parser.parse_args(argv)
     keys = [k.strip() for k in args.layouts.split(",") if k.strip()]
     unknown = [k for k in keys if k not in LAYOUTS]
@@ -367,12 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--layouts {args.layouts!r}: choose from a, b, c (e.g. a,b,c)")
     if args.streams < 1 or args.max_tokens < 1 or args.duration <= 0 or args.rounds < 1:
         parser.error("--streams, --max-tokens, --duration and --rounds must be positive")
-    if args.venv is None:
-        args.venv = Path(subprocess.run([str(ROOT / "scripts" / "vllm-env")], check=True, capture_output=True,
-                                        text=True).stdout.strip().splitlines()[-1])
-    if args.model_dir is None:
-        args.model_dir = home / ".cache" / "vsup" / f"bench-llama-h{args.hidden}-l{args.layers}"
-    ensure_model(args)
+    resolve_model(args)
 
     results = []
     for round_no in range(1, args.rounds + 1):

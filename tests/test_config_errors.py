@@ -253,7 +253,7 @@ def test_a_hub_name_or_an_existing_directory_is_accepted(tmp_path):
      "{config}:{line[args:]}: vllm.args.0: '--port' is not allowed: vsup gives instance i the port vllm.base_port + i"),
     ("  command: ['false']\n  env:\n    OMP_NUM_THREADS: '64'\n",
      "{config}:{line[OMP_NUM_THREADS:]}: vllm.env.OMP_NUM_THREADS: '64' contradicts the placement of instance 0 "
-     "(the plan sets '4'); remove it and set placement.cores_per_instance / placement.smt / placement.housekeeping_core instead"),
+     "(the plan sets '4'); remove it and set placement.cores_per_instance / placement.omp_threads / placement.smt / placement.housekeeping_core instead"),
     ("  venv: /nonexistent/venv\n", "vllm.venv: '/nonexistent/venv' has no bin/python; give the directory of a virtual "
      "environment with vLLM installed (scripts/vllm-env creates one and prints its path)"),
 ])

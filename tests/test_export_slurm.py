@@ -62,7 +62,8 @@ def test_the_script_is_valid_bash(tmp_path):
 
 STUBS = {
     # each call: its arguments, one line, shell-quoted; the steps would run in the background
-    "srun": '#!/bin/bash\nprintf "%q " "$@" >> "$SRUN_LOG"; echo >> "$SRUN_LOG"\n',
+    # (concurrently: each line is one append, and the test does not rely on their order)
+    "srun": '#!/bin/bash\nline=$(printf "%q " "$@")\necho "$line" >> "$SRUN_LOG"\n',
     "scontrol": '#!/bin/bash\n[ "$1 $2" = "show hostnames" ] && printf "cpu-a1\\ncpu-a2\\n"\n',
 }
 
@@ -88,7 +89,11 @@ def test_running_the_script_writes_the_step_configs_and_asks_slurm_for_the_steps
 
     calls = [shlex.split(line) for line in (tmp_path / "srun.log").read_text().splitlines()]
     assert len(calls) == 3
-    for node_id, call in enumerate(calls[:2]):
+    # the script starts the three steps in the background, so srun.log lists them in any order
+    steps = sorted((call for call in calls if "run" in call), key=lambda call: call[-1])
+    fronts = [call for call in calls if "proxy" in call]
+    assert len(steps) == 2 and len(fronts) == 1, calls
+    for node_id, call in enumerate(steps):
         assert call[-4:] == ["vsup", "run", "--config", str(tmp_path / "conf" / f"node{node_id}.yaml")]
         step = parse_config((tmp_path / "conf" / f"node{node_id}.yaml").read_text())
         assert step.instances == 1 and step.proxy.port == 9001 + node_id and step.proxy.host == "0.0.0.0"
@@ -96,7 +101,7 @@ def test_running_the_script_writes_the_step_configs_and_asks_slurm_for_the_steps
         assert step.placement.kvcache_gib == 109 and step.placement.model_size_gib == 15
         assert str(step.log.dir) == f"/tmp/vsup-4242/node{node_id}"  # the job id expanded, node-local
         assert step.vllm.args == ["--dtype", "$bf16"]  # the user's own $ stays literal
-    front = calls[2]
+    front = fronts[0]
     assert front[front.index("--nodelist=cpu-a1") + 1:][:1] == ["--overlap"]
     upstreams = [front[i + 1] for i, word in enumerate(front) if word == "--upstream"]
     assert upstreams == ["http://cpu-a1:9001", "http://cpu-a1:9002", "http://cpu-a2:9001", "http://cpu-a2:9002"]

@@ -285,10 +285,56 @@ def test_embeddings_tokenize_and_admin_endpoints(fake_vllm):
     assert json.loads(http_get(srv.port, "/version")[1])["version"]
     assert json.loads(http_get(srv.port, "/load")[1]) == {"server_load": 0}
     c.completions.create(model="fake-model", prompt="x", max_tokens=3)
-    metrics = http_get(srv.port, "/metrics")[1].decode()
-    assert 'vllm:num_requests_running{engine="0",model_name="fake-model"} 0.0' in metrics
-    assert "vllm:num_requests_waiting{" in metrics
-    assert 'vllm:generation_tokens_total{engine="0",model_name="fake-model"} 3.0' in metrics
+    metrics = vllm_samples(srv)
+    assert metrics["vllm:num_requests_running"] == 0
+    assert metrics["vllm:num_requests_waiting"] == 0
+    assert metrics["vllm:generation_tokens_total"] == 3
+
+
+def vllm_samples(srv) -> dict[str, float]:
+    """The fake's /metrics, parsed: vllm:* sample name -> value (one engine, one model)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    status, body = http_get(srv.port, "/metrics")[:2]
+    assert status == 200
+    samples = {}
+    for family in text_string_to_metric_families(body.decode()):
+        for sample in family.samples:
+            if sample.name.startswith("vllm:") and "le" not in sample.labels and "finished_reason" not in sample.labels:
+                assert sample.labels == {"model_name": "fake-model", "engine": "0"}, sample
+                samples[sample.name] = sample.value
+    return samples
+
+
+def test_metrics_look_like_vllms(fake_vllm):
+    """The families vsup re-exports, in vLLM's shape: prometheus_client's 0.0.4 text (counters typed
+    with their _total name), model_name + engine labels, TTFT/ITL/e2e histograms fed by real timings,
+    and the process_* families of vLLM's default registry."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    srv = fake_vllm().wait_ready()
+    text = http_get(srv.port, "/metrics")[1].decode()
+    assert "# TYPE vllm:generation_tokens_total counter" in text
+    before = vllm_samples(srv)
+    assert before["vllm:time_to_first_token_seconds_count"] == 0
+    stream = client(srv).completions.create(model="fake-model", prompt="a b c d", max_tokens=5, stream=True,
+                                             extra_body={"fake": {"first_token_delay": 0.05, "token_delay": 0.02}})
+    assert len(list(stream)) == 5
+    after = vllm_samples(srv)
+    assert after["vllm:prompt_tokens_total"] == 4
+    assert after["vllm:generation_tokens_total"] == 5
+    assert after["vllm:time_to_first_token_seconds_count"] == 1
+    assert after["vllm:time_to_first_token_seconds_sum"] >= 0.05
+    assert after["vllm:inter_token_latency_seconds_count"] == 4
+    assert after["vllm:inter_token_latency_seconds_sum"] >= 4 * 0.02
+    assert after["vllm:e2e_request_latency_seconds_count"] == 1
+    assert after["vllm:request_queue_time_seconds_count"] == 1
+    families = {f.name: f for f in text_string_to_metric_families(http_get(srv.port, "/metrics")[1].decode())}
+    assert families["vllm:time_to_first_token_seconds"].type == "histogram"
+    success = {s.labels["finished_reason"]: s.value for s in families["vllm:request_success"].samples
+               if s.name == "vllm:request_success_total"}
+    assert success["length"] == 1
+    assert families["process_resident_memory_bytes"].samples[0].value > 0
 
 
 def rss_mib(pid: int) -> float:
@@ -502,9 +548,9 @@ def test_max_num_seqs_queues_the_rest(fake_vllm):
     queued = threading.Thread(target=second_request)
     queued.start()
     wait_until(lambda: json.loads(http_get(srv.port, "/load")[1])["server_load"] == 2, what="a queued request")
-    metrics = http_get(srv.port, "/metrics")[1].decode()
-    assert 'vllm:num_requests_running{engine="0",model_name="fake-model"} 1.0' in metrics
-    assert 'vllm:num_requests_waiting{engine="0",model_name="fake-model"} 1.0' in metrics
+    metrics = vllm_samples(srv)
+    assert metrics["vllm:num_requests_running"] == 1
+    assert metrics["vllm:num_requests_waiting"] == 1
     queued.join(30)
     assert len(outcome) == 1
     assert srv.wait_event("cancelled")["phase"] == "queued"
@@ -586,3 +632,40 @@ def test_concurrent_streams_share_one_instance(fake_vllm):
     for t in threads:
         t.join(60)
     assert results == ["tok0 tok1 tok2 tok3 tok4 tok5 tok6 tok7 tok8 tok9"] * 8
+
+
+# -------------------------------------------------------------------- the speed model (vsup tune)
+
+
+def test_speed_model_step_time_follows_threads_cpus_and_preload():
+    from tests.fakevllm.engine import step_time
+
+    f = load_faults({"FAKE_VLLM_STEP_TIME": "0.1", "FAKE_VLLM_SEQ_COST": "0.5", "FAKE_VLLM_SATURATE_THREADS": "2",
+                     "FAKE_VLLM_BUSY_PENALTY": "1.5", "FAKE_VLLM_PRELOAD_SPEEDUP": "2"})
+    assert step_time(f, 1, threads=1, cpus=2, preload=False) == pytest.approx(0.1)  # a core left idle
+    assert step_time(f, 3, threads=1, cpus=2, preload=False) == pytest.approx(0.2)  # batch of 3: +2 × 50 %
+    assert step_time(f, 1, threads=2, cpus=2, preload=False) == pytest.approx(0.075)  # 2 threads, no idle core
+    assert step_time(f, 1, threads=4, cpus=4, preload=False) == pytest.approx(0.075)  # saturated at 2 threads
+    assert step_time(f, 1, threads=4, cpus=2, preload=False) == pytest.approx(0.05 * 1.5 * 4)  # oversubscribed
+    assert step_time(f, 1, threads=1, cpus=2, preload=True) == pytest.approx(0.05)
+
+
+def test_speed_model_batches_concurrent_streams_into_shared_steps(fake_vllm):
+    srv = fake_vllm(env={"FAKE_VLLM_STEP_TIME": "0.05", "OMP_NUM_THREADS": "1"}).wait_ready()
+    c = client(srv)
+    results: list[str] = []
+
+    def one() -> None:
+        stream = c.completions.create(model="fake-model", prompt="x", max_tokens=10, stream=True)
+        results.append("".join(ch.choices[0].text for ch in stream))
+
+    threads = [threading.Thread(target=one) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results == ["tok0 tok1 tok2 tok3 tok4 tok5 tok6 tok7 tok8 tok9"] * 4
+    steps = next(float(line.rsplit(" ", 1)[1]) for line in http_get(srv.port, "/metrics")[1].decode().splitlines()
+                 if line.startswith("fakevllm:engine_steps_total"))
+    # 4 × 10 tokens in shared steps (a stream that joins late adds a few), not 40 separate ones
+    assert 10 <= steps <= 20

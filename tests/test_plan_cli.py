@@ -83,6 +83,17 @@ def test_cli_flags_override_the_config(xeon, tmp_path):
     assert data["reserved_cpus"] == []
 
 
+def test_omp_threads_flag_overrides_the_config_and_keeps_the_mask(xeon, tmp_path):
+    config = tmp_path / "vsup.yaml"
+    config.write_text("model: m\ninstances: 2\nplacement:\n  model_size_gib: 1\n  omp_threads: 2\n")
+    every = vsup("plan", "--fsroot", xeon, "-n", "2", "--model-size-gib", "1", "--format", "json")
+    fewer = vsup("plan", "-c", str(config), "--fsroot", xeon, "--omp-threads", "3", "--format", "json")
+    assert every.returncode == 0 and fewer.returncode == 0, every.stderr + fewer.stderr
+    for whole, inst in zip(json.loads(every.stdout)["instances"], json.loads(fewer.stdout)["instances"]):
+        assert inst["cpus"] == whole["cpus"] and inst["env"]["OMP_NUM_THREADS"] == "3"
+        assert inst["omp_cpus"] == whole["omp_cpus"][:3]
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -93,6 +104,8 @@ def test_cli_flags_override_the_config(xeon, tmp_path):
         (["-n", "2", "--kvcache-gib", "2.5"], "vsup: error: --kvcache-gib 2.5: vLLM's VLLM_CPU_KVCACHE_SPACE takes whole GiB; use 2 or 3"),
         (["-n", "40"], "vsup: error: 40 instance(s) need 40 physical cores (40 × 1) but only 16 are usable; try --instances 16"),
         (["-n", "2", "--nodes", "7"], "vsup: error: --nodes: unknown node 7; this machine's nodes with usable CPUs are 0,1"),
+        (["-n", "2", "--omp-threads", "0"], "vsup: error: --omp-threads '0': expected a whole number of at least 1"),
+        (["-n", "2", "--omp-threads", "8"], "vsup: error: --omp-threads 8: instance 0 has only 7 OpenMP CPU(s); use at most 7, or fewer instances"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(xeon, args, message):
@@ -143,7 +156,11 @@ def test_this_machine_two_instances():
          "{config}:4: vllm.base_port: 65535 is not valid: 2 instances need ports up to 65536, past 65535"),
         ("placement:\n  nodes: [7]\n", ["--model-size-gib", "1"],
          "{config}:4: placement.nodes: unknown node 7; this machine's nodes with usable CPUs are 0,1"),
+        ("placement:\n  model_size_gib: 1\n  omp_threads: 8\n", [],
+         "{config}:5: placement.omp_threads: 8 is not valid: instance 0 has only 7 OpenMP CPU(s); use at most 7, or fewer instances"),
         # the same key given as a flag: the flag is named
+        ("placement:\n  omp_threads: 2\n", ["--model-size-gib", "1", "--omp-threads", "8"],
+         "--omp-threads 8: instance 0 has only 7 OpenMP CPU(s)"),
         ("placement:\n  kvcache_gib: 1\n", ["--model-size-gib", "1", "--kvcache-gib", "2.5"],
          "--kvcache-gib 2.5: vLLM's VLLM_CPU_KVCACHE_SPACE takes whole GiB; use 2 or 3"),
         # not in the file and not a flag: the key and that it is the default

@@ -8,7 +8,7 @@ import pytest
 
 from tests.machines import GiB, make_machine
 from tests.sysfs_builder import build_sysfs, gb10_layout
-from vsup.topology.errors import PlanError
+from vsup.topology.errors import PlanError, SettingError
 from vsup.topology.model import EFFICIENCY, PERFORMANCE
 from vsup.topology.plan_model import PlanSettings
 from vsup.topology.planner import plan
@@ -425,3 +425,59 @@ def test_to_json_has_the_documented_keys():
     assert set(data) >= {"instances", "reserved_cpus", "unused_cpus", "warnings"}
     assert set(data["instances"][0]) >= {"index", "port", "nodes", "cpus", "omp_cpus", "env", "argv"}
     assert data["instances"][0]["env"]["OMP_NUM_THREADS"] == "7"
+
+
+# ---- omp_threads: fewer OpenMP threads than cores ----------------------------------------------
+
+def test_omp_threads_leaves_the_other_cores_in_the_mask_for_the_api_server():
+    from tests.machines import make_machine
+    from vsup.topology.plan_model import PlanSettings
+    from vsup.topology.planner import plan
+
+    machine = make_machine(cores_per_node=8, smt=2)
+    full = plan(machine, PlanSettings(instances=1, reserve_cores=0, model_size_bytes=GiB, launcher="numactl"))
+    half = plan(machine, PlanSettings(instances=1, reserve_cores=0, model_size_bytes=GiB, launcher="numactl", omp_threads=4))
+    inst, whole = half.instances[0], full.instances[0]
+    assert inst.cpus == whole.cpus  # the mask keeps every core
+    assert inst.omp_cpus == (0, 1, 2, 3)
+    assert dict(inst.env)["OMP_NUM_THREADS"] == "4" and dict(inst.env)["VLLM_CPU_OMP_THREADS_BIND"] == "0-3"
+    # the cores without a thread, with their SMT siblings, are what the API server/EngineCore get
+    assert inst.housekeeping_cpus == (4, 5, 6, 7, 12, 13, 14, 15)
+
+
+def test_omp_threads_with_smt_spreads_over_cores_before_siblings():
+    from tests.machines import make_machine
+    from vsup.topology.plan_model import PlanSettings
+    from vsup.topology.planner import plan
+
+    machine = make_machine(cores_per_node=4, smt=2)  # siblings 0+4, 1+5, ...
+    inst = plan(machine, PlanSettings(instances=1, reserve_cores=0, smt=True, omp_threads=6)).instances[0]
+    assert inst.omp_cpus == (0, 1, 2, 3, 4, 5)
+
+
+def test_omp_threads_above_the_cpus_is_a_plan_error_naming_the_limit():
+    from tests.machines import make_machine
+    from vsup.topology.errors import PlanError
+    from vsup.topology.plan_model import PlanSettings
+    from vsup.topology.planner import plan
+
+    with pytest.raises(PlanError, match=r"--omp-threads 5: instance 0 has only 4 OpenMP CPU\(s\); use at most 4") as info:
+        plan(make_machine(cores_per_node=8), PlanSettings(instances=2, reserve_cores=0, omp_threads=5))
+    # a SettingError, so vsup.supervisor.planning can name placement.omp_threads and its line instead
+    assert isinstance(info.value, SettingError) and info.value.setting == "omp_threads"
+
+
+@pytest.mark.parametrize("bad", [0, True, "2"])
+def test_omp_threads_that_is_no_count_is_a_setting_error(bad):
+    with pytest.raises(SettingError, match=r"^--omp-threads .*: must be a whole number of at least 1$") as info:
+        plan(make_machine(cores_per_node=8), settings(instances=1, omp_threads=bad))
+    assert info.value.setting == "omp_threads"
+
+
+def test_omp_threads_on_a_hybrid_cpu_idles_performance_cores_beside_the_efficiency_housekeeping():
+    m = make_machine(sockets=1, cores_per_node=6, efficiency_cores=[4, 5])
+    p = plan(m, settings(instances=1, reserve_cores=0, omp_threads=2))
+    inst = p.instances[0]
+    assert inst.omp_cpus == (0, 1) and kinds_of(m, inst.omp_cpus) == {PERFORMANCE}
+    # the performance cores without a thread and the efficiency cores: API server and EngineCore
+    assert inst.housekeeping_cpus == (2, 3, 4, 5) and inst.cpus == (0, 1, 2, 3, 4, 5)

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from hypothesis import HealthCheck, assume, event, given, settings
+from hypothesis import HealthCheck, assume, event, example, given, settings
 from hypothesis import strategies as st
 
 from tests.machines import GiB, make_machine
 from vsup.topology.cpulist import format_list
 from vsup.topology.errors import PlanError
-from vsup.topology.model import EFFICIENCY, Machine
+from vsup.topology.model import EFFICIENCY, PERFORMANCE, Machine
 from vsup.topology.plan_model import Plan, PlanSettings
 from vsup.topology.planner import plan
 
@@ -186,6 +186,9 @@ def hybrid_machines(draw):
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(hybrid_machines(), plan_settings(), st.sampled_from(["housekeeping", "instances", "unused"]))
+# found by hypothesis: every performance core offline leaves a pool of efficiency cores only
+@example(make_machine(1, 1, [8], 1, offline={0, 4}, efficiency_cores={1, 2, 3, 5, 6, 7}, l3_per_node=2, node_memory=64 * GiB),
+         PlanSettings(cores_per_instance=1), "housekeeping")
 def test_hybrid_plans_never_mix_kinds_and_reserve_efficiency_cores_first(machine, s, mode):
     s = PlanSettings(**{**s.__dict__, "efficiency_cores": mode})
     try:
@@ -201,7 +204,10 @@ def test_hybrid_plans_never_mix_kinds_and_reserve_efficiency_cores_first(machine
         assert len(p.instances) >= requested
     else:
         assert len(p.instances) == requested
-    if mode == "housekeeping":  # no efficiency core idles while an instance runs on its node
+    # no efficiency core idles while an instance runs on its node; only where the usable cores hold
+    # both kinds: with every performance core offline the pool is one kind, planned like any
+    # uniform machine (spare cores stay spare), as hybrid.split_kinds says
+    if mode == "housekeeping" and {c.kind for c in machine.cores if c.cpus} >= {PERFORMANCE, EFFICIENCY}:
         busy = set(p.reserved_cpus) | {c for i in p.instances for c in i.cpus}
         nodes_with_instances = {n for i in p.instances for n in i.cpu_nodes}
         for core in machine.cores:

@@ -14,10 +14,10 @@ import pytest
 from vsup.supervisor.backends import Backend, BackendPool
 from vsup.supervisor.proxy.balancer import LeastOutstanding, RoundRobin, make_balancer
 from vsup.supervisor.proxy.errors import error_body
-from vsup.supervisor.proxy.forward import request_headers, response_headers
+from vsup.supervisor.proxy.forward import parse_json, request_headers, response_headers
 from tests.fakevllm.fixtures import free_port, start_fake
 from tests.proxy_support import (
-    LEAN, MESSAGES, client, metric_value, metrics_text, ready_pool, running_proxy, served_by, start_fakes, url,
+    LEAN, MESSAGES, client, metric_value, metrics_text, ready_pool, running_proxy, served_by, start_fakes, url, wait_for,
 )
 
 @pytest.fixture(scope="module")
@@ -75,6 +75,39 @@ def test_response_headers_drop_hop_by_hop():
     raw = [(b"Content-Type", b"text/event-stream"), (b"Transfer-Encoding", b"chunked"), (b"Connection", b"close, X-Gone"),
            (b"X-Gone", b"1"), (b"Content-Length", b"5"), (b"X-Fake-Instance", b"a")]
     assert list(response_headers(raw).items()) == [("Content-Type", "text/event-stream"), ("X-Fake-Instance", "a")]
+
+
+async def test_an_ejected_backend_leaves_the_rotation_until_its_owner_says_ready():
+    pool = BackendPool([Backend("a", "http://127.0.0.1:1"), Backend("b", "http://127.0.0.1:2")])
+    for name in "ab":
+        pool.set_state(name, "ready", True)
+    seen = []
+    pool.subscribe(lambda backend, state, ready: seen.append((backend.name, state, ready)))
+    leaving = asyncio.create_task(pool.wait_not_ready("a", 5))
+    await asyncio.sleep(0)
+    assert pool.eject("a", 60) is True
+    assert await leaving is True  # an ejection is a departure for whoever waits for one
+    assert [b.name for b in pool.ready()] == ["b"] and not pool.is_ready("a") and pool.state("a") == "ready"
+    assert pool.eject("a", 60) is False  # already out
+    pool.set_state("a", "ready", True)  # the health check passed / the supervisor restarted it
+    assert [b.name for b in pool.ready()] == ["a", "b"] and not pool.is_ejected("a")
+    assert seen == [("a", "ready", False), ("a", "ready", True)]
+    pool.set_state("b", "stopping", False)
+    assert pool.eject("b", 60) is False  # not in the rotation: nothing to eject
+
+
+@pytest.mark.parametrize("body", [
+    b'{"a": 1}', b'{"a": 1}  \n', b' {"a": 1}', b'{"a": 1} x', '{"a": 1}\u2003'.encode(), b"[1]", b'{"a": }',
+    b'\xef\xbb\xbf{"a": 1}', b'{"a": "\xff"}', b"{}", b'{"a": [1, {"b": null}], "stream": true}', b"",
+])
+def test_parse_json_is_json_loads(body):
+    def outcome(parse):
+        try:
+            return "ok", parse(body)
+        except (ValueError, UnicodeDecodeError) as exc:
+            return type(exc).__name__, str(exc)
+
+    assert outcome(parse_json) == outcome(json.loads)
 
 
 def test_error_body_is_openai_shaped():
@@ -237,8 +270,10 @@ async def test_retry_before_first_byte_when_an_instance_is_killed():
             a.kill_group()  # still "ready" in the pool: nobody told the proxy
             assert [await served_by(c) for _ in range(6)] == ["b"] * 6
             text = await metrics_text(proxy)
-            assert metric_value(text, "vsup_proxy_retries_total", reason="connect") >= 1
-            assert metric_value(text, "vsup_proxy_upstream_errors_total", instance="a", kind="connect") >= 1
+            # the first refused connect took "a" out of the rotation: no request paid for it again
+            assert metric_value(text, "vsup_proxy_retries_total", reason="connect") == 1
+            assert metric_value(text, "vsup_proxy_upstream_errors_total", instance="a", kind="connect") == 1
+            assert metric_value(text, "vsup_proxy_ejections_total", instance="a") == 1
     finally:
         a.cleanup()
         b.cleanup()
@@ -274,6 +309,71 @@ async def test_retry_budget_is_bounded():
         text = await metrics_text(proxy)
         attempts = sum(metric_value(text, "vsup_proxy_upstream_errors_total", instance=b.name, kind="connect") for b in dead)
         assert attempts == 2  # the first try and one retry
+        # the two tried were ejected; the next request tries the third, and then none is left
+        with pytest.raises(openai.APIStatusError) as caught:
+            await client(proxy).chat.completions.create(model="fake-model", messages=MESSAGES)
+        assert caught.value.status_code == 503 and "could be reached" in caught.value.message
+
+
+async def test_every_instance_unreachable_is_503_on_the_first_request():
+    a, b = start_fakes(["a", "b"])
+    try:
+        pool = ready_pool([a, b])
+        async with running_proxy(pool) as proxy:
+            c = client(proxy)
+            assert {await served_by(c) for _ in range(2)} == {"a", "b"}
+            a.kill_group()
+            b.kill_group()  # nobody tells the proxy: the pool still says both are ready
+            with pytest.raises(openai.InternalServerError) as caught:
+                await c.chat.completions.create(model="fake-model", messages=MESSAGES)
+            assert caught.value.status_code == 503
+            assert caught.value.response.headers["Retry-After"] == "1"
+            assert caught.value.body["code"] == "no_ready_instance" and "could be reached" in caught.value.message
+            assert "instance a:" in caught.value.message and "instance b:" in caught.value.message
+            assert pool.ready() == () and pool.state("a") == "ready"  # ejected; the owner's state is untouched
+            text = await metrics_text(proxy)
+            assert metric_value(text, "vsup_proxy_ejections_total", instance="a") == 1
+            assert metric_value(text, "vsup_proxy_ejections_total", instance="b") == 1
+            assert metric_value(text, "vsup_instance_ready", instance="a") == 0
+            # the next request does not try them again: a plain "no ready instance"
+            with pytest.raises(openai.InternalServerError, match="no ready instance"):
+                await c.chat.completions.create(model="fake-model", messages=MESSAGES)
+            async with aiohttp.ClientSession() as session:
+                async with session.get(url(proxy, "/ready")) as response:
+                    assert response.status == 503
+            # the owner (here: what the supervisor does when the restarted instance is healthy)
+            # brings one back at once
+            revived = start_fake(a.port, name="a2", env=LEAN)
+            try:
+                revived.wait_ready()
+                pool.set_state("a", "ready", True)
+                assert await served_by(c) == "a2"
+            finally:
+                revived.cleanup()
+    finally:
+        a.cleanup()
+        b.cleanup()
+
+
+async def test_an_ejection_runs_out_without_a_health_check(monkeypatch):
+    # A refused connect that was no death (the owner never says otherwise): the instance is tried
+    # again after EJECT_SECONDS, and found alive.
+    monkeypatch.setattr("vsup.supervisor.proxy.forward.EJECT_SECONDS", 0.5)
+    port = free_port()
+    pool = BackendPool([Backend("late", f"http://127.0.0.1:{port}")])
+    pool.set_state("late", "ready", True)
+    async with running_proxy(pool) as proxy:
+        c = client(proxy)
+        with pytest.raises(openai.InternalServerError, match="could be reached"):
+            await served_by(c)
+        assert pool.ready() == ()
+        late = start_fake(port, name="late", env=LEAN)  # it was only slow to listen
+        try:
+            late.wait_ready()
+            await wait_for(lambda: pool.is_ready("late"), what="the ejection to run out")
+            assert await served_by(c) == "late"
+        finally:
+            late.cleanup()
 
 
 async def test_metrics_show_states_and_in_flight(fakes):

@@ -124,3 +124,43 @@ def test_standalone_proxy_health_checks_and_drain(tmp_path):
         for fake in (a, b, replacement):
             if fake is not None:
                 fake.cleanup()
+
+
+def test_standalone_proxy_answers_503_at_once_when_every_upstream_is_gone(tmp_path):
+    # Health checks far apart: only passive ejection can notice the deaths in time.
+    a, b = start_fakes(["a", "b"])
+    port = free_port()
+    config = tmp_path / "proxy.yaml"
+    config.write_text("health:\n  interval: 1\n  timeout: 1\n  failures: 1000\n")
+    env = dict(os.environ, PYTHONPATH=str(REPO), VSUP_API_KEY="")
+    proc = subprocess.Popen(
+        [*VSUP, "proxy", "--upstream", a.url, "--upstream", b.url, "--port", str(port), "--config", str(config)],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    revived = None
+    try:
+        wait_until(lambda: {served_by(port) for _ in range(4)} == {"a", "b"}, what="both upstreams in rotation")
+        a.kill_group()
+        b.kill_group()
+        status, headers, body = request(port, "POST", "/v1/chat/completions",
+                                        {"model": "fake-model", "messages": [{"role": "user", "content": "x"}]})
+        assert status == 503 and headers["Retry-After"] == "1"
+        error = json.loads(body)["error"]
+        assert error["code"] == "no_ready_instance" and "could be reached" in error["message"]
+        # the active checker brings an upstream back once it answers again
+        revived = start_fake(a.port, name="a2", env=LEAN)
+        chat = {"model": "fake-model", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+        wait_until(lambda: request(port, "POST", "/v1/chat/completions", chat)[1].get("X-Fake-Instance") == "a2",
+                   what="the revived upstream to be back in rotation")
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+        for fake in (a, b, revived):
+            if fake is not None:
+                fake.cleanup()
+    assert "Traceback" not in proc.stderr.read()

@@ -21,6 +21,8 @@ import pytest
 from tests.proxy_support import (
     MESSAGES, client, metric_value, metrics_text, ready_pool, running_proxy, served_by, start_fakes, wait_for,
 )
+from tests.raw_http import RawServer, read_request, reset
+from vsup.supervisor.backends import Backend
 
 # Held long enough that requests sent together each need a connection of their own.
 SLOW = {"fake": {"first_token_delay": 0.5}}
@@ -106,19 +108,24 @@ async def test_stale_connection_to_the_only_instance_gets_one_fresh_try():
                 a.kill()
             with pytest.raises(openai.APIStatusError) as caught:
                 await pending
-            # the retry was a new connection to the same instance, refused: it is really gone
-            assert caught.value.status_code == 502 and "cannot connect" in caught.value.message
+            # the retry was a new connection to the same instance, refused: it is really gone, out
+            # of the rotation, and none is left
+            assert caught.value.status_code == 503 and "could be reached" in caught.value.message
+            assert caught.value.response.headers["Retry-After"] == "1"
             text = await metrics_text(proxy)
             assert metric_value(text, "vsup_proxy_retries_total", reason="stale") == 1
             assert metric_value(text, "vsup_proxy_upstream_errors_total", instance="a", kind="stale") == 1
             assert metric_value(text, "vsup_proxy_upstream_errors_total", instance="a", kind="connect") == 1
+            assert metric_value(text, "vsup_proxy_ejections_total", instance="a") == 1
     finally:
         a.cleanup()
 
 
-async def test_reset_on_a_fresh_connection_is_not_retried():
-    # A new connection that dies after the request went out: the server may have started on it,
-    # so this stays a 502 (the stale rule covers reused connections only).
+async def test_reset_on_a_fresh_connection_by_a_killed_instance_is_retried():
+    # A new connection queued on an instance that is then killed: the kernel resets it with our
+    # request unread. Nothing listens on the instance's port any more, so nothing it started can
+    # reach a client: the request goes to the next instance and the dead one leaves the rotation,
+    # with no supervisor to say so (standalone `vsup proxy`; the pool says "ready" throughout).
     a, b = start_fakes(["a", "b"])
     try:
         async with running_proxy(ready_pool([a, b])) as proxy:
@@ -127,17 +134,45 @@ async def test_reset_on_a_fresh_connection_is_not_retried():
                 pending = [asyncio.create_task(served_by(c)) for _ in range(2)]  # one to each
                 await wait_for(lambda: requests_waiting_at(a.port) == 1, what="the request sent to the stopped instance")
                 a.kill()
-            outcomes = await asyncio.gather(*pending, return_exceptions=True)
-            served = [o for o in outcomes if isinstance(o, str)]
-            [failed] = [o for o in outcomes if isinstance(o, BaseException)]
-            assert served == ["b"]
-            assert isinstance(failed, openai.APIStatusError) and failed.status_code == 502, failed
-            assert "failed before answering" in failed.message
+            assert sorted(await asyncio.gather(*pending)) == ["b", "b"]
+            assert [await served_by(c) for _ in range(3)] == ["b"] * 3  # "a" is out of the rotation
             text = await metrics_text(proxy)
-            assert metric_value(text, "vsup_proxy_retries_total", reason="stale") == 0
+            assert metric_value(text, "vsup_proxy_retries_total", reason="gone") == 1
             assert metric_value(text, "vsup_proxy_upstream_errors_total", instance="a", kind="broken") == 1
+            assert metric_value(text, "vsup_proxy_upstream_errors_total", instance="a", kind="connect") == 0
+            assert metric_value(text, "vsup_proxy_ejections_total", instance="a") == 1
     finally:
         a.cleanup()
+        b.cleanup()
+
+
+async def test_reset_on_a_fresh_connection_by_a_live_server_is_not_retried():
+    # A server that reads the request and resets the connection but still listens: it may have
+    # started on the request, so this stays a 502 (the stale rule covers reused connections only),
+    # and a server that accepts connections is not ejected.
+    async def read_then_reset(reader, writer):
+        await read_request(reader)
+        reset(writer)
+
+    [b] = start_fakes(["b"])
+    try:
+        async with RawServer(read_then_reset) as live:
+            pool = ready_pool([b])
+            pool.add(Backend("live", live.url))
+            pool.set_state("live", "ready", True)
+            async with running_proxy(pool) as proxy:
+                c = client(proxy, timeout=60)
+                outcomes = await asyncio.gather(*(served_by(c) for _ in range(2)), return_exceptions=True)
+                [failed] = [o for o in outcomes if isinstance(o, BaseException)]
+                assert [o for o in outcomes if isinstance(o, str)] == ["b"]
+                assert isinstance(failed, openai.APIStatusError) and failed.status_code == 502, failed
+                assert "failed before answering" in failed.message
+                assert pool.is_ready("live")
+                text = await metrics_text(proxy)
+                assert metric_value(text, "vsup_proxy_retries_total", reason="gone") == 0
+                assert metric_value(text, "vsup_proxy_upstream_errors_total", instance="live", kind="broken") == 1
+                assert metric_value(text, "vsup_proxy_ejections_total", instance="live") == 0
+    finally:
         b.cleanup()
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import socket
 import time
 
 import aiohttp
@@ -13,6 +15,8 @@ import openai
 import pytest
 
 from tests.proxy_support import client, metric_value, metrics_text, ready_pool, running_proxy, start_fakes, url, wait_for
+from tests.raw_http import RawServer, chunk, read_request
+from vsup.supervisor.backends import Backend, BackendPool
 
 MESSAGES = [{"role": "user", "content": "stream please"}]
 CHAT = {"model": "fake-model", "messages": MESSAGES}
@@ -141,16 +145,27 @@ async def test_instance_dying_mid_stream_ends_with_an_error_event():
         dying.cleanup()
 
 
-async def test_instance_dying_during_a_non_streaming_request_is_502():
-    [dying] = start_fakes(["d"], env={"FAKE_VLLM_CRASH_AFTER": "1", "FAKE_VLLM_CRASH_MID_STREAM": "1"})
+async def test_instance_dying_during_a_non_streaming_request():
+    # It dies before sending a byte (a non-streaming answer comes at the end): nothing it started
+    # can reach the client, so another instance answers; with none left, 503 + Retry-After.
+    crashing = {"FAKE_VLLM_CRASH_AFTER": "1", "FAKE_VLLM_CRASH_MID_STREAM": "1"}
+    [dying] = start_fakes(["d"], env=crashing)
+    [other] = start_fakes(["o"])
     try:
         async with running_proxy(ready_pool([dying])) as proxy:
             with pytest.raises(openai.APIStatusError) as caught:
                 await client(proxy).chat.completions.create(**CHAT, max_tokens=20)
-            assert caught.value.status_code == 502
-            assert caught.value.body["type"] == "upstream_error"
+            assert caught.value.status_code == 503 and caught.value.response.headers["Retry-After"] == "1"
+            assert "instance d: the instance closed the connection" in caught.value.message
+        dying.cleanup()
+        [dying] = start_fakes(["d"], env=crashing)
+        async with running_proxy(ready_pool([dying, other])) as proxy:
+            raw = await client(proxy).chat.completions.with_raw_response.create(**CHAT, max_tokens=20)
+            assert raw.headers["x-fake-instance"] == "o"
+            assert metric_value(await metrics_text(proxy), "vsup_proxy_retries_total", reason="gone") == 1
     finally:
         dying.cleanup()
+        other.cleanup()
 
 
 async def test_idle_timeout_ends_the_stream_with_an_error_event(fake):
@@ -230,3 +245,41 @@ async def test_ready_is_503_and_new_requests_refused_while_draining(fake):
             assert "shutting down" in (await refused.json())["error"]["message"]
         await response.read()
         await asyncio.wait_for(drain, 10)
+
+
+async def test_a_client_leaving_right_after_the_last_chunk_is_a_quiet_disconnect(caplog):
+    # The race wrk hit at the end of each run: the instance's final chunk and the client's close
+    # reach the proxy in one loop iteration, so the handler ends the response on a closing socket.
+    events_sent = asyncio.Event()
+    upstream_writer: list[asyncio.StreamWriter] = []
+
+    async def instance(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                     + chunk(b'data: {"n": 1}\n\n') + chunk(b"data: [DONE]\n\n"))
+        upstream_writer.append(writer)
+        events_sent.set()
+        await asyncio.sleep(30)
+
+    async with RawServer(instance) as server:
+        pool = BackendPool([Backend("raw", server.url)])
+        pool.set_state("raw", "ready", True)
+        async with running_proxy(pool) as proxy:
+            loop = asyncio.get_running_loop()
+            sock = socket.socket()
+            sock.setblocking(False)
+            await loop.sock_connect(sock, ("127.0.0.1", proxy.port))
+            body = json.dumps({**CHAT, "stream": True}).encode()
+            await loop.sock_sendall(sock, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                          b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
+            received = b""
+            while b"[DONE]" not in received:
+                received += await loop.sock_recv(sock, 65536)
+            await events_sent.wait()
+            # In one step, with no await between: the instance ends its answer, then the client goes.
+            upstream_writer[0].write(b"0\r\n\r\n")
+            sock.close()
+            await wait_for(lambda: proxy.total_in_flight() == 0, what="the proxy to finish the request")
+            assert metric_value(await metrics_text(proxy), "vsup_proxy_client_disconnects_total", phase="streaming") == 1
+    errors = [r for r in caplog.records if r.name.startswith(("vsup", "aiohttp")) and (r.levelno >= logging.ERROR or r.exc_info)]
+    assert errors == [], [r.getMessage() for r in errors]

@@ -44,3 +44,11 @@ def test_configuration_reference_is_the_generated_example():
 def test_every_subcommand_is_mentioned():
     for name in command_names():
         assert f"vsup {name}" in README, name
+
+
+def test_the_vsup_top_capture_is_the_one_the_tmux_test_took():
+    """docs/vsup-top.txt is what tests/test_observe_run.py captured in a tmux pane
+    (VSUP_UPDATE_DOCS=1 rewrites it); the README shows that very capture."""
+    capture = (ROOT / "docs" / "vsup-top.txt").read_text()
+    assert "TOK/S" in capture and "LOCAL" in capture
+    assert f"```\n{capture}```" in README

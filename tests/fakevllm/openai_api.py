@@ -75,6 +75,25 @@ def _message_text(message: dict) -> str:
     return ""
 
 
+def prompt_words(kind: str, body: dict) -> list[list[str]]:
+    """The words of each prompt of a validated chat or completion request, as the prefix cache
+    sees them: a chat is one prompt, each message opened by its role (as a chat template does)."""
+    if kind == "chat":
+        words: list[str] = []
+        for message in body["messages"]:
+            words.append(f"<|{message['role']}|>")
+            words += _message_text(message).split()
+        return [words]
+    prompt = body["prompt"]
+    if isinstance(prompt, str):
+        return [prompt.split()]
+    if all(isinstance(p, str) for p in prompt):
+        return [p.split() for p in prompt]
+    if all(isinstance(p, int) for p in prompt):
+        return [[str(t) for t in prompt]]
+    return [[str(t) for t in p] for p in prompt]
+
+
 def _resolve_model(body: dict, names: tuple[str, ...]) -> str:
     model = body.get("model")
     if model is None or model == "":

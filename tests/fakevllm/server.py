@@ -23,7 +23,10 @@ from aiohttp import web
 
 from . import openai_api as api
 from .cli import ServeArgs, UsageError, parse_args
+from .engine import BatchEngine
 from .events import EventLog
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, VllmMetrics
+from .prefix_cache import PrefixCache
 from .settings import Faults, SettingsError, load_faults
 from .tree import EngineCore, SharedMemoryFiles
 
@@ -67,11 +70,13 @@ def _mems_allowed() -> str | None:
 class _Progress:
     """How far one generation got, for the "cancelled" event."""
 
-    __slots__ = ("phase", "tokens")
+    __slots__ = ("phase", "tokens", "arrived", "last_token_at")
 
     def __init__(self) -> None:
         self.phase = "waiting_first_token"
         self.tokens = 0
+        self.arrived = time.monotonic()
+        self.last_token_at: float | None = None
 
 
 class FakeVllm:
@@ -94,12 +99,13 @@ class FakeVllm:
         self.waiting = 0
         max_seqs = faults.max_num_seqs or args.max_num_seqs
         self.slots = asyncio.Semaphore(max_seqs) if max_seqs else None
-        self.prompt_tokens_total = 0
-        self.generation_tokens_total = 0
-        self.success_total = 0
+        self.prom = VllmMetrics(args.names[0], lambda: self.running, lambda: self.waiting)
+        self.prefix_cache = PrefixCache(faults.prefix_cache_blocks)
+        self.prefill_lock = asyncio.Lock()  # one prefill at a time, as one engine computes them
         self.created = int(time.time())
         self.early_signals: list[str] = []
         self.ballast: list[bytes] = []  # resident memory grown on demand (POST /fake/grow, a leak)
+        self.engine_model: BatchEngine | None = None  # the speed model, when FAKE_VLLM_STEP_TIME is set
 
     # ---------------------------------------------------------------- startup and shutdown
 
@@ -164,6 +170,8 @@ class FakeVllm:
     async def serve(self) -> int:
         loop = asyncio.get_running_loop()
         self.stop_fut = loop.create_future()
+        if self.faults.step_time is not None:
+            self.engine_model = BatchEngine(self.faults, self.stop_fut)
         if self.faults.ignore_sigterm:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -390,22 +398,12 @@ class FakeVllm:
         return web.json_response({"server_load": self.running + self.waiting})
 
     async def metrics(self, request: web.Request) -> web.Response:
-        labels = f'engine="0",model_name="{self.args.names[0]}"'
-        rows = [
-            ("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", self.running),
-            ("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", self.waiting),
-            ("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.",
-             min(1.0, self.running / 64)),
-            ("vllm:prompt_tokens", "counter", "Number of prefill tokens processed.", self.prompt_tokens_total),
-            ("vllm:generation_tokens", "counter", "Number of generation tokens processed.",
-             self.generation_tokens_total),
-            ("vllm:request_success", "counter", "Count of successfully processed requests.", self.success_total),
-        ]
-        lines = []
-        for metric, kind, help_text, value in rows:
-            sample = f"{metric}_total" if kind == "counter" else metric
-            lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} {kind}", f"{sample}{{{labels}}} {float(value)}"]
-        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8")
+        body = self.prom.render()
+        if self.engine_model is not None:  # the speed model's own count, beside vLLM's families
+            body += (b"# HELP fakevllm:engine_steps_total Steps of the speed model's batched engine (FAKE_VLLM_STEP_TIME).\n"
+                     b"# TYPE fakevllm:engine_steps_total counter\n"
+                     b"fakevllm:engine_steps_total %d\n" % self.engine_model.steps)
+        return web.Response(body=body, headers={"Content-Type": METRICS_CONTENT_TYPE})
 
     async def grow(self, request: web.Request) -> web.Response:
         """Test-only: `POST /fake/grow {"mib": N}` makes the server's resident memory N MiB larger."""
@@ -474,10 +472,17 @@ class FakeVllm:
                                             "EngineCore encountered an issue. See stack trace (above) for the root cause."),
                                rid, request.path)
         try:
-            gen = parse(await self._read_json(request), self.args.names, self.args.max_model_len)
+            body = await self._read_json(request)
+            gen = parse(body, self.args.names, self.args.max_model_len)
         except api.ApiError as err:
             return self._error(err, rid, request.path)
-        self.prompt_tokens_total += gen.prompt_tokens
+        self.prom.prompt_tokens.inc(gen.prompt_tokens)
+        uncached = 0
+        for words in api.prompt_words(gen.kind, body):
+            hits = self.prefix_cache.lookup(words)
+            self.prom.prefix_cache_queries.inc(len(words))
+            self.prom.prefix_cache_hits.inc(hits)
+            uncached += len(words) - hits
         progress = _Progress()
         try:
             if self.slots is not None and self.slots.locked():
@@ -490,8 +495,12 @@ class FakeVllm:
             elif self.slots is not None:
                 await self.slots.acquire()
             progress.phase = "waiting_first_token"
+            self.prom.queue.observe(time.monotonic() - progress.arrived)
             self.running += 1
             try:
+                if f.prefill_delay and uncached:
+                    async with self.prefill_lock:  # what the cache did not hold is computed, in turn
+                        await asyncio.wait((self.stop_fut,), timeout=uncached * f.prefill_delay)
                 if gen.stream:
                     return await self._stream(request, gen, rid, progress, crash_at_token)
                 return await self._complete(request, gen, rid, progress, crash_at_token)
@@ -506,12 +515,15 @@ class FakeVllm:
 
     async def _pace(self, gen: api.Generation, index: int, crash_at_token: int | None) -> bool:
         """Wait for token `index`; False when the server is shutting down (or hung, until then)."""
-        if index == 0:
-            delay = self.faults.first_token_delay if gen.first_token_delay is None else gen.first_token_delay
+        if self.engine_model is not None:
+            await self.engine_model.token()
         else:
-            delay = self.faults.token_delay if gen.token_delay is None else gen.token_delay
-        if delay > 0:
-            await asyncio.wait((self.stop_fut,), timeout=delay)
+            if index == 0:
+                delay = self.faults.first_token_delay if gen.first_token_delay is None else gen.first_token_delay
+            else:
+                delay = self.faults.token_delay if gen.token_delay is None else gen.token_delay
+            if delay > 0:
+                await asyncio.wait((self.stop_fut,), timeout=delay)
         if self.hung:
             await asyncio.shield(self.stop_fut)
         if self.stopping:
@@ -527,8 +539,8 @@ class FakeVllm:
                                                 f"Request {rid} aborted: the server is shutting down."))
             progress.phase = "generating"
             progress.tokens = i + 1
-            self.generation_tokens_total += gen.prompts
-        self.success_total += 1
+            self._token_out(progress, gen.prompts)
+        self._finished(progress)
         self.events.emit("finished", path=request.path, id=rid, tokens=progress.tokens, stream=False)
         body = api.full_response(gen, rid, int(time.time()), self.fingerprint, progress.tokens)
         return web.Response(text=_dumps(body), content_type="application/json")
@@ -550,7 +562,7 @@ class FakeVllm:
                 for p in range(gen.prompts):
                     await response.write(self._sse(api.token_chunk(gen, rid, created, self.fingerprint, i, p)))
                 progress.tokens = i + 1
-                self.generation_tokens_total += gen.prompts
+                self._token_out(progress, gen.prompts)
             if response is None:  # shutting down before the first token
                 return self._error(api.ApiError(500, "InternalServerError",
                                                 f"Request {rid} aborted: the server is shutting down."))
@@ -561,7 +573,7 @@ class FakeVllm:
             else:
                 if gen.include_usage:
                     await response.write(self._sse(api.usage_chunk(gen, rid, created, self.fingerprint, progress.tokens)))
-                self.success_total += 1
+                self._finished(progress)
                 self.events.emit("finished", path=request.path, id=rid, tokens=progress.tokens, stream=True)
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
@@ -570,6 +582,20 @@ class FakeVllm:
             self.events.emit("cancelled", path=request.path, id=rid, phase=progress.phase, tokens=progress.tokens,
                              stopping=self.stopping)
         return response
+
+    def _token_out(self, progress: _Progress, count: int) -> None:
+        """One token step went out: time to first token, or the gap since the previous one."""
+        now = time.monotonic()
+        if progress.last_token_at is None:
+            self.prom.ttft.observe(now - progress.arrived)
+        else:
+            self.prom.itl.observe(now - progress.last_token_at)
+        progress.last_token_at = now
+        self.prom.generation_tokens.inc(count)
+
+    def _finished(self, progress: _Progress) -> None:
+        self.prom.success["length"].inc()  # the fake always generates max_tokens
+        self.prom.e2e.observe(time.monotonic() - progress.arrived)
 
     @staticmethod
     def _sse(obj: dict) -> bytes:

@@ -41,6 +41,14 @@ class Faults:
     access_log: bool = True
     max_num_seqs: int | None = None  # concurrent generations; more wait ("queued"), like --max-num-seqs
     grow_mib_per_s: float = 0.0  # resident memory the server adds per second once ready (a leak)
+    prefill_delay: float = 0.0  # seconds per prompt token not in the prefix cache, one prefill at a time
+    prefix_cache_blocks: int = 4096  # blocks of 16 tokens the prefix cache holds (LRU)
+    # speed model (engine.py): batched steps whose length depends on threads, CPUs and LD_PRELOAD
+    step_time: float | None = None  # seconds per step with one thread; None: per-request delays instead
+    seq_cost: float = 0.0  # a step grows by this fraction per extra sequence in the batch
+    saturate_threads: int | None = None  # more threads than this add nothing (memory bandwidth)
+    busy_penalty: float = 1.0  # step factor when OpenMP takes every CPU of the mask
+    preload_speedup: float = 1.0  # step divisor when LD_PRELOAD is set
 
 
 def _number(env: Mapping[str, str], key: str, kind: type, low: float, example: str):
@@ -112,4 +120,11 @@ def load_faults(env: Mapping[str, str] = os.environ) -> Faults:
         access_log=_flag(env, "FAKE_VLLM_ACCESS_LOG", True),
         max_num_seqs=num("FAKE_VLLM_MAX_NUM_SEQS", int, 1, "4"),
         grow_mib_per_s=default(num("FAKE_VLLM_GROW_MIB_PER_S", example="20"), 0.0),
+        prefill_delay=default(num("FAKE_VLLM_PREFILL_DELAY", example="0.001"), 0.0),
+        prefix_cache_blocks=default(num("FAKE_VLLM_PREFIX_CACHE_BLOCKS", int, 0, "64"), 4096),
+        step_time=num("FAKE_VLLM_STEP_TIME", example="0.02"),
+        seq_cost=default(num("FAKE_VLLM_SEQ_COST", example="0.05"), 0.0),
+        saturate_threads=num("FAKE_VLLM_SATURATE_THREADS", int, 1, "2"),
+        busy_penalty=default(num("FAKE_VLLM_BUSY_PENALTY", low=1, example="1.5"), 1.0),
+        preload_speedup=default(num("FAKE_VLLM_PRELOAD_SPEEDUP", low=1, example="1.2"), 1.0),
     )

@@ -3,6 +3,11 @@
 The supervisor (or, in `vsup proxy`, the proxy's own health checker) calls `set_state`; the proxy
 reads `ready()` on every request, so an instance leaves the rotation the moment its state changes,
 not at the next poll. Single event loop: no locks needed.
+
+The proxy may also `eject` an instance it has just failed to reach (passive health, as nginx's
+max_fails and Envoy's outlier detection): it leaves the rotation at once, and comes back when its
+owner next reports it ready (the health checker's next success, the supervisor's restart) or, at
+the latest, when the ejection runs out — so a refusal that was not a death costs little.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ class BackendPool:
         self._ready: dict[str, bool] = {}
         self._listeners: list[Listener] = []
         self._leaving: dict[str, list[asyncio.Future]] = {}  # wait_not_ready() callers
+        self._ejected: dict[str, asyncio.TimerHandle] = {}  # name -> the timer that ends its ejection
         self._rotation: tuple[Backend, ...] = ()  # ready(), rebuilt when readiness changes, not per request
         for backend in backends:
             self.add(backend)
@@ -50,23 +56,53 @@ class BackendPool:
     def set_state(self, name: str, state: str, ready: bool) -> None:
         if name not in self._backends:
             raise KeyError(name)
+        was = self.is_ready(name)
+        if ready:
+            self._end_ejection(name)  # its owner saw it healthy: trust that over our last failure
         changed = self._state[name] != state or self._ready[name] != ready
         self._state[name] = state
-        if self._ready[name] != ready:
-            self._ready[name] = ready
-            self._rebuild_rotation()
-        if changed:
-            for listener in list(self._listeners):
-                listener(self._backends[name], state, ready)
-        if not ready:
+        self._ready[name] = ready
+        self._rebuild_rotation()
+        if changed or was != self.is_ready(name):
+            self._changed(name, was)
+
+    def eject(self, name: str, seconds: float) -> bool:
+        """Take `name` out of the rotation now (the proxy could not reach it), until its owner
+        reports it ready again or `seconds` pass. False if it was not in the rotation."""
+        if not self.is_ready(name):
+            return False
+        self._ejected[name] = asyncio.get_running_loop().call_later(seconds, self._ejection_over, name)
+        self._rebuild_rotation()
+        self._changed(name, True)
+        return True
+
+    def is_ejected(self, name: str) -> bool:
+        return name in self._ejected
+
+    def _ejection_over(self, name: str) -> None:
+        self._ejected.pop(name, None)
+        self._rebuild_rotation()
+        self._changed(name, False)
+
+    def _end_ejection(self, name: str) -> None:
+        timer = self._ejected.pop(name, None)
+        if timer is not None:
+            timer.cancel()
+
+    def _changed(self, name: str, was_ready: bool) -> None:
+        """Tell the listeners when `name` entered or left the rotation or changed state."""
+        ready = self.is_ready(name)
+        for listener in list(self._listeners):
+            listener(self._backends[name], self._state[name], ready)
+        if was_ready and not ready:
             for waiter in self._leaving.pop(name, ()):
                 if not waiter.done():
                     waiter.set_result(None)
 
     async def wait_not_ready(self, name: str, timeout: float) -> bool:
-        """True once `name` is out of the rotation (at once if it already is), False after
-        `timeout` seconds in it. Lets the proxy ask "did this instance just die?" when a
-        connection to it breaks before the supervisor has seen the exit."""
+        """True once `name` is out of the rotation (at once if it already is; reported not ready
+        or ejected), False after `timeout` seconds in it. Lets the proxy ask "did this instance
+        just die?" when a connection to it breaks before the supervisor has seen the exit."""
         if not self.is_ready(name):
             return True
         waiter = asyncio.get_running_loop().create_future()
@@ -92,10 +128,11 @@ class BackendPool:
         return self._rotation
 
     def _rebuild_rotation(self) -> None:
-        self._rotation = tuple(b for name, b in self._backends.items() if self._ready[name])
+        self._rotation = tuple(b for name, b in self._backends.items() if self._ready[name] and name not in self._ejected)
 
     def is_ready(self, name: str) -> bool:
-        return self._ready.get(name, False)
+        """In the rotation: reported ready by its owner and not ejected by the proxy."""
+        return self._ready.get(name, False) and name not in self._ejected
 
     def state(self, name: str) -> str:
         return self._state[name]

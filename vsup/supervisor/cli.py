@@ -60,9 +60,10 @@ def main() -> None:
     vsup topology            what this machine looks like (nodes, cores, L3, memory)
     vsup plan --instances 2  how N instances would be placed
     vsup run --config FILE   start them and the proxy, keep them healthy
-    vsup status / restart    talk to a running vsup
+    vsup status / restart    talk to a running vsup (vsup top: the live view)
     vsup reload              apply a changed config file, one instance at a time
     vsup proxy --upstream …  the proxy alone, in front of servers started elsewhere
+    vsup tune --config FILE  measure layouts on this machine, pick the best
     vsup doctor              check this machine against what vLLM CPU needs
     vsup config --example    the commented example configuration (every key)
     vsup install-systemd     install vsup as a systemd service

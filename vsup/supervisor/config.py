@@ -54,6 +54,7 @@ class PlacementConfig(_Section):
     housekeeping_core: bool = Field(False, description="give each instance one core for its API server/EngineCore, outside OpenMP")
     smt: bool = Field(False, description="one OpenMP thread per hardware thread instead of one per physical core")
     cores_per_instance: int | None = Field(None, ge=1, description="OpenMP cores per instance; null: split all usable cores")
+    omp_threads: int | None = Field(None, ge=1, description="OpenMP threads per instance (OMP_NUM_THREADS), at most its OpenMP CPUs; they take one CPU per core first, the CPUs left over stay in its mask, idle for its API server/EngineCore (decode runs out of memory bandwidth before it runs out of cores; `vsup tune` measures it); null: one thread per OpenMP CPU")
     membind: Literal["bind", "preferred"] = Field("bind", description="numactl memory policy: bind (strict) or preferred (fall back to other nodes)")
     launcher: Literal["auto", "numactl", "taskset", "none"] = Field("auto", description="numactl, taskset or none; auto: numactl when installed, else taskset")
     nodes: list[int] | None = Field(None, min_length=1, description="only place instances on these NUMA nodes, e.g. [0, 1]; null: every node with usable CPUs")
@@ -92,7 +93,9 @@ class ProxyConfig(_Section):
     host: str = Field("127.0.0.1", description="address the proxy listens on (0.0.0.0: every interface)")
     port: int = Field(8000, ge=0, le=65535, description="port clients use (http://host:port/v1); not one of the instances' ports")
     api_key: str | None = Field(None, description="Bearer token clients must send; env VSUP_API_KEY overrides; null: no auth")
-    policy: Literal["round_robin", "least_outstanding"] = Field("round_robin", description="round_robin, or least_outstanding (fewest requests in flight)")
+    policy: Literal["round_robin", "least_outstanding", "prefix_affinity"] = Field("round_robin", description="round_robin, least_outstanding (fewest requests in flight), or prefix_affinity (requests that share a prompt prefix or a session go to the same instance, whose prefix cache holds it; docs/proxy.md)")
+    affinity_prefix_chars: int = Field(2048, ge=16, description="prefix_affinity: how many leading characters of a request pick its instance (chat: the messages up to the first user message; completions: the prompt); requests alike in these share an instance")
+    affinity_max_imbalance: int = Field(4, ge=0, description="prefix_affinity: the chosen instance may have this many requests in flight more than the least loaded one (per unit of weight); beyond that the least loaded gets the request")
     max_body_bytes: int = Field(8 * MiB, ge=1024, description="larger request bodies get 413")
     connect_timeout: float = Field(5.0, gt=0, description="seconds to connect to an instance")
     first_byte_timeout: float = Field(300.0, gt=0, description="seconds to the first byte of a response (prefill of a long prompt on CPU takes a while)")
@@ -167,8 +170,52 @@ class ControlConfig(_Section):
     socket: Path | None = Field(None, strict=False, description="unix socket (0600) for `vsup status` / `restart` / `reload`; null: $RUNTIME_DIRECTORY/control.sock under systemd (/run/vsup), else /tmp/vsup-<uid>/control-<proxy.port>.sock")
 
 
+class MetricsConfig(_Section):
+    interval: float = Field(5.0, ge=0, description="seconds between two collections of every instance's vLLM /metrics and process figures (CPU, RSS/PSS, NUMA memory) for the proxy's /metrics, `vsup status`, `vsup top` and /status; 0: off")
+    timeout: float = Field(2.0, gt=0, description="seconds one instance's /metrics may take to answer; slower counts as a failed scrape")
+
+
 class NotifyConfig(_Section):
     ready_when: Literal["all", "any"] = Field("all", description="READY=1 once all instances are ready (those in a crash loop aside), or any: once one is")
+
+
+class TuneConfig(_Section):
+    """`vsup tune`: what it may try and the load it measures with (docs/tune.md); the command line overrides each key."""
+
+    instances_per_node: list[int] | None = Field(None, min_length=1, description="instances per NUMA node to try, e.g. [1, 2]; null: 1, 2, 4, ... while every instance of the smallest node keeps a physical core")
+    omp_threads: list[int | Literal["all", "half"]] | None = Field(None, min_length=1, description="OpenMP threads per instance to try (placement.omp_threads): all (one per OpenMP CPU), half (of the smallest instance's OpenMP CPUs, where that leaves one idle) or a count, e.g. [all, half, 3]; null: [all, half]")
+    smt: list[bool] | None = Field(None, min_length=1, description="placement.smt values to try, e.g. [false]; null: [false, true] where cores have SMT siblings, else [false]")
+    housekeeping_core: list[bool] | None = Field(None, min_length=1, description="placement.housekeeping_core values to try, e.g. [false]; null: [false, true]")
+    preload: list[Literal["none", "tcmalloc", "iomp", "tcmalloc+iomp"]] | None = Field(None, min_length=1, description="LD_PRELOAD sets tried on the best layout: none, tcmalloc, iomp (Intel OpenMP) or tcmalloc+iomp; a set that is not installed is pruned; null: none, and every installed library together")
+    max_num_seqs: list[int] | None = Field(None, min_length=1, description="vLLM --max-num-seqs values tried on the best layout, besides the config's own (or vLLM's default); null: half the busiest load level's requests per instance, when that is 2 or more")
+    max_num_batched_tokens: list[int] | None = Field(None, min_length=1, description="vLLM --max-num-batched-tokens values tried on the best layout, besides the config's own (or vLLM's default); null: none")
+    kvcache_gib: list[float] | None = Field(None, min_length=1, description="KV cache sizes per instance, in GiB (whole GiB, or below 1), tried on the best layout besides placement.kvcache_gib; sizes that do not fit are pruned; null: the largest that fits, when placement.kvcache_gib sets a size")
+    concurrency: list[int] = Field(default_factory=lambda: [8, 32], min_length=1, description="closed-loop load levels: requests kept in flight, each level measured in every run")
+    request_rate: list[float] = Field(default_factory=list, description="open-loop load levels, in requests per second (Poisson arrivals), e.g. [0.5, 2.0]; []: closed loop only")
+    input_len: int = Field(128, ge=1, description="synthetic prompts: input tokens per request, sized with the server's own /tokenize (not used with a workload)")
+    output_len: int = Field(64, ge=1, description="synthetic prompts: output tokens per request (max_tokens, generated in full; not used with a workload)")
+    workload: Path | None = Field(None, strict=False, description='JSONL file of requests, one per line: {"prompt": ..., "max_tokens": N} or {"messages": [...], "max_tokens": N}; a relative path is from the current directory; null: synthetic prompts of input_len/output_len tokens')
+
+    @field_validator("instances_per_node", "max_num_seqs", "max_num_batched_tokens", "concurrency")
+    @classmethod
+    def _positive_counts(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and any(v < 1 for v in value):
+            raise ValueError("every value must be at least 1")
+        return value
+
+    @field_validator("omp_threads")
+    @classmethod
+    def _positive_threads(cls, value: list | None) -> list | None:
+        if value is not None and any(isinstance(v, int) and v < 1 for v in value):
+            raise ValueError("a thread count must be at least 1 (or all, half)")
+        return value
+
+    @field_validator("kvcache_gib", "request_rate")
+    @classmethod
+    def _positive_numbers(cls, value: list[float] | None) -> list[float] | None:
+        if value is not None and any(not v > 0 for v in value):
+            raise ValueError("every value must be positive")
+        return value
 
 
 class VsupConfig(_Section):
@@ -184,7 +231,9 @@ class VsupConfig(_Section):
     stop: StopConfig = Field(default_factory=StopConfig, description="how the instances stop (vsup stopping, `vsup restart N`, a failure)")
     log: LogConfig = Field(default_factory=LogConfig, description="the instances' output and vsup's own log")
     control: ControlConfig = Field(default_factory=ControlConfig, description="where `vsup status`, `vsup restart` and `vsup reload` reach a running vsup")
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="what vsup collects about each instance in the background (docs/metrics.md)")
     notify: NotifyConfig = Field(default_factory=NotifyConfig, description="systemd Type=notify (no-op outside systemd)")
+    tune: TuneConfig = Field(default_factory=TuneConfig, description="what `vsup tune` tries and the load it measures with (docs/tune.md); its command-line options override each key; `vsup run` ignores this section")
 
     # Where each key was written (file and YAML tree), for error lines; not a key.
     _origin: str | None = PrivateAttr(None)

@@ -19,7 +19,7 @@ import resource
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -34,6 +34,7 @@ from vsup.topology.cpulist import format_list, parse_list
 from vsup.topology.errors import PlanError, TopologyError
 from vsup.topology.fsroot import FsRoot
 from vsup.topology.model import Isa, Machine
+from vsup.topology.plan_model import Plan
 from vsup.topology.sysfs import read_machine
 
 PASS, WARN, FAIL, SKIP = "pass", "warn", "fail", "skip"
@@ -484,10 +485,32 @@ def _version_key(name: str) -> tuple:
     return tuple(int(x) if x.isdigit() else 0 for x in re.split(r"[._]", name.split("_", 1)[-1]))
 
 
+# ---------------------------------------------------------------- memory bandwidth
+
+def check_memory_bandwidth(groups: Mapping[int, list[int]], measure: Callable[[Mapping[int, list[int]]], dict[int, float]]) -> Result:
+    """The roofline of decode: each NUMA node's sustainable bandwidth, a STREAM-like triad pinned
+    the way the plan pins the instances' OpenMP threads (vsup/supervisor/tune/roofline.py)."""
+    if not groups:
+        return Result("memory-bandwidth", SKIP, "no CPUs to measure on")
+    try:
+        measured = measure(groups)
+    except (OSError, RuntimeError, ValueError) as exc:
+        return Result("memory-bandwidth", SKIP, f"triad not measured: {exc}")
+    parts = [f"node {node}: {rate / 1e9:.1f} GB/s on CPUs {format_list(groups[node])}" if node >= 0 else
+             f"{rate / 1e9:.1f} GB/s on CPUs {format_list(groups[node])}" for node, rate in measured.items()]
+    return Result("memory-bandwidth", PASS, "triad " + "; ".join(parts)
+                  + " (decode streams the weights once per step: this is its limit; `vsup tune` reports each layout against it)")
+
+
 # ---------------------------------------------------------------- the plan
 
 def check_plan(cfg: VsupConfig, fsroot: str) -> tuple[list[Result], Machine | None, frozenset[int] | None]:
     """(results, machine, CPUs the plan uses). PlanError -> fail with the planner's message."""
+    results, machine, plan = _check_plan(cfg, fsroot)
+    return results, machine, frozenset(c for inst in plan.instances for c in inst.cpus) if plan else None
+
+
+def _check_plan(cfg: VsupConfig, fsroot: str) -> tuple[list[Result], Machine | None, Plan | None]:
     try:
         machine, plan = plan_from_config(cfg, fsroot)
     except (PlanError, TopologyError, VsupError) as exc:
@@ -497,13 +520,13 @@ def check_plan(cfg: VsupConfig, fsroot: str) -> tuple[list[Result], Machine | No
     # the planner's own warnings, e.g. a node whose memory is taken by other processes right now
     for warning in plan.warnings:
         results.append(Result("plan-warning", WARN, warning))
-    cpus = frozenset(c for inst in plan.instances for c in inst.cpus)
-    return results, machine, cpus
+    return results, machine, plan
 
 
 # ---------------------------------------------------------------- everything
 
-def run_doctor(config_path: str | None, fsroot: str = "/", environ: Mapping[str, str] = os.environ) -> list[Result]:
+def run_doctor(config_path: str | None, fsroot: str = "/", environ: Mapping[str, str] = os.environ,
+               bandwidth: bool = True) -> list[Result]:
     fs = FsRoot(fsroot)
     live = Path(fsroot).resolve() == Path("/")
     results: list[Result] = []
@@ -519,8 +542,10 @@ def run_doctor(config_path: str | None, fsroot: str = "/", environ: Mapping[str,
 
     machine = None
     planned: frozenset[int] | None = None
+    plan: Plan | None = None
     if cfg is not None:
-        plan_results, machine, planned = check_plan(cfg, fsroot)
+        plan_results, machine, plan = _check_plan(cfg, fsroot)
+        planned = frozenset(c for inst in plan.instances for c in inst.cpus) if plan else None
         results += plan_results
     else:
         results.append(Result("memory-plan", SKIP, "no configuration given (--config FILE checks that the plan fits each node)"))
@@ -565,6 +590,11 @@ def run_doctor(config_path: str | None, fsroot: str = "/", environ: Mapping[str,
         results.append(check_native_libs(native_extensions(probe), fs, cache, probe.get("prefix")))
         arch = machine.isa.arch if machine is not None else platform.machine()
         results.append(check_preload(fs, cache, probe, arch, cfg.vllm.env if cfg is not None else {}))
+        if bandwidth and machine is not None:
+            from vsup.supervisor.tune import roofline
+
+            groups = roofline.cpus_per_node(plan) if plan is not None else roofline.cpus_per_node_of(machine)
+            results.append(check_memory_bandwidth(groups, lambda g: roofline.measure_bandwidth(g, seconds=0.5)))
     return results
 
 

@@ -32,8 +32,8 @@ _SYSTEMD_PREFIXES = ("WATCHDOG_", "LISTEN_")
 
 # Variable -> the placement setting that decides it.
 PLACEMENT_VARIABLES = {
-    "OMP_NUM_THREADS": "placement.cores_per_instance / placement.smt / placement.housekeeping_core",
-    "VLLM_CPU_OMP_THREADS_BIND": "placement.cores_per_instance / placement.reserve_cores / placement.smt",
+    "OMP_NUM_THREADS": "placement.cores_per_instance / placement.omp_threads / placement.smt / placement.housekeeping_core",
+    "VLLM_CPU_OMP_THREADS_BIND": "placement.cores_per_instance / placement.omp_threads / placement.reserve_cores / placement.smt",
     "CPU_VISIBLE_MEMORY_NODES": "placement.nodes",
     "VLLM_CPU_KVCACHE_SPACE": "placement.kvcache_gib",
 }

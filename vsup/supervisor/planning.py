@@ -9,7 +9,6 @@ import shutil
 import subprocess
 from pathlib import Path
 
-
 from vsup.supervisor.config import GiB, VsupConfig, where
 from vsup.supervisor.errors import ConfigError
 from vsup.topology.errors import PlanError, SettingError
@@ -28,8 +27,8 @@ CONFIG_KEYS = {
     "model_size_bytes": "placement.model_size_gib",
     **{
         name: f"placement.{name}"
-        for name in ("kvcache_gib", "reserve_cores", "housekeeping_core", "smt", "cores_per_instance", "membind",
-                     "launcher", "nodes", "efficiency_cores")
+        for name in ("kvcache_gib", "reserve_cores", "housekeeping_core", "smt", "cores_per_instance", "omp_threads",
+                     "membind", "launcher", "nodes", "efficiency_cores")
     },
 }
 
@@ -59,6 +58,7 @@ def settings_from_config(cfg: VsupConfig, *, numactl_available: bool | None = No
         housekeeping_core=p.housekeeping_core,
         smt=p.smt,
         cores_per_instance=p.cores_per_instance,
+        omp_threads=p.omp_threads,
         membind=p.membind,
         launcher=launcher,
         nodes=tuple(p.nodes) if p.nodes is not None else None,

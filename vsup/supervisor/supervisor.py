@@ -15,6 +15,9 @@ The `Supervisor` owns the pieces and the wiring between them:
   (rollout.py); `vsup restart all --rolling` takes the same path; one rollout at a time;
 - the memory watchdog (memwatch.py) drains and restarts an instance that stays above
   `restart.max_rss`;
+- a metrics collector (observe/collector.py) looks at every instance in the background every
+  `metrics.interval` seconds; the proxy appends its cached text to /metrics and serves /status
+  (a reload applies a new interval, timeout, or turns it on or off);
 - a state file in the runtime directory lets the next vsup clean up if this one is killed
   (leftovers.py); the instances' processes and clock come from an `Operations` object.
 
@@ -48,6 +51,8 @@ from vsup.supervisor.lifecycle import Instance, State, Transition
 from vsup.supervisor.logs import InstanceLog
 from vsup.supervisor.memwatch import MemoryWatchdog
 from vsup.supervisor.notify import Notifier
+from vsup.supervisor.observe.collector import Collector, Target
+from vsup.supervisor.observe.page import status_page
 from vsup.supervisor.operations import Operations, SystemOperations
 from vsup.supervisor import rollout
 from vsup.supervisor.backoff import RestartPolicy
@@ -100,6 +105,9 @@ class Supervisor:
         self.control: ControlServer | None = None
         self.watchdog: MemoryWatchdog | None = None
         self.rollout: rollout.Record | None = None  # the last reload or rolling restart
+        self.collector: Collector | None = None  # None: metrics.interval 0
+        self._collector_task: asyncio.Task | None = None
+        self._http: aiohttp.ClientSession | None = None  # run()'s session (a reload may start the collector)
         self.started_at = self._now()
         self._stop_requested = asyncio.Event()
         self._stopping = False
@@ -139,7 +147,13 @@ class Supervisor:
             self._build_instances()
             api_key = self.environ.get("VSUP_API_KEY") or self.config.proxy.api_key
             self.proxy = ProxyServer(self.config.proxy, self.pool, api_key=api_key)
+            self.proxy.add_page("/status", status_page(self.status, self.config.metrics.interval))
             await self.proxy.start()
+            self._http = session
+            if self.config.metrics.interval > 0:
+                self.collector = Collector(self._observed, session, interval=self.config.metrics.interval,
+                                           timeout=self.config.metrics.timeout)
+                self.proxy.extra_metrics = self.collector.text
             self.control = ControlServer(control_socket_path(self.config, self.environ), self)
             await self.control.start()
             logger.info("control socket %s", self.control.path)
@@ -154,6 +168,8 @@ class Supervisor:
             self._tasks = [asyncio.create_task(self._start_all(), name="start"),
                            asyncio.create_task(self._tick(), name="tick"),
                            asyncio.create_task(self.watchdog.run(), name="memory watchdog")]
+            if self.collector is not None:
+                self._tasks.append(self._start_collector())
             self._update_status()
             await self._stop_requested.wait()
             code = 1 if self._crashed else 0
@@ -423,6 +439,48 @@ class Supervisor:
         for line in drift:
             logger.warning("instance %s: placement drift: %s", inst.name, line)
 
+    def _start_collector(self) -> asyncio.Task:
+        self._collector_task = asyncio.create_task(self.collector.run(), name="metrics")
+        return self._collector_task
+
+    def _apply_metrics(self, config: VsupConfig) -> None:
+        """A reload's `metrics:` section: a new interval or timeout applies from the next round;
+        0 stops the collection (the proxy's /metrics keeps only its own), > 0 from 0 starts it."""
+        interval, timeout = config.metrics.interval, config.metrics.timeout
+        if self.proxy is not None:
+            self.proxy.add_page("/status", status_page(self.status, interval))  # its refresh follows the interval
+        if interval > 0 and self.collector is not None:
+            self.collector.interval, self.collector.timeout = interval, timeout
+        elif interval > 0 and self._http is not None:
+            self.collector = Collector(self._observed, self._http, interval=interval, timeout=timeout)
+            self._tasks.append(self._start_collector())
+            if self.proxy is not None:
+                self.proxy.extra_metrics = self.collector.text
+        elif interval == 0 and self.collector is not None:
+            if self._collector_task is not None:
+                self._collector_task.cancel()  # the shutdown gathers it with the other tasks
+            self.collector = self._collector_task = None
+            if self.proxy is not None:
+                self.proxy.extra_metrics = None
+
+    def _observed(self) -> list[Target]:
+        """What the metrics collector looks at this round: a serving instance's /metrics, and the
+        process tree of every instance that has one (a model load's memory shows too); during a
+        rollout also the instances outside the fleet (a replacement starting, a replaced one draining)."""
+        targets = []
+        for inst in [*self.instances, *(inst for inst in self._drivers if inst not in self.instances)]:
+            child = inst.child if isinstance(inst.child, Child) else None
+            serving = inst.state in (State.READY, State.UNHEALTHY)
+            targets.append(Target(
+                name=inst.name,
+                metrics_url=f"{inst.url}/metrics" if serving else None,
+                nodes=tuple(self.plans[inst.name].nodes) if inst.name in self.plans else (),
+                leader=child.pid if child else None,
+                token=child.token if child else None,
+                known=dict(child.seen) if child else {},
+            ))
+        return targets
+
     def _ready_count(self) -> int:
         return sum(inst.state is State.READY for inst in self.instances)
 
@@ -586,6 +644,7 @@ class Supervisor:
         self.config, old_plan, self.plan = config, self.plan, plan
         if self.proxy is not None:
             self.proxy.reconfigure(config.proxy, self.environ.get("VSUP_API_KEY") or config.proxy.api_key)
+        self._apply_metrics(config)
         for inst in self._drivers:
             if inst.config.restart != config.restart:
                 inst.policy = RestartPolicy(config.restart)  # the new delays; the failure count starts over
@@ -674,6 +733,7 @@ class Supervisor:
                 "stopping": self._stopping,
                 "reserved_cpus": list(self.plan.reserved_cpus),
                 "control_socket": str(self.control.path) if self.control else None,
+                "metrics_interval": self.config.metrics.interval,
             },
             "instances": [self.instance_status(inst) for inst in self.instances],
             # a rollout's new instance before it joins the fleet, a replaced one while it drains
@@ -704,6 +764,8 @@ class Supervisor:
             "next_start_in": round(max(0.0, inst.next_start_at - now), 3) if inst.next_start_at else None,
             "backoff_failures": inst.policy.attempt,
             "memory_watchdog": self.watchdog.status(inst) if self.watchdog is not None else None,
+            # the last background collection (observe/collector.py); None when off or not yet done
+            "metrics": self.collector.figures(inst.name) if self.collector else None,
             "transitions": [
                 {"at": round(t.at - self.started_at, 3), "from": t.old.value, "to": t.new.value,
                  "event": t.event.value, "reason": t.reason}

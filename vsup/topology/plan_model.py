@@ -27,7 +27,7 @@ def format_gib(value: float | int | None) -> str:
 FLAGS = {
     "instances": "--instances", "base_port": "--base-port", "model_size_bytes": "--model-size-gib",
     "kvcache_gib": "--kvcache-gib", "reserve_cores": "--reserve-cores", "housekeeping_core": "--housekeeping-core", "smt": "--smt",
-    "cores_per_instance": "--cores-per-instance", "membind": "--membind", "launcher": "--launcher",
+    "cores_per_instance": "--cores-per-instance", "omp_threads": "--omp-threads", "membind": "--membind", "launcher": "--launcher",
     "nodes": "--nodes", "efficiency_cores": "--efficiency-cores",
 }
 
@@ -45,6 +45,9 @@ class PlanSettings:
     housekeeping_core: bool = False  # one extra core per instance, in cpus but not in omp_cpus
     smt: bool = False  # OpenMP threads on every hardware thread instead of one per physical core
     cores_per_instance: int | None = None  # OpenMP cores per instance; None: split all usable cores
+    # OpenMP threads per instance, fewer than its OpenMP CPUs: the CPUs left over stay in its mask,
+    # idle for its API server/EngineCore (decode saturates memory bandwidth before the cores). None: all
+    omp_threads: int | None = None
     membind: Literal["bind", "preferred"] = "bind"
     launcher: Literal["numactl", "taskset", "none"] = "numactl"
     nodes: tuple[int, ...] | None = None  # only place instances on these NUMA nodes

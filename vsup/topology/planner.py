@@ -220,6 +220,8 @@ def _check_settings(s: PlanSettings) -> None:
         raise _bad("reserve_cores", repr(s.reserve_cores), "must be a whole number, 0 or more, or auto")
     if s.cores_per_instance is not None and s.cores_per_instance < 1:
         raise _bad("cores_per_instance", s.cores_per_instance, "must be at least 1")
+    if s.omp_threads is not None and (isinstance(s.omp_threads, bool) or not isinstance(s.omp_threads, int) or s.omp_threads < 1):
+        raise _bad("omp_threads", repr(s.omp_threads), "must be a whole number of at least 1")
     if s.membind not in ("bind", "preferred"):
         raise _bad("membind", repr(s.membind), "must be bind or preferred")
     if s.launcher not in ("numactl", "taskset", "none"):
@@ -575,6 +577,9 @@ def _instance(index: int, team: list[Core], extra: list[Core], kind: str, nodes:
     cores = team + extra
     omp_cpus = tuple(sorted(cpu for c in omp_cores for cpu in (c.cpus if s.smt else c.cpus[:1])))
     cpus = tuple(sorted(cpu for c in cores for cpu in c.cpus))
+    idle: tuple[int, ...] = ()
+    if s.omp_threads is not None:
+        omp_cpus, idle = _fewer_threads(index, omp_cores, omp_cpus, s)
     env = [("OMP_NUM_THREADS", str(len(omp_cpus))), ("VLLM_CPU_OMP_THREADS_BIND", format_list(omp_cpus))]
     if nodes:
         env.append(("CPU_VISIBLE_MEMORY_NODES", ",".join(map(str, nodes))))
@@ -590,7 +595,7 @@ def _instance(index: int, team: list[Core], extra: list[Core], kind: str, nodes:
         cpu_nodes=tuple(sorted({c.node for c in cores if c.node is not None})),
         cpus=cpus,
         omp_cpus=omp_cpus,
-        housekeeping_cpus=tuple(sorted(cpu for c in housekeeping for cpu in c.cpus)),
+        housekeeping_cpus=tuple(sorted({cpu for c in housekeeping for cpu in c.cpus} | set(idle))),
         cores=tuple(c.id for c in cores),
         l3_domains=tuple(sorted({c.l3 for c in cores if c.l3 is not None})),
         env=tuple(env),
@@ -601,6 +606,24 @@ def _instance(index: int, team: list[Core], extra: list[Core], kind: str, nodes:
         overhead_bytes=s.overhead_bytes,
         kind=kind,
     )
+
+
+def _fewer_threads(index: int, omp_cores: list[Core], omp_cpus: tuple[int, ...], s: PlanSettings) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(OpenMP CPUs, idle CPUs) for --omp-threads T: the first hardware thread of each core before
+    any second one, so T threads spread over T cores; the rest stay in the instance's mask for its
+    API server and EngineCore."""
+    threads = int(s.omp_threads or 0)
+    if threads > len(omp_cpus):
+        raise _bad("omp_threads", threads, f"instance {index} has only {len(omp_cpus)} OpenMP CPU(s); "
+                   f"use at most {len(omp_cpus)}, or fewer instances")
+    allowed = set(omp_cpus)
+    order = []
+    for depth in range(max(len(c.cpus) for c in omp_cores)):
+        order += [c.cpus[depth] for c in omp_cores if depth < len(c.cpus) and c.cpus[depth] in allowed]
+    chosen = set(order[:threads])
+    # idle: every CPU of a core without a thread (like a housekeeping core), and unused OpenMP CPUs
+    idle = {cpu for c in omp_cores if not chosen & set(c.cpus) for cpu in c.cpus} | (allowed - chosen)
+    return tuple(sorted(chosen)), tuple(sorted(idle))
 
 
 def _launcher(cpus: tuple[int, ...], nodes: tuple[int, ...], s: PlanSettings, warnings: list[str]) -> tuple[str, ...]:

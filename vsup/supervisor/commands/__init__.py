@@ -17,9 +17,11 @@ _MODULES: dict[str, str] = {
     "plan": "plan_command",
     "run": "run_command",
     "status": "status_command",
+    "top": "top_command",
     "restart": "restart_command",
     "reload": "reload_command",
     "proxy": "proxy_command",
+    "tune": "tune_command",
     "export": "export_command",
 }
 

@@ -8,32 +8,12 @@ from pathlib import Path
 
 import click
 
+from vsup.supervisor.commands.options import Checked as _Checked
 from vsup.supervisor.commands.options import fsroot_option
 from vsup.supervisor.commands.preflight import checked_plan
 from vsup.supervisor.config import VsupConfig, load_config
 from vsup.supervisor.errors import VsupError
 from vsup.supervisor.plan_render import render_shell, render_table
-
-
-class _Checked(click.ParamType):
-    """Converts an option's text; a bad value is one `vsup: error:` line naming the option (exit 2)
-    instead of click's multi-line usage message."""
-
-    name = "value"
-
-    def __init__(self, parse, expected: str):
-        self.parse, self.expected = parse, expected
-
-    def convert(self, value, param, ctx):
-        if not isinstance(value, str):
-            return value
-        try:
-            result = self.parse(value.strip())
-        except ValueError:
-            result = None
-        if result is None:
-            raise VsupError(f"{param.opts[0]} {value!r}: expected {self.expected}")
-        return result
 
 
 def _at_least(minimum: int):
@@ -78,6 +58,8 @@ def _node_list(text: str) -> tuple[int, ...] | None:
               help="KV cache per instance: whole GiB, or below 1. [default: largest equal share that fits]")
 @click.option("--cores-per-instance", type=_Checked(_at_least(1), "a whole number of at least 1"), default=None,
               help="OpenMP cores per instance. [default: split all usable cores]")
+@click.option("--omp-threads", type=_Checked(_at_least(1), "a whole number of at least 1"), default=None,
+              help="OpenMP threads per instance, fewer than its OpenMP CPUs: the rest stay idle in its mask. [default: one per OpenMP CPU]")
 @click.option("--reserve-cores", type=_Checked(_auto_or_at_least(0), "a whole number, 0 or more, or auto"),
               default=None, help="Physical cores kept for vsup, the proxy and the OS. [default: auto = 1 when the instances leave one free]")
 @click.option("--housekeeping-core/--no-housekeeping-core", default=None,
@@ -94,8 +76,8 @@ def _node_list(text: str) -> tuple[int, ...] | None:
               help="Port of instance 0; instance i listens on base port + i. [default: 8100]")
 @click.option("--format", "output_format", type=_choice("table", "json", "shell"), default="table", show_default=True,
               help="table: core map per node; json: the plan; shell: runnable launch lines.")
-def plan_command(instances, fsroot, config_path, model, model_size_gib, kvcache_gib, cores_per_instance, reserve_cores,
-                 housekeeping_core, smt, membind, launcher, nodes, efficiency_cores, base_port, output_format) -> None:
+def plan_command(instances, fsroot, config_path, model, model_size_gib, kvcache_gib, cores_per_instance, omp_threads,
+                 reserve_cores, housekeeping_core, smt, membind, launcher, nodes, efficiency_cores, base_port, output_format) -> None:
     """Show how N vLLM instances would be placed: cores, memory nodes, OpenMP binding, memory."""
     cfg = load_config(config_path) if config_path else VsupConfig(model=model or "MODEL")
     placement_overrides = {
@@ -104,6 +86,7 @@ def plan_command(instances, fsroot, config_path, model, model_size_gib, kvcache_
             "model_size_gib": model_size_gib,
             "kvcache_gib": kvcache_gib,
             "cores_per_instance": cores_per_instance,
+            "omp_threads": omp_threads,
             "reserve_cores": reserve_cores,
             "housekeeping_core": housekeeping_core,
             "smt": smt,

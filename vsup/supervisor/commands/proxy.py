@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from typing import get_args
 from urllib.parse import urlsplit
 
 import click
@@ -80,8 +81,9 @@ async def serve(proxy_config: ProxyConfig, health: HealthConfig, pool: BackendPo
 @click.option("--port", type=click.IntRange(0, 65535), default=None, help="Listen port [default: proxy.port, 8000].")
 @click.option("--api-key", envvar="VSUP_API_KEY", default=None,
               help="Bearer token clients must send (env VSUP_API_KEY) [default: proxy.api_key, none].")
-@click.option("--policy", type=click.Choice(["round_robin", "least_outstanding"]), default=None,
-              help="How to pick an instance [default: proxy.policy, round_robin].")
+@click.option("--policy", type=click.Choice(get_args(ProxyConfig.model_fields["policy"].annotation)), default=None,
+              help="How to pick an instance; prefix_affinity: by the prompt's prefix or session, for vLLM's "
+                   "prefix cache (docs/proxy.md) [default: proxy.policy, round_robin].")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
               help="YAML file whose `proxy` and `health` sections are used (`model` may be absent).")
 def proxy_command(upstreams, host, port, api_key, policy, config_path) -> None:

@@ -9,6 +9,8 @@ import click
 
 from vsup.supervisor.config import load_config
 from vsup.supervisor.control import find_socket, request
+from vsup.supervisor.observe import fmt
+from vsup.supervisor.observe.fmt import duration
 from vsup.topology.cpulist import format_list
 
 from .options import format_option
@@ -24,26 +26,16 @@ def socket_for(config_path: str | None, socket_path: str | None):
     return find_socket(socket_path, config)
 
 
-def duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    seconds = int(seconds)
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    if seconds < 86400:
-        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-    return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
-
-
 def placement_word(entry: dict) -> str:
     ok = entry.get("placement_ok")
     return "-" if ok is None else ("ok" if ok else "DRIFT")
 
 
 def render_instances(instances: list[dict]) -> list[str]:
-    header = ("IDX", "STATE", "PID", "PORT", "CPUS", "NODES", "UPTIME", "RESTARTS", "IN-FLIGHT", "PLACEMENT", "LAST EXIT")
+    """One line per instance; the observed figures (tokens/s ... node-local memory) come from the
+    background collection and read "-" when it is off or has not run yet."""
+    header = ("IDX", "STATE", "PID", "PORT", "CPUS", "NODES", "UPTIME", "RESTARTS", "IN-FLIGHT", "PLACEMENT",
+              *fmt.FIGURE_HEADERS, "LAST EXIT")
     rows = [header]
     for e in instances:
         state = e["state"]
@@ -52,7 +44,7 @@ def render_instances(instances: list[dict]) -> list[str]:
         rows.append((
             str(e["index"]), state, str(e["pid"] or "-"), str(e["port"]), format_list(e["cpus"]) or "-",
             format_list(e["nodes"]) or "-", duration(e.get("uptime")), str(e["restarts"]), str(e.get("in_flight", 0)),
-            placement_word(e), e.get("last_exit") or "-",
+            placement_word(e), *fmt.figures(e).values(), e.get("last_exit") or "-",
         ))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header) - 1)]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[-1] for row in rows]
@@ -67,7 +59,8 @@ def render_instances(instances: list[dict]) -> list[str]:
 @socket_option
 @format_option("text", "json")
 def status_command(config_path: str | None, socket_path: str | None, output_format: str) -> None:
-    """Show each instance of the running vsup: state, pid, port, CPUs, uptime, restarts, last exit."""
+    """Show each instance of the running vsup: state, pid, port, CPUs, uptime, restarts, placement,
+    tokens/s (last minute), requests running/waiting, KV-cache use, CPU %, RSS, node-local memory, last exit."""
     path = socket_for(config_path, socket_path)
     data = asyncio.run(request(path, "GET", "/status", timeout=10))
     if output_format == "json":

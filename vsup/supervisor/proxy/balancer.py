@@ -1,7 +1,9 @@
 """Which ready instance gets the next request.
 
-Both policies take the pool's ready tuple (stable order) and a set of instances already tried for
-this request (retries go to *another* instance); they return None when nothing is left.
+Every policy takes the pool's ready tuple (stable order), the requests in flight per instance, a
+set of instances already tried for this request (retries go to *another* instance) and the
+request's routing key (`key()`: None here; prefix_affinity, in affinity.py, reads the request's
+prefix or session); they return None when nothing is left.
 
 Weights (`set_weight`, 1 by default) give an upstream a larger share: standalone `vsup proxy` in
 front of other vsups weights each by the instances ready behind it (healthcheck.py), so a host
@@ -11,8 +13,10 @@ with 4 ready instances gets twice the requests of one with 2.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterator, Mapping
+from typing import Any, get_args
 
 from vsup.supervisor.backends import Backend
+from vsup.supervisor.config import ProxyConfig
 
 
 class _Rotation:
@@ -22,6 +26,11 @@ class _Rotation:
         self._counter = 0
         self._weights: dict[str, int] = {}  # only weights other than 1
         self._credit: dict[str, int] = {}
+        self.decisions: dict[str, int] = {}  # routing decisions by kind (content-aware policies; /metrics)
+
+    def key(self, document: dict | None, headers: Mapping[str, str]) -> Any:
+        """What this policy routes a request by, computed once per request: nothing here."""
+        return None
 
     def set_weight(self, name: str, weight: int) -> None:
         if weight < 1:
@@ -67,8 +76,12 @@ class RoundRobin(_Rotation):
 
     name = "round_robin"
 
-    def choose(self, ready: tuple[Backend, ...], in_flight: Mapping[str, int], tried: Collection[str] = ()) -> Backend | None:
-        return next(self._candidates(ready, tried), None)
+    def choose(self, ready: tuple[Backend, ...], in_flight: Mapping[str, int], tried: Collection[str] = (), key: Any = None) -> Backend | None:
+        if tried or not ready or self._weights:
+            return next(self._candidates(ready, tried), None)
+        start = self._counter  # the common case, inlined: a first try, no weights
+        self._counter = start + 1
+        return ready[start % len(ready)]
 
 
 class LeastOutstanding(_Rotation):
@@ -78,15 +91,22 @@ class LeastOutstanding(_Rotation):
 
     name = "least_outstanding"
 
-    def choose(self, ready: tuple[Backend, ...], in_flight: Mapping[str, int], tried: Collection[str] = ()) -> Backend | None:
+    def choose(self, ready: tuple[Backend, ...], in_flight: Mapping[str, int], tried: Collection[str] = (), key: Any = None) -> Backend | None:
         return min(self._candidates(ready, tried), key=lambda b: in_flight.get(b.name, 0) / self.weight(b.name), default=None)
 
 
-POLICIES = {RoundRobin.name: RoundRobin, LeastOutstanding.name: LeastOutstanding}
+POLICIES: tuple[str, ...] = get_args(ProxyConfig.model_fields["policy"].annotation)  # config.py lists them
 
 
-def make_balancer(policy: str) -> RoundRobin | LeastOutstanding:
-    try:
-        return POLICIES[policy]()
-    except KeyError:
-        raise ValueError(f"unknown proxy policy {policy!r}: use one of {', '.join(POLICIES)}") from None
+def make_balancer(policy: str, config: ProxyConfig | None = None) -> _Rotation:
+    """The balancer for `policy`; prefix_affinity takes its settings from `config` (defaults without)."""
+    if policy == RoundRobin.name:
+        return RoundRobin()
+    if policy == LeastOutstanding.name:
+        return LeastOutstanding()
+    if policy == "prefix_affinity":
+        from vsup.supervisor.proxy.affinity import PrefixAffinity  # builds on LeastOutstanding
+
+        config = config or ProxyConfig()
+        return PrefixAffinity(config.affinity_prefix_chars, config.affinity_max_imbalance)
+    raise ValueError(f"unknown proxy policy {policy!r}: use one of {', '.join(POLICIES)}")

@@ -78,6 +78,14 @@ def no_ready_instance() -> web.Response:
     return unavailable("no ready instance: all instances are starting, restarting or unhealthy", RETRY_AFTER_SECONDS)
 
 
+def no_reachable_instance(failures: list[str]) -> web.Response:
+    return unavailable(
+        "no instance could be reached (" + "; ".join(failures) + "); they are out of the rotation until their next good"
+        " health check: retry shortly",
+        RETRY_AFTER_SECONDS,
+    )
+
+
 def bad_gateway(message: str) -> web.Response:
     return error_response(502, message, "upstream_error", "upstream_error")
 

@@ -1,12 +1,15 @@
 """Forwarding one client request to one instance, byte for byte.
 
 The life of a request, and what can end it:
-  queued       body read, size-checked, JSON-validated; an instance chosen    -> 400/413/503
+  body         the rest of a body that did not come with the headers; a client silent
+               for CLIENT_TIMEOUT, or still here when a drain starts         -> 408/503
+  queued       body size-checked, JSON-validated; an instance chosen         -> 400/413/503
   first_byte   sent upstream, waiting for the status line and the first body byte
                connect error, stale keep-alive connection, 503 from the instance, or a
-               connection broken by an instance that leaves the rotation within GONE_GRACE -> the next
-               instance (only here: nothing has reached the client yet, so a retry cannot
-               duplicate a generation)
+               connection broken by an instance shown gone within GONE_GRACE (out of the
+               rotation, or its port refuses connections) -> the next instance (only here:
+               nothing has reached the client yet, so a retry cannot duplicate a generation);
+               an unreachable instance is ejected; none left               -> 503
                first_byte_timeout                                            -> 504
   streaming    SSE relayed chunk by chunk as it arrives; idle_timeout between chunks, no overall
                cap; the instance dying                                       -> error event, clean end
@@ -29,6 +32,8 @@ from multidict import CIMultiDict
 from vsup.supervisor.backends import Backend, BackendPool
 from vsup.supervisor.config import ProxyConfig
 from vsup.supervisor.proxy import errors
+from vsup.supervisor.proxy.aiohttp_internals import BadRequest, BodySink, RawResponse, send_and_close
+from vsup.supervisor.proxy.clients import ClientPolicy
 from vsup.supervisor.proxy.errors import RETRY_AFTER_SECONDS
 from vsup.supervisor.proxy.metrics import ProxyMetrics, route_label
 from vsup.supervisor.proxy.upstream import ConnectFailed, StaleConnection, UpstreamBroken, UpstreamClient, UpstreamResponse
@@ -46,6 +51,15 @@ _PROXY_PREFIX = b"proxy-"
 # How long a connection broken before its first byte waits for the supervisor to report the
 # instance's exit (milliseconds in practice; generous for a loaded machine).
 GONE_GRACE = 1.0
+# Meanwhile, how often the instance's port is tried (refused: the process is gone).
+GONE_PROBE_PERIOD = 0.1
+# Passive ejection: an instance the proxy could not reach (connect refused, reset or timed out;
+# a connection broken before any byte with nothing listening any more) leaves the rotation for
+# at most this long; its owner's next "ready" (health check, restart) brings it back sooner.
+# nginx's fail_timeout default. Would be proxy.eject_seconds if it ever needs tuning.
+EJECT_SECONDS = 10.0
+# Retry reasons that mean "this instance cannot be reached" (and so was ejected).
+_UNREACHABLE = frozenset({"connect", "gone"})
 # Longest period of the timeout watchdog (shorter when a configured timeout is very short).
 WATCHDOG_TICK = 0.1
 
@@ -107,54 +121,60 @@ def request_headers(raw_headers: tuple[tuple[bytes, bytes], ...], drop_authoriza
     return b"".join(parts)
 
 
-# Per response header name: its str form to forward (None: drop), and whether it is one the
-# forwarder looks at.
+# Per response header name: whether to forward it, and whether it is one the forwarder looks at.
 _PLAIN, _IS_CONNECTION, _IS_CONTENT_TYPE, _IS_CONTENT_LENGTH = 0, 1, 2, 3
-_response_names: dict[bytes, tuple[str | None, int]] = {}
+_response_names: dict[bytes, tuple[bool, int]] = {}
 
 
-def _response_name(key: bytes) -> tuple[str | None, int]:
+def _response_name(key: bytes) -> tuple[bool, int]:
     low = key.lower()
     flag = {b"connection": _IS_CONNECTION, b"content-type": _IS_CONTENT_TYPE, b"content-length": _IS_CONTENT_LENGTH}.get(low, _PLAIN)
-    drop = low in _DROP_RESPONSE or low.startswith(_PROXY_PREFIX)
-    entry = (None if drop else key.decode("latin-1"), flag)
+    entry = (not (low in _DROP_RESPONSE or low.startswith(_PROXY_PREFIX)), flag)
     if len(_response_names) >= _NAME_CACHE_SIZE:
         _response_names.clear()
     _response_names[key] = entry
     return entry
 
 
-def response_head(raw_headers: list[tuple[bytes, bytes]]) -> tuple[list[tuple[str, str]], bytes, bool]:
-    """One pass over the instance's headers: those to forward (hop-by-hop ones dropped, as
-    (name, value) str pairs), its Content-Type, and whether it sent a Content-Length."""
-    out: list[tuple[str, str]] = []
+def response_head(raw_headers: list[tuple[bytes, bytes]]) -> tuple[list[tuple[bytes, bytes]], bytes, bool]:
+    """One pass over the instance's headers: those to forward (hop-by-hop ones dropped, as sent),
+    its Content-Type, and whether it sent a Content-Length."""
+    out: list[tuple[bytes, bytes]] = []
     content_type = b""
     has_length = False
     named = None
     names = _response_names
-    for key, value in raw_headers:
-        entry = names.get(key)
+    for pair in raw_headers:
+        entry = names.get(pair[0])
         if entry is None:
-            entry = _response_name(key)
-        name, flag = entry
+            entry = _response_name(pair[0])
+        keep, flag = entry
         if flag:
             if flag == _IS_CONTENT_TYPE:
-                content_type = value
+                content_type = pair[1]
             elif flag == _IS_CONTENT_LENGTH:
                 has_length = True
             else:
-                tokens = _connection_tokens(value) - _DROP_RESPONSE
+                tokens = _connection_tokens(pair[1]) - _DROP_RESPONSE
                 if tokens:
                     named = tokens | (named or frozenset())
-        if name is not None:
-            out.append((name, value.decode("utf-8", "replace")))
+        if keep:
+            out.append(pair)
     if named:
-        out = [(name, value) for name, value in out if name.lower().encode("latin-1") not in named]
+        out = [(name, value) for name, value in out if name.lower() not in named]
     return out, content_type, has_length
 
 
+def header_lines(pairs: list[tuple[bytes, bytes]]) -> bytes:
+    return b"".join([b"%b: %b\r\n" % pair for pair in pairs])
+
+
+def str_headers(pairs: list[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
+    return [(name.decode("latin-1"), value.decode("utf-8", "replace")) for name, value in pairs]
+
+
 def response_headers(raw_headers: list[tuple[bytes, bytes]]) -> CIMultiDict[str]:
-    return CIMultiDict(response_head(raw_headers)[0])
+    return CIMultiDict(str_headers(response_head(raw_headers)[0]))
 
 
 _json_types: dict[str, bool] = {}
@@ -173,20 +193,23 @@ def _is_json(content_type: str) -> bool:
 
 
 def parse_json(body: bytes):
-    """json.loads(body), minus its encoding detection in the common case (UTF-8 without BOM);
-    anything else, including every error, goes through json.loads itself, so what is accepted
-    and the error message are exactly json.loads's."""
-    if body[:1] not in _UTF_NONSTANDARD_FIRST:
+    """json.loads(body), minus its encoding detection and whitespace regexes in the common case (a
+    UTF-8 object, as every OpenAI request is); anything else, including every error, goes through
+    json.loads itself, so what is accepted and the error message are exactly json.loads's."""
+    if body[:1] == b"{":
         try:
-            return _loads_str(body.decode("utf-8"))
-        except (ValueError, UnicodeDecodeError):
+            text = body.decode("utf-8")
+            document, end = _scan_once(text, 0)
+        except (ValueError, UnicodeDecodeError, StopIteration):
             pass
+        else:
+            if end == len(text) or not text[end:].strip(_JSON_WHITESPACE):
+                return document
     return json.loads(body)
 
 
-_loads_str = json.JSONDecoder().decode
-# A body starting with a BOM or a NUL (UTF-16/32) needs json.loads's encoding detection.
-_UTF_NONSTANDARD_FIRST = frozenset({b"\xef", b"\xfe", b"\xff", b"\x00"})
+_scan_once = json.JSONDecoder().scan_once
+_JSON_WHITESPACE = " \t\n\r"
 
 
 class Exchange:
@@ -242,6 +265,7 @@ class Forwarder:
         balancer,
         client: UpstreamClient,
         metrics: ProxyMetrics,
+        clients: ClientPolicy,
         *,
         drop_authorization: bool,
     ) -> None:
@@ -250,13 +274,14 @@ class Forwarder:
         self.balancer = balancer
         self.client = client
         self.metrics = metrics
+        self.clients = clients
         self.drop_authorization = drop_authorization
         self.in_flight: dict[str, int] = {}
         self.active: set[Exchange] = set()
         self.draining = False
         self.loop = asyncio.get_running_loop()
         # The watchdog's period: a limit is enforced within one tick of its deadline.
-        self.tick = max(0.005, min(WATCHDOG_TICK, config.first_byte_timeout / 4, config.idle_timeout / 4))
+        self.tick = max(0.005, min(WATCHDOG_TICK, config.first_byte_timeout / 4, config.idle_timeout / 4, clients.timeout / 4))
         self._watchdog: asyncio.TimerHandle | None = None
 
     def _sweep(self) -> None:
@@ -295,6 +320,7 @@ class Forwarder:
     async def _handle(self, request: web.BaseRequest, exchange: Exchange) -> tuple[web.StreamResponse, str]:
         limit = self.config.max_body_bytes
         body = b""
+        document = None
         if request.body_exists:
             declared = request.content_length
             if declared is not None and declared > limit:
@@ -302,23 +328,26 @@ class Forwarder:
             payload = request.content
             if payload.is_eof():
                 # The whole body came with the headers (any small JSON request): take it as is,
-                # without request.read()'s copy loop.
+                # without a copy loop.
                 body = payload.read_nowait()
                 if len(body) > limit:
                     return errors.too_large(None, limit), ""
             else:
-                try:
-                    body = await request.read()  # the app's client_max_size == max_body_bytes
-                except web.HTTPRequestEntityTooLarge:
-                    return errors.too_large(None, limit), ""
+                read = await self._read_body(request, exchange, limit)
+                if isinstance(read, web.Response):
+                    return read, ""
+                body = read
             if body and _is_json(request.headers.get("Content-Type", "")):
                 try:
                     document = parse_json(body)
                 except (ValueError, UnicodeDecodeError) as exc:
                     return errors.bad_request(f"the request body is not valid JSON: {exc}"), ""
+                except RecursionError:
+                    return errors.bad_request("the request body is not valid JSON: it is nested too deeply to parse"), ""
                 if not isinstance(document, dict):
                     return errors.bad_request(f"the request body must be a JSON object, got {type(document).__name__}"), ""
                 exchange.stream = document.get("stream") is True
+        key = self.balancer.key(document, request.headers)  # prefix_affinity: its prefix or session; else None
 
         headers = request_headers(request.raw_headers, self.drop_authorization)
         # The request target exactly as the client sent it (path and query, still percent-encoded).
@@ -326,16 +355,19 @@ class Forwarder:
         tried: list[str] = []
         fallback: web.Response | None = None  # what to answer if every attempt fails
         reason: str | None = None
+        unreachable: list[str] = []  # why each ejected instance could not be reached
         backend: Backend | None = None
         while True:
             last = backend
-            backend = self.balancer.choose(self.pool.ready(), self.in_flight, tried)
+            backend = self.balancer.choose(self.pool.ready(), self.in_flight, tried, key)
             if backend is None and reason == "stale" and tried.count(last.name) == 1 and self.pool.is_ready(last.name):  # type: ignore[union-attr]
                 # A stale keep-alive connection and no other instance to try: one fresh
                 # connection to the same instance (its idle ones were closed), which either
                 # reaches a live server or is refused.
                 backend = last
             if backend is None:
+                if reason in _UNREACHABLE:
+                    return errors.no_reachable_instance(unreachable), ""  # 503: none left to try
                 if fallback is not None:
                     return fallback, tried[-1]
                 return errors.no_ready_instance(), ""
@@ -350,15 +382,54 @@ class Forwarder:
                     self.in_flight[name] = left
                 else:
                     del self.in_flight[name]
-            if isinstance(outcome, web.StreamResponse):
+            if not isinstance(outcome, tuple):  # an answer for the client
                 return outcome, name
-            fallback, reason = outcome
-            if reason is None or len(tried) > self.config.retries:
+            fallback, reason, why = outcome
+            if reason in _UNREACHABLE:
+                unreachable.append(f"instance {name}: {why}")
+            if reason is None:
+                return fallback, name
+            if len(tried) > self.config.retries:
+                if reason in _UNREACHABLE and not self.pool.ready():
+                    return errors.no_reachable_instance(unreachable), ""
                 return fallback, name
             self.metrics.retry(reason)
 
+    async def _read_body(self, request: web.BaseRequest, exchange: Exchange, limit: int) -> bytes | web.Response:
+        """A body that did not come whole with the headers, read as it arrives: at most `limit`
+        bytes, and at most CLIENT_TIMEOUT of silence between two pieces (a client that stops
+        half-way must not hold its connection and an in-flight slot forever, nor delay a drain,
+        which aborts requests still in this phase). The answer to send instead when it fails."""
+        exchange.phase = "body"
+        loop = self.loop
+        exchange.arm(self.clients.timeout, "the client's request body", loop.time())
+        payload = request.content
+        parts: list[bytes] = []
+        size = 0
+        try:
+            while piece := await payload.readany():
+                exchange.last = loop.time()
+                size += len(piece)
+                if size > limit:
+                    return errors.too_large(None, limit)
+                parts.append(piece)
+        except BadRequest as exc:  # the parser rejected the body (bad chunk size, ...)
+            response = self.clients.malformed(400, exc, request.remote)
+        except asyncio.CancelledError:
+            if exchange.reason is None:
+                raise  # the client went away
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            if exchange.reason == "timeout":
+                response = self.clients.body_too_slow(request.remote)
+            else:
+                response = errors.unavailable("the proxy is shutting down; send the request again", RETRY_AFTER_SECONDS)
+        else:
+            return b"".join(parts)
+        return await send_and_close(request, response)  # the rest of the body will not be read
+
     async def _attempt(self, request, exchange: Exchange, backend: Backend, target: bytes, body: bytes, headers: bytes):
-        """One try on one instance: a response for the client, or (fallback, reason) to retry."""
+        """One try on one instance: a response for the client, or (fallback, reason, why): what
+        to answer if nothing better comes, why to retry (None: do not) and what went wrong."""
         exchange.phase = "queued"  # until a connection to the instance is ours
         loop = self.loop
         exchange.arm(self.config.first_byte_timeout, "proxy.first_byte_timeout", loop.time())
@@ -373,25 +444,20 @@ class Forwarder:
                 upstream = await self.client.send(conn, request.method, target, headers, body)
             except ConnectFailed as exc:
                 self.metrics.upstream_error(backend.name, "connect")
-                log.warning("instance %s: %s", backend.name, exc)
-                return errors.bad_gateway(f"instance {backend.name}: {exc}"), "connect"
+                self._eject(backend, str(exc))
+                return errors.bad_gateway(f"instance {backend.name}: {exc}"), "connect", str(exc)
             except StaleConnection as exc:
                 # The request met a dead or closing socket, not a live server: as safe to retry as
                 # a refused connect. The other idle connections to that process are likely stale too.
                 self.client.close_idle(backend.url)
                 self.metrics.upstream_error(backend.name, "stale")
                 log.warning("instance %s: %s", backend.name, exc)
-                return errors.bad_gateway(f"instance {backend.name} failed before answering: {exc}"), "stale"
+                return errors.bad_gateway(f"instance {backend.name} failed before answering: {exc}"), "stale", str(exc)
             except UpstreamBroken as exc:
                 self.metrics.upstream_error(backend.name, "broken")
-                # Broken before any byte: if the instance's process died (a kill -9 tears down its
-                # listening socket, resetting connections it had queued, a moment before the
-                # supervisor sees the exit), nothing from it can reach any client and another
-                # instance may answer. Give the supervisor GONE_GRACE to say so; an instance still
-                # in the rotation after that stays a 502 (it may be generating).
-                gone = await self.pool.wait_not_ready(backend.name, GONE_GRACE)
-                retry = "gone" if gone else None
-                return errors.bad_gateway(f"instance {backend.name} failed before answering: {exc}"), retry
+                failed = errors.bad_gateway(f"instance {backend.name} failed before answering: {exc}")
+                gone = await self._gone(backend, exc)
+                return failed, "gone" if gone else None, f"{exc}; {gone}" if gone else str(exc)
 
             if upstream.status == 503:
                 # vLLM says it cannot take the request now (e.g. shutting down): try another.
@@ -402,13 +468,19 @@ class Forwarder:
                 self.metrics.upstream_error(backend.name, "503")
                 relayed = web.Response(status=503, body=content, headers=response_headers(upstream.raw_headers))
                 relayed.headers.setdefault("Retry-After", str(RETRY_AFTER_SECONDS))
-                return relayed, "503"
+                return relayed, "503", "503 from the instance"
 
             headers, content_type, has_length = response_head(upstream.raw_headers)
             sse = content_type.startswith(b"text/event-stream")
             if sse or not has_length:
-                return await self._relay_stream(request, exchange, backend, upstream, headers, started, sse)
-            return await self._relay_body(exchange, backend, upstream, headers, started)
+                return await self._relay_stream(request, exchange, backend, upstream, str_headers(headers), started, sse)
+            content = upstream.complete_body()
+            if content is not None:  # a small answer, all in with its headers: no await, no task switch
+                elapsed = time.monotonic() - started
+                self.metrics.ttfb(False, elapsed)
+                self.metrics.duration(False, elapsed)
+                return self._answer(request, upstream.status, headers, content)
+            return await self._relay_body(request, exchange, backend, upstream, headers, started)
         except asyncio.CancelledError:
             if exchange.reason is None:
                 raise  # the client went away: the finally below drops the upstream connection
@@ -418,12 +490,46 @@ class Forwarder:
             if upstream is not None:
                 upstream.close()  # back to the pool after a complete response; otherwise dropped
 
+    async def _gone(self, backend: Backend, exc: UpstreamBroken) -> str | None:
+        """A connection to `backend` broke before any byte: is its process gone? Then nothing
+        from it can reach any client and another instance may answer. A kill -9 tears down the
+        listening socket, resetting the connections queued on it, a moment before the
+        supervisor sees the exit (standalone, no supervisor will say so), and an exiting
+        process closes its sockets one by one: so within GONE_GRACE, either the owner takes it
+        out of the rotation or a connect to its port is refused (then it is ejected). An
+        instance that still accepts connections after that stays a 502: it may be generating
+        (an orphaned EngineCore holding the port keeps it so until the supervisor says).
+        Returns how it was shown gone, or None."""
+        loop = self.loop
+        deadline = loop.time() + GONE_GRACE
+        while True:
+            if not self.pool.is_ready(backend.name):
+                return "it left the rotation"
+            if not await self.client.listening(backend.url):
+                self._eject(backend, f"{exc}, and nothing listens on its port any more")
+                return "nothing listens on its port any more"
+            left = deadline - loop.time()
+            if left <= 0:
+                return None
+            if await self.pool.wait_not_ready(backend.name, min(GONE_PROBE_PERIOD, left)):
+                return "it left the rotation"
+
+    def _eject(self, backend: Backend, why: str) -> None:
+        """Passive health: an instance the proxy cannot reach leaves the rotation now, so the
+        requests after this one do not pay for finding out again."""
+        if self.pool.eject(backend.name, EJECT_SECONDS):
+            self.metrics.ejection(backend.name)
+            log.warning("instance %s: %s: out of the rotation until its next good health check (at most %g s)",
+                        backend.name, why, EJECT_SECONDS)
+        else:
+            log.warning("instance %s: %s", backend.name, why)
+
     def _proxy_abort_response(self, exchange: Exchange, backend: Backend) -> web.StreamResponse:
         if exchange.reason == "timeout":
             return errors.gateway_timeout(self._abort_message(exchange, backend))
         return errors.unavailable("the proxy is shutting down and the drain deadline passed", RETRY_AFTER_SECONDS)
 
-    async def _relay_body(self, exchange: Exchange, backend: Backend, upstream: UpstreamResponse, headers, started: float):
+    async def _relay_body(self, request, exchange: Exchange, backend: Backend, upstream: UpstreamResponse, headers, started: float):
         exchange.phase = "response"
         self.metrics.ttfb(False, time.monotonic() - started)
         exchange.arm(self.config.idle_timeout, "proxy.idle_timeout", self.loop.time())
@@ -433,7 +539,13 @@ class Forwarder:
             self.metrics.upstream_error(backend.name, "broken")
             return errors.bad_gateway(f"instance {backend.name} broke off its response: {exc}")
         self.metrics.duration(False, time.monotonic() - started)
-        return web.Response(status=upstream.status, body=content, headers=headers)
+        return self._answer(request, upstream.status, headers, content)
+
+    @staticmethod
+    def _answer(request, status: int, headers: list[tuple[bytes, bytes]], content: bytes):
+        if RawResponse.fits(request, status):  # every ordinary answer: one write, no web.Response
+            return RawResponse(status, header_lines(headers), content, request.keep_alive)
+        return web.Response(status=status, body=content, headers=str_headers(headers))
 
     async def _relay_stream(self, request, exchange: Exchange, backend: Backend, upstream: UpstreamResponse, headers, started: float, sse: bool):
         out = web.StreamResponse(status=upstream.status, headers=headers)
@@ -445,12 +557,16 @@ class Forwarder:
         exchange.idle_limit = self.config.idle_timeout
         try:
             await out.prepare(request)
-            transport = request.transport
-            if transport is None:  # the client left before its headers went out
+            sink = BodySink.of(request)
+            if sink is None:  # the client left before its headers went out
                 self.metrics.disconnect("streaming")
                 return out
-            writer = request.writer
-            await upstream.relay(transport, writer.chunked, writer.drain, exchange)
+            await upstream.relay(sink, exchange)
+            if exchange.first_data_at is not None:
+                self.metrics.ttfb(True, exchange.first_data_at - exchange.sent_at)
+            self.metrics.duration(True, time.monotonic() - started)
+            # A client that leaves after the last piece makes this raise too (it is no error of ours).
+            await out.write_eof()
         except asyncio.CancelledError:
             if exchange.reason is None:
                 raise  # the client went away
@@ -462,11 +578,6 @@ class Forwarder:
             return await self._end_stream(request, out, sse, backend, f"instance {backend.name} failed mid-stream: {exc}")
         except ConnectionResetError:  # our write to the client failed: it is gone
             self.metrics.disconnect("streaming")
-            return out
-        if exchange.first_data_at is not None:
-            self.metrics.ttfb(True, exchange.first_data_at - exchange.sent_at)
-        self.metrics.duration(True, time.monotonic() - started)
-        await out.write_eof()
         return out
 
     def _abort_message(self, exchange: Exchange, backend: Backend) -> str:

@@ -74,6 +74,14 @@ class ProxyMetrics:
         self.retries: dict[str, int] = {}
         self.disconnects: dict[str, int] = {}
         self.upstream_errors: dict[tuple[str, str], int] = {}
+        self.ejections: dict[str, int] = {}
+        self.client_timeouts: dict[str, int] = {}
+        self.malformed_requests: dict[int, int] = {}
+        self.connections_refused = 0
+        self.client_connections: Callable[[], int] = lambda: 0  # set by the server: open client connections
+        # Set by the server: the balancer's policy and its own decision counts (it bumps them).
+        self.policy = ""
+        self.policy_decisions: Mapping[str, int] = {}
         self._ttfb = {True: _Histogram(TTFB_BUCKETS), False: _Histogram(TTFB_BUCKETS)}
         self._duration = {True: _Histogram(DURATION_BUCKETS), False: _Histogram(DURATION_BUCKETS)}
         self.registry = CollectorRegistry(auto_describe=False)
@@ -93,6 +101,18 @@ class ProxyMetrics:
     def upstream_error(self, instance: str, kind: str) -> None:
         key = (instance, kind)
         self.upstream_errors[key] = self.upstream_errors.get(key, 0) + 1
+
+    def client_timeout(self, phase: str) -> None:
+        self.client_timeouts[phase] = self.client_timeouts.get(phase, 0) + 1
+
+    def malformed(self, status: int) -> None:
+        self.malformed_requests[status] = self.malformed_requests.get(status, 0) + 1
+
+    def connection_refused(self) -> None:
+        self.connections_refused += 1
+
+    def ejection(self, instance: str) -> None:
+        self.ejections[instance] = self.ejections.get(instance, 0) + 1
 
     def ttfb(self, stream: bool, seconds: float) -> None:
         self._ttfb[stream].observe(seconds)
@@ -118,6 +138,28 @@ class ProxyMetrics:
         for (instance, kind), count in self.upstream_errors.items():
             family.add_metric([instance, kind], count)
         yield family
+        family = CounterMetricFamily("vsup_proxy_ejections", "Instances taken out of the rotation by the proxy after failing to reach them", labels=["instance"])
+        for instance, count in self.ejections.items():
+            family.add_metric([instance], count)
+        yield family
+        family = CounterMetricFamily("vsup_proxy_client_timeouts", "Clients that left a request half-sent past the client timeout, by phase", labels=["phase"])
+        for phase, count in self.client_timeouts.items():
+            family.add_metric([phase], count)
+        yield family
+        family = CounterMetricFamily("vsup_proxy_malformed_requests", "Requests the proxy could not parse, by the status it answered", labels=["status"])
+        for status, count in self.malformed_requests.items():
+            family.add_metric([str(status)], count)
+        yield family
+        family = CounterMetricFamily(
+            "vsup_proxy_policy_decisions",
+            "Routing decisions of the proxy's policy (prefix_affinity: affinity, session, escaped, no_prefix)",
+            labels=["policy", "decision"],
+        )
+        for decision, count in self.policy_decisions.items():
+            family.add_metric([self.policy, decision], count)
+        yield family
+        yield CounterMetricFamily("vsup_proxy_client_connections_refused", "Client connections refused at the connection limit", value=self.connections_refused)
+        yield GaugeMetricFamily("vsup_proxy_client_connections", "Client connections open", value=self.client_connections())
         for name, doc, histograms in (
             ("vsup_proxy_upstream_ttfb_seconds", "Request sent -> first body byte from the instance", self._ttfb),
             ("vsup_proxy_upstream_duration_seconds", "Request sent -> response complete", self._duration),

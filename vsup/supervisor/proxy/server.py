@@ -1,7 +1,8 @@
 """ProxyServer: the aiohttp app, its own endpoints, start and drain.
 
 Routes: /v1/* and /tokenize, /detokenize -> an instance (forward.py); GET /v1/models -> merged
-from the ready instances (models.py); /health, /ready, /metrics -> answered here; anything else
+from the ready instances (models.py); /health, /ready, /metrics (and pages added with add_page:
+vsup run's /status) -> answered here; anything else
 -> 404 in the OpenAI error shape.
 """
 
@@ -12,6 +13,7 @@ import errno
 import json
 import os
 import logging
+from collections.abc import Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
@@ -23,11 +25,14 @@ from vsup.supervisor.health import PROXY_HEADER
 from vsup.supervisor.proxy import aiohttp_internals, errors
 from vsup.supervisor.proxy.auth import BearerAuth
 from vsup.supervisor.proxy.balancer import make_balancer
+from vsup.supervisor.proxy.clients import ClientPolicy
 from vsup.supervisor.proxy.errors import RETRY_AFTER_SECONDS
 from vsup.supervisor.proxy.forward import Forwarder
 from vsup.supervisor.proxy.metrics import CONTENT_TYPE, ProxyMetrics
 from vsup.supervisor.proxy.models import merged_models
 from vsup.supervisor.proxy.upstream import UpstreamClient
+
+PageHandler = Callable[[web.BaseRequest, BearerAuth], Awaitable[web.StreamResponse]]
 
 log = logging.getLogger("vsup.proxy")
 
@@ -40,19 +45,31 @@ _FORWARDED_OUTSIDE_V1 = frozenset({"/tokenize", "/detokenize"})
 ABORT_GRACE = 2.0
 
 
+def _has_dot_segment(path: str) -> bool:
+    return any(segment in (".", "..") for segment in path.split("/"))
+
+
+def _shown(raw_path: str, limit: int = 200) -> str:
+    return repr(raw_path if len(raw_path) <= limit else raw_path[:limit] + "...")
+
+
 class ProxyServer:
     def __init__(self, config: ProxyConfig, pool: BackendPool, *, api_key: str | None = None) -> None:
         self.config = config
         self.pool = pool
         self._auth = BearerAuth(api_key if api_key is not None else config.api_key)
-        self._balancer = make_balancer(config.policy)
+        self._balancer = make_balancer(config.policy, config)
         self._forwarder: Forwarder | None = None
         self._client: UpstreamClient | None = None
         self._session: aiohttp.ClientSession | None = None  # for /v1/models only
         self._runner: web.AppRunner | None = None
+        self._clients: ClientPolicy | None = None
         self._port: int | None = None
         self.metrics = ProxyMetrics(self.in_flight, pool.states, pool.is_ready)
+        self.metrics.policy, self.metrics.policy_decisions = self._balancer.name, self._balancer.decisions
         self._own = {"/health": self._health, "/ready": self._ready, "/metrics": self._metrics}
+        # vsup run's collection of the instances' metrics (observe/): its cached text is appended to /metrics
+        self.extra_metrics: Callable[[], bytes] | None = None
         self._pid = str(os.getpid())
         pool.subscribe(self._on_backend_change)
 
@@ -68,16 +85,23 @@ class ProxyServer:
             cookie_jar=aiohttp.DummyCookieJar(),
             trust_env=False,
         )
+        # The client-connection policy (clients.py): a bound on open connections, a timeout on
+        # half-sent requests, OpenAI-shaped answers to malformed ones.
+        self._clients = ClientPolicy(self.metrics)
+        self.metrics.client_connections = lambda: self._clients.open if self._clients else 0
         self._forwarder = Forwarder(
-            config, self.pool, self._balancer, self._client, self.metrics, drop_authorization=self._auth.enabled
+            config, self.pool, self._balancer, self._client, self.metrics, self._clients,
+            drop_authorization=self._auth.enabled,
         )
         # A low-level aiohttp Server with our own dispatch (below): the Application router and
         # its middleware chain cost more per request than the routing they would do here.
         # handler_cancellation: a client that disconnects cancels its handler, which drops the
         # upstream connection (aiohttp >= 3.9 leaves it off by default). No access log: it costs
         # more CPU than the forwarding itself; /metrics counts every request.
-        make_request = aiohttp_internals.make_request_factory(asyncio.get_running_loop(), config.max_body_bytes)
-        server = web.Server(self._dispatch, request_factory=make_request, handler_cancellation=True, access_log=None)
+        server = aiohttp_internals.make_server(
+            self._dispatch, policy=self._clients, max_body_bytes=config.max_body_bytes,
+            handler_cancellation=True, access_log=None,
+        )
         self._runner = web.ServerRunner(server, handle_signals=False, shutdown_timeout=1.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, config.host, config.port, backlog=1024, reuse_address=True)
@@ -101,18 +125,31 @@ class ProxyServer:
             self._client.set_reusable(backend.url, ready)
 
     def reconfigure(self, config: ProxyConfig, api_key: str | None) -> None:
-        """Apply changed settings at once (`vsup reload`): timeouts, retries, drain timeout, policy,
-        API key. Requests already in flight keep the timeouts they were armed with. host, port,
-        max_connections and max_body_bytes are built into the listening socket and the pools: a
-        reload refuses to change them."""
+        """Apply changed settings at once (`vsup reload`): timeouts, retries, drain timeout, policy
+        and its affinity settings, API key (also the /status page's). Requests already in flight
+        keep the timeouts they were armed with. host, port, max_connections and max_body_bytes are
+        built into the listening socket and the pools: a reload refuses to change them."""
         self.config = config
         self._auth = BearerAuth(api_key if api_key is not None else config.api_key)
         if config.policy != self._balancer.name:
-            self._balancer = make_balancer(config.policy)
+            self._balancer = make_balancer(config.policy, config)
+            self.metrics.policy, self.metrics.policy_decisions = self._balancer.name, self._balancer.decisions
+        elif hasattr(self._balancer, "prefix_chars"):  # prefix_affinity: same policy, its counts kept
+            self._balancer.prefix_chars = config.affinity_prefix_chars
+            self._balancer.max_imbalance = config.affinity_max_imbalance
         if self._forwarder is not None:
             self._forwarder.config = config
             self._forwarder.balancer = self._balancer
             self._forwarder.drop_authorization = self._auth.enabled
+
+    def add_page(self, path: str, handler: PageHandler) -> None:
+        """Answer GET `path` here with `handler(request, auth)` (vsup run's /status page); the auth
+        is the one in force when the request comes (a reload may change the key)."""
+
+        async def page(request: web.BaseRequest) -> web.StreamResponse:
+            return await handler(request, self._auth)
+
+        self._own[path] = page
 
     def set_weight(self, name: str, weight: int) -> None:
         """The share of requests `name` gets relative to the others (standalone upstreams: the
@@ -145,6 +182,9 @@ class ProxyServer:
         forwarder.draining = True
         for site in list(self._runner.sites):
             await site.stop()  # closes the listening socket; open connections stay
+        for exchange in list(forwarder.active):
+            if exchange.phase == "body":
+                exchange.abort("draining")  # still sending its request: nothing started, 503 now
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while forwarder.active and loop.time() < deadline:
@@ -176,6 +216,13 @@ class ProxyServer:
 
     async def _dispatch(self, request: web.BaseRequest) -> web.StreamResponse:
         path = request.path
+        if "/." in path and _has_dot_segment(path):
+            # The proxy routes (and checks auth) on the path as sent and forwards it as sent: a
+            # path that an instance would resolve to somewhere else is refused, not guessed at.
+            self.metrics.request("other", 400, "")
+            return errors.bad_request(
+                f"the path {_shown(request.raw_path)} has a '.' or '..' segment: send it without (the proxy does not resolve them)"
+            )
         if path.startswith("/v1/") or path in _FORWARDED_OUTSIDE_V1:
             if not self._auth.allows(request):
                 self.metrics.request("auth", 401, "")
@@ -212,7 +259,10 @@ class ProxyServer:
     async def _metrics(self, request: web.BaseRequest) -> web.Response:
         if not self._auth.allows(request):
             return errors.unauthorized()
-        response = web.Response(body=self.metrics.render())
+        body = self.metrics.render()
+        if self.extra_metrics is not None:
+            body += self.extra_metrics()
+        response = web.Response(body=body)
         response.headers["Content-Type"] = CONTENT_TYPE
         return response
 

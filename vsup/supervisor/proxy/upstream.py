@@ -13,12 +13,20 @@ Failure kinds the forwarder acts on:
                   live server (the classic stale keep-alive race every HTTP client retries): safe
                   to retry, like ConnectFailed
   UpstreamBroken  the connection died or sent garbage after the request was written: not retried
+
+What the instance sends is trusted no further than HTTP/1.1 allows: interim 1xx answers are
+skipped, bytes beyond the announced end of a response (or arriving while no request is
+outstanding) make the connection unusable instead of being taken as the next answer, and a
+body delimited by the end of the connection (no Content-Length, not chunked) ends there.
+The relay's writes to the client go through a sink (aiohttp_internals.BodySink in the proxy):
+this module knows nothing of aiohttp.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import socket
 from urllib.parse import urlsplit
 
@@ -50,7 +58,7 @@ class _Connection(asyncio.Protocol):
     __slots__ = (
         "pool", "transport", "parser", "status", "headers", "headers_done", "chunks", "queued", "complete",
         "error", "waiter", "keep_alive", "reading_paused", "lost", "head", "used", "counted_out", "replied",
-        "sink", "sink_chunked", "sink_blocked", "exchange", "clock",
+        "sink", "sink_blocked", "exchange", "clock", "awaiting", "interim",
     )
 
     def __init__(self, pool: "UpstreamPool") -> None:
@@ -60,14 +68,18 @@ class _Connection(asyncio.Protocol):
         self.used = 0
         self.counted_out = False  # its slot in the pool's `open` count was given back
         self.clock = pool.loop.time
+        # One parser for the connection's life: after a clean, complete answer llhttp is at the
+        # start of the next one (a connection with any error is never reused).
+        self.parser = httptools.HttpResponseParser(self)
+        self.chunks: collections.deque[bytes] = collections.deque()
         self._reset()
 
     def _reset(self) -> None:
-        self.parser = httptools.HttpResponseParser(self)
+        """Ready for the next request."""
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
         self.headers_done = False
-        self.chunks: collections.deque[bytes] = collections.deque()
+        self.chunks.clear()  # a complete answer whose reader went away may have left its body
         self.queued = 0
         self.complete = False
         self.replied = False  # a byte of the current answer arrived (a reset after that is no stale connection)
@@ -76,8 +88,9 @@ class _Connection(asyncio.Protocol):
         self.keep_alive = False
         self.reading_paused = False
         self.head = False
-        self.sink: asyncio.WriteTransport | None = None  # relay mode: body goes straight here
-        self.sink_chunked = True
+        self.awaiting = False  # a request was sent and its answer is not complete: bytes are expected
+        self.interim = False  # the message being parsed is a 1xx interim answer (skipped)
+        self.sink = None  # relay mode: body goes straight to sink.write (see UpstreamResponse.relay)
         self.sink_blocked = False
         self.exchange = None  # relay mode: the request's Exchange (its `last` is stamped per piece)
 
@@ -86,12 +99,23 @@ class _Connection(asyncio.Protocol):
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
+        if not self.awaiting:
+            # Nobody asked: a late or unsolicited answer. Taking it as the next request's answer
+            # would hand one client another's response; the connection cannot be trusted.
+            self.keep_alive = False
+            self.transport.abort()  # type: ignore[union-attr]
+            return
         self.replied = True
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            self._fail(UpstreamBroken(f"invalid HTTP from the instance: {exc}"))
-            self.transport.close()  # type: ignore[union-attr]
+            if self.complete:
+                # Bytes after the announced end of the answer: the answer stands, the connection goes.
+                self.keep_alive = False
+                self.awaiting = False
+            else:
+                self._fail(UpstreamBroken(f"invalid HTTP from the instance: {exc}"))
+            self.transport.abort()  # type: ignore[union-attr]
 
     def eof_received(self):
         return False  # close our side too
@@ -100,18 +124,45 @@ class _Connection(asyncio.Protocol):
         self.lost = True
         self.pool.forget(self)
         if not self.complete:
+            if exc is None and self.headers_done and self._ends_at_eof():
+                self.complete = True  # a body delimited by the end of the connection
+                self.keep_alive = False
+                self._wake()
+                return
             self._fail(UpstreamBroken("the instance closed the connection" + (f" ({exc})" if exc else "")))
 
+    def _ends_at_eof(self) -> bool:
+        """The answer's body has neither a length nor chunks: it ends when the connection does."""
+        for name, value in self.headers:
+            low = name.lower()
+            if low == b"content-length" or (low == b"transfer-encoding" and b"chunked" in value.lower()):
+                return False
+        return True
+
     # -- httptools callbacks
+    def on_message_begin(self) -> None:
+        if self.complete:
+            raise UpstreamBroken("a second answer to one request")  # stops the parser: see data_received
+
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
-        self.status = self.parser.get_status_code()
+        status = self.parser.get_status_code()
+        if status < 200:
+            if status == 101:
+                self._fail(UpstreamBroken("the instance switched protocols (101), which the proxy never asks for"))
+                raise self.error  # type: ignore[misc]  # stops the parser: see data_received
+            # 100 Continue, 103 Early Hints...: interim, the real answer follows.
+            self.interim = True
+            self.headers = []
+            return
+        self.status = status
         self.headers_done = True
         if self.head:
             self.complete = True
             self.keep_alive = False
+            self.awaiting = False
         self._wake()
 
     def on_body(self, body: bytes) -> None:
@@ -123,10 +174,7 @@ class _Connection(asyncio.Protocol):
             exchange.last = now = self.clock()
             if exchange.first_data_at is None:
                 exchange.first_data(now)
-            if sink.is_closing():
-                return  # the client is gone; its handler is being cancelled and will drop us
-            sink.write(b"%x\r\n%b\r\n" % (len(body), body) if self.sink_chunked else body)
-            if sink.get_write_buffer_size() > _HIGH_WATER and not self.reading_paused:
+            if sink.write(body) and not self.reading_paused:
                 self.reading_paused = True  # a slow client: stop reading until it catches up
                 self.sink_blocked = True
                 self.transport.pause_reading()  # type: ignore[union-attr]
@@ -140,7 +188,11 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
+        if self.interim:
+            self.interim = False
+            return
         self.complete = True
+        self.awaiting = False
         self.keep_alive = self.parser.should_keep_alive()
         self._wake()
 
@@ -191,22 +243,23 @@ class UpstreamResponse:
                 raise conn.error
             await conn.wait()
 
-    async def relay(self, sink: asyncio.WriteTransport, chunked: bool, drain, exchange) -> None:
-        """Write the rest of the body to `sink` as it arrives (framed as HTTP/1.1 chunks when
-        `chunked`), from the connection's data callback; `exchange.on_data(now)` (inlined) runs
-        for every piece and `await drain()` when the client reads slower than the instance writes.
-        Returns when the body is complete; raises UpstreamBroken when the instance fails."""
+    async def relay(self, sink, exchange) -> None:
+        """Hand the rest of the body to `sink.write(piece)` as it arrives, from the connection's
+        data callback (no task switch per piece); `sink.write` returns True when the client's
+        buffer is full, and reading from the instance pauses until `await sink.drain()` returns.
+        `exchange.on_data(now)` (inlined) runs for every piece. Returns when the body is
+        complete; raises UpstreamBroken when the instance fails."""
         conn = self._conn
         while conn.chunks:  # what arrived before relaying started
             chunk = conn.chunks.popleft()
             exchange.on_data(conn.clock())
-            sink.write(b"%x\r\n%b\r\n" % (len(chunk), chunk) if chunked else chunk)
+            sink.write(chunk)
         conn.queued = 0
-        conn.sink, conn.sink_chunked, conn.exchange = sink, chunked, exchange
+        conn.sink, conn.exchange = sink, exchange
         try:
             while True:
                 if conn.sink_blocked or conn.reading_paused:
-                    await drain()
+                    await sink.drain()
                     conn.sink_blocked = False
                     if conn.reading_paused and not conn.lost:
                         conn.reading_paused = False
@@ -220,7 +273,22 @@ class UpstreamResponse:
         finally:
             conn.sink = conn.exchange = None
 
+    def complete_body(self) -> bytes | None:
+        """The whole body if all of it is in already (a small answer comes in one piece with its
+        headers), without an await; None if more is to come."""
+        conn = self._conn
+        if not conn.complete or conn.reading_paused:
+            return None
+        chunks = conn.chunks
+        body = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        conn.queued = 0
+        return body
+
     async def read(self) -> bytes:
+        body = self.complete_body()
+        if body is not None:
+            return body
         parts = []
         while chunk := await self.read_chunk():
             parts.append(chunk)
@@ -278,8 +346,16 @@ class UpstreamPool:
             try:
                 conn = await waiter
             except BaseException:
-                if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
-                    self.release(waiter.result(), True)  # handed to us as we were cancelled
+                if not waiter.done() or waiter.cancelled():
+                    with contextlib.suppress(ValueError):
+                        self.waiters.remove(waiter)
+                elif waiter.exception() is None:
+                    # Handed to us as we were cancelled: pass it on to the next in line.
+                    handed = waiter.result()
+                    if handed is None:
+                        self._wake_waiter()  # a free slot
+                    else:
+                        self.release(handed, True)
                 raise
             if conn is not None:
                 return conn
@@ -330,6 +406,9 @@ class UpstreamPool:
 
     def _slot_freed(self) -> None:
         self.open -= 1
+        self._wake_waiter()
+
+    def _wake_waiter(self) -> None:
         while self.waiters:
             waiter = self.waiters.popleft()
             if not waiter.done():
@@ -389,6 +468,21 @@ class UpstreamClient:
         released (after idle_connection() found none). Raises ConnectFailed."""
         return await self.pool(url).acquire()
 
+    async def listening(self, url: str) -> bool:
+        """Does anything accept connections at `url` now? False only when a connect is refused or
+        reset (nothing listens: the instance's process is gone or going); True when one opens
+        (it is closed at once) or cannot tell within connect_timeout."""
+        pool = self.pool(url)
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                transport, _ = await pool.loop.create_connection(asyncio.Protocol, pool.host, pool.port)
+        except TimeoutError:
+            return True
+        except OSError:
+            return False
+        transport.close()
+        return True
+
     async def send(self, conn: _Connection, method: str, target: bytes, headers: bytes, body: bytes) -> UpstreamResponse:
         """Send `METHOD target` with `headers` (already `Name: value\\r\\n` lines, no Host, no
         Content-Length) and `body`; return once the status line and headers are in. Raises
@@ -396,13 +490,15 @@ class UpstreamClient:
         UpstreamBroken for any other failure."""
         conn.used += 1
         conn.head = method == "HEAD"
+        conn.awaiting = True
         length = b"Content-Length: %d\r\n" % len(body) if body or method in ("POST", "PUT", "PATCH") else b""
         try:
             conn.transport.write(b"".join((method.encode(), b" ", target, b" HTTP/1.1\r\n", conn.pool.host_header, headers, length, b"\r\n", body)))  # type: ignore[union-attr]
             while not conn.headers_done:
                 if conn.error is not None:
                     raise conn.error
-                await conn.wait()
+                conn.waiter = waiter = conn.pool.loop.create_future()  # conn.wait(), inlined: once per request
+                await waiter
         except UpstreamBroken as exc:
             conn.pool.release(conn, False)
             if conn.used > 1 and not conn.replied:

@@ -1,0 +1,499 @@
+"""Cache-aware routing measured with real vLLM CPU: round_robin, least_outstanding and
+prefix_affinity over the same instances, in one run.
+
+    .venv/bin/python bench/affinity_bench.py                 # 2 instances, 8 sessions x 4 questions, 1,000-token prefixes
+    .venv/bin/python bench/affinity_bench.py --quick         # a smoke run: 4 sessions x 3 questions
+    .venv/bin/python bench/affinity_bench.py --upstream http://127.0.0.1:8100 --upstream http://127.0.0.1:8101
+                                                             # servers already running: none started here
+
+Instances: `vsup run` starts --instances pinned vLLM instances once (the bench model of
+bench/vllm_bench.py, --enable-prefix-caching); every policy gets its own `vsup proxy --policy P`
+in front of the same instances, so the policies differ in routing only.
+
+Workloads, measured per policy, the policies in turn (--rounds repeats the sequence):
+  shared    S sessions (--sessions), each with its own prefix of at least --prefix-tokens tokens
+            (counted by the instances' /tokenize), followed by a short question of its own; Q
+            questions per session (--questions), interleaved: each round of questions visits the
+            sessions in a seeded shuffled order (a fixed order would let round robin's alternation
+            line up with the sessions and look like affinity). Chat: the prefix is the system
+            prompt (--api completions: the prompt's start).
+  distinct  S x Q requests, each its own prompt of --distinct-tokens tokens: nothing to share, so
+            prefix_affinity can only lose (its hashing spreads worse than a rotation).
+Each phase uses fresh text (a salt per workload, policy and round): no policy meets a cache that
+another filled. --concurrency requests are in flight at a time (closed loop), each streamed, with
+--max-tokens tokens (ignore_eos).
+
+Reported per workload and policy: TTFT p50/p90 (client side, through the proxy, first streamed
+event), output tok/s (completion tokens / wall time of the phase), and per instance the requests it
+served and its prefix-cache hit rate: the change of vllm:prefix_cache_hits_total over
+vllm:prefix_cache_queries_total on the instance's own /metrics (vLLM counts both in prompt tokens).
+Then the issue's bar as ratios of the same run: shared: round_robin TTFT p50 / prefix_affinity's
+>= 1.5 and prefix_affinity tok/s / round_robin's >= 1.0; distinct: prefix_affinity tok/s /
+round_robin's >= 0.95.
+
+Why the defaults: with --kvcache-gib 0.5 the bench model (hidden 1024, 8 layers, fp32: 64 KiB of
+KV per token) caches ~8,000 tokens per instance, and 8 sessions of ~1,050 tokens need ~8,400: under
+round robin each instance would hold every session's prefix and runs out of room, under
+prefix_affinity each holds about half — the N-copies effect the policy removes. With a cache that
+fits every prefix on every instance, round robin pays N prefills per session instead of 1, and its
+TTFT p50 is a miss only while N >= Q / 2 (raise --kvcache-gib and see). vLLM's CPU backend caches
+in blocks of 128 tokens (platforms/cpu.py), so only whole 128-token blocks of a prefix are reused.
+The KV cache each instance reports (vllm:cache_config_info: capacity, block size, whether prefix
+caching is on) is printed with the results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import signal
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vllm_bench import VSUP, Layout, add_model_options, free_port, free_ports, resolve_model  # noqa: E402
+
+POLICIES = ("round_robin", "least_outstanding", "prefix_affinity")
+WORKLOADS = ("shared", "distinct")
+SERVED_NAME = "bench-llama"
+# Words of the bench model's tokenizer training text (scripts/build_tiny_model.py), so prompts
+# tokenize into about one token per word, as prose does.
+WORDS = (
+    "the a of to in on for with by from at as is are was be this that it model server request response token "
+    "stream core node memory cache process thread worker engine supervisor proxy instance health ready start stop "
+    "restart signal port socket queue batch prompt answer question hello world cpu numa bind pin plan launch config "
+    "value key error timeout retry fast slow small large first last next one two three four five six seven eight "
+    "nine ten red green blue river mountain city window garden music paper light water stone bird tree road and or "
+    "but if then when while because so not all any each every some many few more run send read write keep make"
+).split()
+COUNTERS = {
+    "queries": "vllm:prefix_cache_queries_total",
+    "hits": "vllm:prefix_cache_hits_total",
+    "requests": "vllm:request_success_total",
+}
+
+
+# ---- text -----------------------------------------------------------------------------------------
+
+def words(rng: random.Random, count: int) -> str:
+    out = []
+    for i in range(count):
+        word = rng.choice(WORDS)
+        out.append(f"{word}." if i % 12 == 11 else word)
+    return " ".join(out)
+
+
+class Tokens:
+    """Token counts from an instance's /tokenize (vLLM's and the fake's); prompts are grown to a
+    target count in a few calls, using the words-per-token ratio seen so far."""
+
+    def __init__(self, url: str, model: str) -> None:
+        self.url, self.model = url, model
+        self.per_word = 1.0
+
+    def count(self, text: str) -> int:
+        body = json.dumps({"model": self.model, "prompt": text, "add_special_tokens": False}).encode()
+        request = urllib.request.Request(f"{self.url}/tokenize", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return int(json.load(response)["count"])
+
+    def text(self, rng: random.Random, target: int) -> tuple[str, int]:
+        """A text of at least `target` tokens (and not many more), with its count."""
+        n = max(1, int(target / self.per_word))
+        for _ in range(8):
+            text = words(random.Random(rng.random()), n)
+            count = self.count(text)
+            self.per_word = count / n
+            if count >= target:
+                return text, count
+            n = int(n * target / max(count, 1)) + 8
+        raise RuntimeError(f"could not build a text of {target} tokens on {self.url}/tokenize")
+
+
+@dataclass
+class Request:
+    session: int
+    prefix: str  # shared by the session's requests ("" in the distinct workload)
+    question: str
+
+
+def shared_workload(tokens: Tokens, salt: str, sessions: int, questions: int, prefix_tokens: int) -> tuple[list[Request], int]:
+    """S sessions x Q questions, interleaved in a shuffled order per round of questions; and the
+    prefixes' smallest token count."""
+    rng = random.Random(salt)
+    prefixes = [tokens.text(rng, prefix_tokens) for _ in range(sessions)]
+    order: list[Request] = []
+    for q in range(questions):
+        visit = list(range(sessions))
+        rng.shuffle(visit)
+        for s in visit:
+            order.append(Request(s, prefixes[s][0], f"Question {q} of reader {s}: {words(rng, 8)}?"))
+    return order, min(count for _, count in prefixes)
+
+
+def distinct_workload(tokens: Tokens, salt: str, count: int, prompt_tokens: int) -> list[Request]:
+    rng = random.Random(salt)
+    return [Request(i, "", tokens.text(rng, prompt_tokens)[0]) for i in range(count)]
+
+
+def payload(api: str, request: Request, max_tokens: int, model: str) -> tuple[str, dict]:
+    common = {"model": model, "max_tokens": max_tokens, "stream": True, "temperature": 0, "ignore_eos": True,
+              "stream_options": {"include_usage": True}}
+    if api == "chat":
+        messages = [{"role": "system", "content": request.prefix}] if request.prefix else []
+        messages.append({"role": "user", "content": request.question})
+        return "/v1/chat/completions", {**common, "messages": messages}
+    prompt = f"{request.prefix}\n\n{request.question}\nAnswer:" if request.prefix else request.question
+    return "/v1/completions", {**common, "prompt": prompt}
+
+
+# ---- load -----------------------------------------------------------------------------------------
+
+@dataclass
+class Phase:
+    workload: str
+    policy: str
+    round: int
+    requests: int = 0
+    errors: int = 0
+    tokens: int = 0
+    elapsed: float = 0.0
+    ttfts: list[float] = field(default_factory=list)
+    instances: dict[str, dict[str, float]] = field(default_factory=dict)  # url -> counter changes
+    error_samples: list[str] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.elapsed if self.elapsed else 0.0
+
+    def ttft(self, q: float) -> float:
+        return percentile(self.ttfts, q)
+
+    def hit_rate(self, url: str | None = None) -> float | None:
+        rows = [self.instances[url]] if url else list(self.instances.values())
+        queries = sum(r.get("queries", 0) for r in rows)
+        return sum(r.get("hits", 0) for r in rows) / queries if queries else None
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[int(round(q * 100)) - 1]
+
+
+async def stream_once(session: aiohttp.ClientSession, url: str, path: str, body: dict) -> tuple[float, int]:
+    """(seconds to the first streamed event with choices, completion tokens) of one request."""
+    began = time.monotonic()
+    first = None
+    tokens = 0
+    async with session.post(url + path, json=body) as response:
+        if response.status != 200:
+            raise RuntimeError(f"HTTP {response.status}: {(await response.text())[:200]}")
+        async for raw in response.content:
+            line = raw.strip()
+            if not line.startswith(b"data: "):
+                continue
+            data = line[6:]
+            if data == b"[DONE]":
+                break
+            event = json.loads(data)
+            if "error" in event:
+                raise RuntimeError(f"stream error: {event['error']}")
+            if first is None and event.get("choices"):
+                first = time.monotonic() - began
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+    if first is None or tokens != body["max_tokens"]:
+        raise RuntimeError(f"incomplete stream: first event {first}, {tokens}/{body['max_tokens']} tokens")
+    return first, tokens
+
+
+async def run_phase(phase: Phase, proxy_url: str, requests: list[Request], args) -> None:
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=900)
+    queue = iter(requests)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=args.concurrency)) as session:
+        async def worker() -> None:
+            for request in queue:
+                path, body = payload(args.api, request, args.max_tokens, args.model_name)
+                try:
+                    ttft, tokens = await stream_once(session, proxy_url, path, body)
+                except Exception as exc:  # counted and shown: a phase with errors says so in the table
+                    phase.errors += 1
+                    if len(phase.error_samples) < 3:
+                        phase.error_samples.append(f"{type(exc).__name__}: {exc}"[:200])
+                    continue
+                phase.ttfts.append(ttft)
+                phase.tokens += tokens
+                phase.requests += 1
+
+        began = time.monotonic()
+        await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+        phase.elapsed = time.monotonic() - began
+
+
+def scrape(url: str) -> tuple[dict[str, float], str]:
+    """An instance's prefix-cache and request counters (summed over label sets), and its KV cache
+    as it reports it (vllm:cache_config_info: capacity, block size, prefix caching on), or "?"."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    wanted = {name: key for key, name in COUNTERS.items()}
+    values: dict[str, float] = {}
+    capacity = "?"
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = wanted.get(sample.name)
+            if key:
+                values[key] = values.get(key, 0.0) + sample.value
+            elif sample.name == "vllm:cache_config_info":
+                labels = sample.labels
+                try:
+                    capacity = (f"{int(labels['block_size']) * int(labels['num_gpu_blocks'])} tokens in blocks of "
+                                f"{labels['block_size']}, prefix caching {labels.get('enable_prefix_caching', '?')}")
+                except (KeyError, ValueError):
+                    pass
+    return values, capacity
+
+
+def measure(phase: Phase, proxy_url: str, instances: list[str], requests: list[Request], args) -> Phase:
+    before = {url: scrape(url)[0] for url in instances}
+    asyncio.run(run_phase(phase, proxy_url, requests, args))
+    after = {url: scrape(url)[0] for url in instances}
+    for url in instances:
+        phase.instances[url] = {key: after[url].get(key, 0.0) - before[url].get(key, 0.0) for key in after[url]}
+    return phase
+
+
+# ---- processes ------------------------------------------------------------------------------------
+
+def start_instances(args, layout: Layout, workdir: Path) -> list[str]:
+    """`vsup run` with --instances pinned vLLM instances; their base URLs once all are ready."""
+    base = free_ports(args.instances)
+    port = free_port()
+    config = {
+        "model": str(args.model_dir),
+        "served_model_name": SERVED_NAME,
+        "instances": args.instances,
+        "placement": {"reserve_cores": 0, "kvcache_gib": args.kvcache_gib},
+        "vllm": {"venv": str(args.venv), "base_port": base, "env": {"HF_HUB_OFFLINE": "1"},
+                 "args": ["--dtype", "float32", "--enforce-eager", "--max-model-len", str(args.max_model_len),
+                          "--max-num-seqs", str(max(args.concurrency, 8)), "--enable-prefix-caching"]},
+        "proxy": {"port": port},
+        "health": {"startup_timeout": args.startup_timeout},
+        "start": {"mode": "parallel"},
+        "log": {"dir": str(workdir / "logs"), "echo": False},
+        "control": {"socket": str(workdir / "control.sock")},
+    }
+    path = workdir / "vsup.yaml"
+    path.write_text(yaml.safe_dump(config))
+    layout.spawn([VSUP, "run", "--config", str(path)], "vsup")
+    layout.wait_ready(f"http://127.0.0.1:{port}", args.instances, args.startup_timeout)
+    return [f"http://127.0.0.1:{base + i}" for i in range(args.instances)]
+
+
+def start_proxies(args, layout: Layout, workdir: Path, instances: list[str]) -> dict[str, str]:
+    """One `vsup proxy --policy P` per policy, in front of the same instances."""
+    urls = {}
+    for policy in args.policies:
+        port = free_port()
+        config = workdir / f"proxy-{policy}.yaml"
+        config.write_text(yaml.safe_dump({
+            "proxy": {"affinity_prefix_chars": args.affinity_prefix_chars, "affinity_max_imbalance": args.affinity_max_imbalance,
+                      "first_byte_timeout": 900.0, "idle_timeout": 900.0},
+            "health": {"interval": 1.0, "timeout": 5.0},
+        }))
+        layout.spawn([VSUP, "proxy", "--port", str(port), "--policy", policy, "--config", str(config),
+                      *[a for url in instances for a in ("--upstream", url)]], f"proxy-{policy}")
+        urls[policy] = f"http://127.0.0.1:{port}"
+    for url in urls.values():
+        layout.wait_ready(url, len(instances), 60)
+    return urls
+
+
+def model_name(url: str) -> str:
+    with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as response:
+        return json.load(response)["data"][0]["id"]
+
+
+def warm_up(instances: list[str], args) -> None:
+    """A short request straight to each instance, so first-request costs land in no phase."""
+    async def go() -> None:
+        async with aiohttp.ClientSession() as session:
+            for url in instances:
+                path, body = payload(args.api, Request(0, "", "warm up"), 2, args.model_name)
+                await stream_once(session, url, path, body)
+    asyncio.run(go())
+
+
+# ---- report ---------------------------------------------------------------------------------------
+
+def merged(phases: list[Phase], workload: str, policy: str) -> Phase:
+    mine = [p for p in phases if p.workload == workload and p.policy == policy]
+    out = Phase(workload, policy, 0, requests=sum(p.requests for p in mine), errors=sum(p.errors for p in mine),
+                tokens=sum(p.tokens for p in mine), elapsed=sum(p.elapsed for p in mine),
+                ttfts=[t for p in mine for t in p.ttfts])
+    for p in mine:
+        for url, counters in p.instances.items():
+            row = out.instances.setdefault(url, {})
+            for key, value in counters.items():
+                row[key] = row.get(key, 0.0) + value
+        out.error_samples += p.error_samples
+    return out
+
+
+def report(phases: list[Phase], instances: list[str], capacities: list[str], args) -> str:
+    names = {url: f"i{n}" for n, url in enumerate(instances)}
+    lines = [
+        f"{len(instances)} instances (KV cache: {' / '.join(capacities)}); api {args.api}; shared: {args.sessions} sessions x "
+        f"{args.questions} questions, prefixes >= {args.prefix_tokens_seen} tokens and {args.prefix_chars_seen} characters; distinct: {args.sessions * args.questions} prompts "
+        f"of {args.distinct_tokens} tokens; {args.max_tokens} tokens per answer; concurrency {args.concurrency}; "
+        f"{args.rounds} round(s); prefix_affinity: affinity_prefix_chars {args.affinity_prefix_chars}, "
+        f"affinity_max_imbalance {args.affinity_max_imbalance}; --seed {args.seed}",
+        "",
+        "| workload | policy | requests | errors | TTFT p50 | TTFT p90 | output tok/s | prefix-cache hit rate | per instance: requests, hit rate |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    summary: dict[tuple[str, str], Phase] = {}
+    for workload in WORKLOADS:
+        for policy in args.policies:
+            m = summary[(workload, policy)] = merged(phases, workload, policy)
+            rate = m.hit_rate()
+            per = ", ".join(
+                f"{names[url]} {int(m.instances.get(url, {}).get('requests', 0))} / {fmt_rate(m.hit_rate(url) if url in m.instances else None)}"
+                for url in instances)
+            lines.append(f"| {workload} | {policy} | {m.requests} | {m.errors} | {m.ttft(0.5):.2f} s | {m.ttft(0.9):.2f} s | "
+                         f"{m.tokens_per_s:.1f} | {fmt_rate(rate)} | {per} |")
+    rr, pa = "round_robin", "prefix_affinity"
+    if rr in args.policies and pa in args.policies:
+        s_rr, s_pa, d_rr, d_pa = summary[("shared", rr)], summary[("shared", pa)], summary[("distinct", rr)], summary[("distinct", pa)]
+        lines += ["", "The issue's bar (ratios of this run):",
+                  check("shared: TTFT p50 round_robin / prefix_affinity", ratio(s_rr.ttft(0.5), s_pa.ttft(0.5)), 1.5),
+                  check("shared: output tok/s prefix_affinity / round_robin", ratio(s_pa.tokens_per_s, s_rr.tokens_per_s), 1.0),
+                  check("distinct: output tok/s prefix_affinity / round_robin", ratio(d_pa.tokens_per_s, d_rr.tokens_per_s), 0.95)]
+    for phase in phases:
+        for sample in phase.error_samples:
+            lines.append(f"({phase.workload}, {phase.policy}, round {phase.round}) error: {sample}")
+    return "\n".join(lines)
+
+
+def fmt_rate(rate: float | None) -> str:
+    return "n/a" if rate is None else f"{rate * 100:.0f} %"
+
+
+def ratio(a: float, b: float) -> float:
+    return a / b if b and b == b and a == a else float("nan")
+
+
+def check(what: str, value: float, bar: float) -> str:
+    verdict = "n/a" if value != value else ("meets" if value >= bar else "MISSES")
+    return f"- {what}: {value:.2f} ({verdict} >= {bar:g})"
+
+
+# ---- main -----------------------------------------------------------------------------------------
+
+def parse_args(argv: list[str] | None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 4 sessions x 3 questions, concurrency 2, 16 tokens")
+    parser.add_argument("--instances", type=int, default=2)
+    parser.add_argument("--sessions", type=int, default=None, help="sessions with a prefix of their own (default 8; --quick 4)")
+    parser.add_argument("--questions", type=int, default=None, help="questions per session (default 4; --quick 3)")
+    parser.add_argument("--prefix-tokens", type=int, default=1000, help="tokens of each session's prefix (default 1000)")
+    parser.add_argument("--distinct-tokens", type=int, default=256, help="tokens of each distinct prompt (default 256)")
+    parser.add_argument("--concurrency", type=int, default=None, help="requests in flight (default 4; --quick 2)")
+    parser.add_argument("--max-tokens", type=int, default=None, help="tokens per answer (default 32; --quick 16)")
+    parser.add_argument("--rounds", type=int, default=1, help="repeat all phases, policies in turn each round")
+    parser.add_argument("--api", choices=("chat", "completions"), default="chat")
+    parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated, in this order (default: all three)")
+    parser.add_argument("--affinity-prefix-chars", type=int, default=2048)
+    parser.add_argument("--affinity-max-imbalance", type=int, default=4)
+    parser.add_argument("--max-model-len", type=int, default=2048, help="vLLM --max-model-len (the bench model has 2048 positions)")
+    parser.add_argument("--upstream", action="append", default=[], metavar="URL",
+                        help="an OpenAI-compatible server already running (repeat): no vLLM is started")
+    parser.add_argument("--model-name", default=None, help="the model clients name (default: the first of /v1/models)")
+    parser.add_argument("--seed", default=None, help="salt of all generated text (default: a new one per run, so a "
+                        "second run never meets the first one's prefixes in the instances' caches; printed)")
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the phases as JSON")
+    add_model_options(parser)
+    args = parser.parse_args(argv)
+    args.seed = args.seed or random.Random().randbytes(4).hex()
+    quick = {"sessions": 4, "questions": 3, "concurrency": 2, "max_tokens": 16}
+    full = {"sessions": 8, "questions": 4, "concurrency": 4, "max_tokens": 32}
+    for key, value in (quick if args.quick else full).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if not args.policies or any(p not in POLICIES for p in args.policies) or len(set(args.policies)) != len(args.policies):
+        parser.error(f"--policies: a comma-separated list of distinct policies from {', '.join(POLICIES)}")
+    for name in ("instances", "sessions", "questions", "prefix_tokens", "distinct_tokens", "concurrency", "max_tokens", "rounds"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if not args.upstream and args.prefix_tokens + 64 + args.max_tokens > args.max_model_len:
+        parser.error(f"--prefix-tokens {args.prefix_tokens} + a question + --max-tokens {args.max_tokens} do not fit "
+                     f"--max-model-len {args.max_model_len}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the cleanup below
+    with tempfile.TemporaryDirectory(prefix="affinity-bench-") as tmp:
+        workdir = Path(tmp)
+        layout = Layout(workdir)
+        try:
+            if args.upstream:
+                instances = [url.rstrip("/") for url in args.upstream]
+            else:
+                resolve_model(args)
+                print(f"starting {args.instances} vLLM instance(s) under vsup run ...", file=sys.stderr)
+                instances = start_instances(args, layout, workdir)
+            args.model_name = args.model_name or model_name(instances[0])
+            proxies = start_proxies(args, layout, workdir, instances)
+            warm_up(instances, args)
+            capacities = [scrape(url)[1] for url in instances]
+            tokens = Tokens(instances[0], args.model_name)
+            phases: list[Phase] = []
+            seen: list[int] = []
+            chars: list[int] = []
+            for round_no in range(1, args.rounds + 1):
+                for workload in WORKLOADS:
+                    for policy in args.policies:
+                        salt = f"{args.seed}/{workload}/{policy}/{round_no}"
+                        if workload == "shared":
+                            requests, shortest = shared_workload(tokens, salt, args.sessions, args.questions, args.prefix_tokens)
+                            seen.append(shortest)
+                            chars.append(min(len(r.prefix) for r in requests))
+                        else:
+                            requests = distinct_workload(tokens, salt, args.sessions * args.questions, args.distinct_tokens)
+                        print(f"  round {round_no}: {workload} / {policy}: {len(requests)} requests", file=sys.stderr)
+                        phases.append(measure(Phase(workload, policy, round_no), proxies[policy], instances, requests, args))
+            args.prefix_tokens_seen, args.prefix_chars_seen = min(seen), min(chars)
+            if "prefix_affinity" in args.policies and args.prefix_chars_seen < args.affinity_prefix_chars:
+                print(f"warning: prefixes of {args.prefix_chars_seen} characters, shorter than --affinity-prefix-chars "
+                      f"{args.affinity_prefix_chars}: prefix_affinity keys them with their questions, which spreads them",
+                      file=sys.stderr)
+        except Exception:
+            for log in sorted(workdir.glob("*.log")) + sorted((workdir / "logs").glob("*.log")):
+                print(f"--- {log.name} (tail)\n{log.read_text(errors='replace')[-2000:]}", file=sys.stderr)
+            raise
+        finally:
+            layout.stop()
+    print(report(phases, instances, capacities, args))
+    if args.json:
+        args.json.write_text(json.dumps([phase.__dict__ for phase in phases], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,434 @@
+"""prefix_affinity: the routing key (prefix of chat messages and prompts, session header, `user`),
+rendezvous hashing (stable when instances leave and join, weighted), the load escape, and the
+policy end to end with the `openai` SDK in front of fake vLLM processes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from collections import Counter
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from vsup.supervisor.backends import Backend
+from vsup.supervisor.config import ProxyConfig
+from vsup.supervisor.proxy.affinity import PrefixAffinity, prefix_text, routing_key
+from vsup.supervisor.proxy.balancer import make_balancer
+from vsup.supervisor.proxy.forward import parse_json
+from tests.proxy_support import client, metric_value, metrics_text, ready_pool, running_proxy, start_fakes, url
+
+LIMIT = 2048
+LONG_SYSTEM = "You answer questions about the attached manual. " * 60  # ~2900 characters
+
+
+def chat(*turns: tuple[str, object], **extra) -> dict:
+    return {"model": "m", "messages": [{"role": role, "content": content} for role, content in turns], **extra}
+
+
+def key(document, headers=None, limit: int = LIMIT):
+    return routing_key(document, headers, limit)
+
+
+def backends(*names: str) -> tuple[Backend, ...]:
+    return tuple(Backend(name, f"http://{name}:8000") for name in names)
+
+
+def winner(balancer: PrefixAffinity, ready, text: str, in_flight=None, tried=()) -> str:
+    chosen = balancer.choose(ready, in_flight or {}, tried, key({"prompt": text}))
+    return chosen.name
+
+
+# ---------------------------------------------------------------------------------- the key
+
+
+def test_a_conversation_keeps_its_key_as_it_grows():
+    first = chat(("system", "Be brief."), ("user", "What is NUMA?"))
+    later = chat(("system", "Be brief."), ("user", "What is NUMA?"), ("assistant", "Memory per socket."),
+                 ("user", "And SMT?"))
+    assert key(first) == key(later)
+    # another conversation with the same short system prompt is another key (it spreads)
+    assert key(chat(("system", "Be brief."), ("user", "What is SMT?"))) != key(first)
+
+
+def test_a_system_prompt_longer_than_the_limit_is_the_whole_key():
+    one = chat(("system", LONG_SYSTEM), ("user", "question one"))
+    two = chat(("system", LONG_SYSTEM), ("user", "question two"))
+    assert key(one) == key(two)
+    assert key(one, limit=len(LONG_SYSTEM) + 50) != key(two, limit=len(LONG_SYSTEM) + 50)
+    # a different system prompt, or another model, is another key
+    assert key(chat(("system", LONG_SYSTEM.upper()), ("user", "question one"))) != key(one)
+    assert key({**one, "model": "other"}) != key(one)
+
+
+def test_prefix_text_stops_at_the_first_user_message_and_the_limit():
+    few_shot = [("system", "Translate."), ("user", "cat"), ("assistant", "chat"), ("user", "dog")]
+    text = prefix_text(chat(*few_shot), LIMIT)
+    assert "cat" in text and "chat" not in text and "dog" not in text
+    assert len(prefix_text(chat(("system", "x" * 10_000), ("user", "y")), 100)) == 100
+    assert prefix_text(chat(("user", "x" * 50)), 10) == "user\x1f" + "x" * 5
+
+
+def test_tricky_json_is_read_as_json_not_scanned():
+    # Escaped quotes that spell out a user message inside the system prompt: a scanner looking for
+    # "role": "user" would stop there and give both bodies the same key.
+    decoy = 'Quote: {\\"role\\": \\"user\\", \\"content\\": \\"decoy\\"} and a backslash \\\\ end'
+    one = parse_json(('{"model": "m", "messages": [{"role": "system", "content": "%s"}, '
+                      '{"role": "user", "content": "first"}]}' % decoy).encode())
+    two = parse_json(('{"model": "m", "messages": [{"role": "system", "content": "%s"}, '
+                      '{"role": "user", "content": "second"}]}' % decoy).encode())
+    assert one["messages"][0]["content"].count('"role": "user"') == 1
+    assert key(one) != key(two)
+    # the same text escaped (\u00e9, \ud83d\ude00) or not, spaced and ordered differently: one key
+    escaped = parse_json(b'{"messages":[{"role":"user","content":"caf\\u00e9 \\ud83d\\ude00"}],"model":"m"}')
+    plain = parse_json('{ "model" : "m", "messages" : [ { "content" : "café 😀", "role" : "user" } ] }'.encode())
+    assert key(escaped) == key(plain)
+    # a lone surrogate is valid JSON and must not break the hash
+    lone = parse_json(b'{"model": "m", "messages": [{"role": "user", "content": "\\ud800 alone"}]}')
+    assert key(lone) is not None and key(lone) != key(plain)
+
+
+def test_content_parts_text_and_images():
+    def parts(*items):
+        return chat(("user", list(items)))
+
+    text = {"type": "text", "text": "describe"}
+    cat = {"type": "image_url", "image_url": {"url": "data:image/png;base64,CAT"}}
+    dog = {"type": "image_url", "image_url": {"url": "data:image/png;base64,DOG"}}
+    assert key(parts(text, cat)) == key(parts(text, cat))
+    assert key(parts(text, cat)) != key(parts(text, dog))
+    assert key(parts(text, cat)) != key(parts(cat, text))
+    assert "describe" in prefix_text(parts(text, cat), LIMIT)
+    # an image-only message still has a key; a part of an unknown shape is skipped, not an error
+    assert key(parts(cat)) is not None
+    assert key(parts(5, None, {"type": 7})) is not None
+
+
+def test_completion_prompts_strings_batches_and_token_ids():
+    long_doc = "word " * 1000
+    assert key({"prompt": long_doc + "first?"}) == key({"prompt": long_doc + "second?"})
+    assert key({"prompt": "short first?"}) != key({"prompt": "short second?"})
+    assert key({"prompt": ["same start", "x"]}) == key({"prompt": ["same start", "y"]})
+    ids = list(range(1000))
+    assert key({"prompt": ids + [1]}) == key({"prompt": ids + [2]})  # LIMIT / 4 = 512 ids decide
+    assert key({"prompt": [ids + [1], [7]]}) == key({"prompt": ids})
+    assert key({"prompt": [1, 2, 3]}) != key({"prompt": [1, 2, 4]})
+    # the Responses API: instructions, then the input
+    assert key({"instructions": "Be brief.", "input": "hi"}) != key({"instructions": "Be brief.", "input": "ho"})
+
+
+@pytest.mark.parametrize("document", [
+    None, [], "text", {}, {"model": "m"}, {"messages": []}, {"messages": "not a list"}, {"messages": [5]},
+    {"prompt": []}, {"prompt": [1.5, 2]}, {"prompt": [True, False]}, {"prompt": ""}, {"tokens": [1, 2, 3]},
+])
+def test_requests_without_a_prefix_have_no_key(document):
+    assert key(document) is None
+
+
+def test_a_session_pins_whatever_the_prompt():
+    a = chat(("user", "first question"))
+    b = chat(("user", "something else entirely"))
+    assert key(a, {"X-Session-ID": "s1"}) == key(b, {"X-Session-ID": "s1"})
+    assert key(a, {"X-Session-ID": "s1"}).kind == "session"
+    assert key(a, {"X-Session-ID": "s1"}) != key(a, {"X-Session-ID": "s2"})
+    assert key({**a, "user": "ann"}) == key({**b, "user": "ann"})
+    assert key({**a, "user": "ann"}).kind == "session"
+    # the header wins over `user`; empty values are no session
+    assert key({**a, "user": "ann"}, {"X-Session-ID": "s1"}) == key(b, {"X-Session-ID": "s1"})
+    assert key({**a, "user": ""}, {"X-Session-ID": ""}) == key(a)
+    assert key(None, {"X-Session-ID": "s1"}) == key(b, {"X-Session-ID": "s1"})
+
+
+# ---------------------------------------------------------------------------------- the choice
+
+TEXTS = [f"conversation {i} opening" for i in range(10_000)]
+
+
+def assignment(balancer: PrefixAffinity, ready) -> dict[str, str]:
+    return {text: winner(balancer, ready, text) for text in TEXTS}
+
+
+def test_keys_spread_evenly():
+    shares = Counter(assignment(PrefixAffinity(), backends(*"abcd")).values())
+    assert all(abs(count / len(TEXTS) - 0.25) < 0.02 for count in shares.values()), shares
+
+
+def test_an_instance_leaving_moves_only_its_own_keys():
+    balancer = PrefixAffinity()
+    before = assignment(balancer, backends(*"abcde"))
+    after = assignment(balancer, backends(*"abde"))  # c leaves
+    moved = {text for text in TEXTS if before[text] != after[text]}
+    assert moved == {text for text in TEXTS if before[text] == "c"}
+    assert abs(len(moved) / len(TEXTS) - 0.2) < 0.02
+    # c's keys are shared out among the others, not dumped on one
+    assert all(abs(count / len(moved) - 0.25) < 0.05 for count in Counter(after[t] for t in moved).values())
+
+
+def test_an_instance_joining_takes_only_the_keys_it_wins():
+    balancer = PrefixAffinity()
+    before = assignment(balancer, backends(*"abcd"))
+    after = assignment(balancer, backends(*"abcdef"))  # e and f join
+    moved = [text for text in TEXTS if before[text] != after[text]]
+    assert {after[text] for text in moved} == {"e", "f"}
+    assert abs(len(moved) / len(TEXTS) - 2 / 6) < 0.02
+    # and leaving again restores the old assignment exactly
+    assert assignment(balancer, backends(*"abcd")) == before
+
+
+def test_weights_give_proportional_shares_and_move_only_the_reweighted_keys():
+    balancer = PrefixAffinity()
+    balancer.set_weight("a", 3)
+    before = assignment(balancer, backends("a", "b"))
+    assert abs(Counter(before.values())["a"] / len(TEXTS) - 0.75) < 0.02
+    balancer.set_weight("a", 1)  # a host's ready instances drop: it loses keys, b gains none back
+    after = assignment(balancer, backends("a", "b"))
+    assert abs(Counter(after.values())["a"] / len(TEXTS) - 0.5) < 0.02
+    assert all(before[t] == "a" and after[t] == "b" for t in TEXTS if before[t] != after[t])
+
+
+def test_a_retry_goes_to_the_keys_next_choice():
+    balancer = PrefixAffinity()
+    ready = backends(*"abcd")
+    for text in TEXTS[:200]:
+        first = winner(balancer, ready, text)
+        second = winner(balancer, ready, text, tried=[first])
+        assert second != first
+        assert second == winner(balancer, tuple(b for b in ready if b.name != first), text)
+    assert balancer.choose(ready, {}, list("abcd"), key({"prompt": "x"})) is None
+    assert balancer.choose((), {}, (), key({"prompt": "x"})) is None
+
+
+def test_the_load_escape():
+    balancer = PrefixAffinity(max_imbalance=2)
+    ready = backends(*"abc")
+    text = next(t for t in TEXTS if winner(balancer, ready, t) == "a")
+    assert winner(balancer, ready, text, {"a": 5, "b": 3, "c": 4}) == "a"  # 2 more than the least: stays
+    assert winner(balancer, ready, text, {"a": 6, "b": 3, "c": 4}) == "b"  # 3 more: the least loaded
+    # among equally least loaded instances, the key's higher-scored one
+    tied = winner(balancer, ready, text, {"a": 9})
+    assert tied == winner(balancer, backends("b", "c"), text)
+    # per unit of weight: a with weight 4 and 8 in flight is as loaded as b with 2
+    balancer.set_weight("a", 4)
+    heavy = next(t for t in TEXTS if winner(balancer, ready, t) == "a")
+    assert winner(balancer, ready, heavy, {"a": 8, "b": 2, "c": 2}) == "a"
+    assert winner(balancer, ready, heavy, {"a": 20, "b": 2, "c": 2}) != "a"
+
+
+def test_decisions_are_counted_and_requests_without_a_key_go_to_the_least_loaded():
+    balancer = make_balancer("prefix_affinity", ProxyConfig(affinity_max_imbalance=0, affinity_prefix_chars=64))
+    assert isinstance(balancer, PrefixAffinity) and balancer.prefix_chars == 64 and balancer.max_imbalance == 0
+    ready = backends("a", "b")
+    assert balancer.choose(ready, {"a": 1}, (), None).name == "b"
+    assert {balancer.choose(ready, {}, (), None).name for _ in range(4)} == {"a", "b"}  # ties rotate
+    text_key = key({"prompt": "hello"})
+    chosen = balancer.choose(ready, {}, (), text_key).name
+    balancer.choose(ready, {chosen: 1}, (), text_key)  # max_imbalance 0: escapes
+    balancer.choose(ready, {}, (), key(None, {"X-Session-ID": "s"}))
+    assert balancer.decisions == {"no_prefix": 5, "affinity": 1, "escaped": 1, "session": 1}
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("affinity_max_imbalance: -1", "proxy.affinity_max_imbalance"),
+    ("affinity_prefix_chars: 8", "proxy.affinity_prefix_chars"),
+    ("affinity_prefix_chars: 2048.5", "proxy.affinity_prefix_chars"),
+])
+def test_bad_affinity_settings_are_one_line_naming_the_key(tmp_path, setting, message):
+    config = tmp_path / "proxy.yaml"
+    config.write_text(f"proxy:\n  policy: prefix_affinity\n  {setting}\n")
+    vsup = str(Path(sys.executable).parent / "vsup")
+    result = subprocess.run([vsup, "proxy", "--upstream", "http://127.0.0.1:9", "--config", str(config)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.startswith(f"vsup: error: {config}:3: {message}") and result.stderr.count("\n") == 1
+
+
+# ---------------------------------------------------------------------------------- end to end
+
+
+@pytest.fixture(scope="module")
+def fakes():
+    started = start_fakes(["a", "b", "c"])
+    yield started
+    for fake in started:
+        fake.cleanup()
+
+
+async def test_openai_client_conversations_stick_to_one_instance(fakes):
+    async with running_proxy(ready_pool(fakes), policy="prefix_affinity") as proxy:
+        c = client(proxy)
+        seen: dict[int, set[str]] = {}
+        for session in range(12):
+            system = f"Manual number {session}. " + LONG_SYSTEM
+            for question in range(3):
+                messages = [{"role": "system", "content": system}, {"role": "user", "content": f"question {question}?"}]
+                if question == 1:  # streamed: the same routing
+                    stream = await c.chat.completions.with_raw_response.create(
+                        model="fake-model", messages=messages, max_tokens=2, stream=True)
+                    name = stream.headers["x-fake-instance"]
+                    async for _ in stream.parse():
+                        pass
+                else:
+                    raw = await c.chat.completions.with_raw_response.create(model="fake-model", messages=messages, max_tokens=2)
+                    name = raw.headers["x-fake-instance"]
+                seen.setdefault(session, set()).add(name)
+        assert all(len(names) == 1 for names in seen.values()), seen
+        assert len(set().union(*seen.values())) >= 2  # 12 sessions over 3 instances: spread
+        # completions sharing a long document do the same
+        document = "Chapter one. " * 400
+        names = set()
+        for question in range(4):
+            raw = await c.completions.with_raw_response.create(model="fake-model", prompt=f"{document} Q{question}:", max_tokens=2)
+            names.add(raw.headers["x-fake-instance"])
+        assert len(names) == 1
+        text = await metrics_text(proxy)
+        assert metric_value(text, "vsup_proxy_policy_decisions_total", policy="prefix_affinity", decision="affinity") == 40
+        # the instances' own prefix caches saw the repeats (the fake counts like vLLM)
+        hits = 0
+        async with aiohttp.ClientSession() as session:
+            for fake in fakes:
+                async with session.get(f"{fake.url}/metrics") as response:
+                    hits += metric_value(await response.text(), "vllm:prefix_cache_hits_total")
+        assert hits > 0
+
+
+async def test_instances_leaving_and_returning_move_only_their_sessions(fakes):
+    pool = ready_pool(fakes)
+    async with running_proxy(pool, policy="prefix_affinity") as proxy:
+        c = client(proxy)
+
+        async def where() -> dict[int, str]:
+            out = {}
+            for session in range(24):
+                raw = await c.chat.completions.with_raw_response.create(
+                    model="fake-model", max_tokens=1, messages=[{"role": "user", "content": f"session {session} opens"}])
+                out[session] = raw.headers["x-fake-instance"]
+            return out
+
+        before = await where()
+        gone = Counter(before.values()).most_common(1)[0][0]
+        pool.set_state(gone, "unhealthy", False)
+        during = await where()
+        assert {s for s in before if before[s] != during[s]} == {s for s in before if before[s] == gone}
+        assert gone not in during.values()
+        pool.set_state(gone, "ready", True)
+        assert await where() == before
+
+
+async def test_a_busy_instance_sheds_its_key_to_the_least_loaded(fakes):
+    async with running_proxy(ready_pool(fakes), policy="prefix_affinity", affinity_max_imbalance=1) as proxy:
+        c = client(proxy)
+        messages = [{"role": "system", "content": LONG_SYSTEM}, {"role": "user", "content": "hold on"}]
+        slow = {"fake": {"token_delay": 0.2}}
+        streams, names = [], []
+        for _ in range(2):  # 0 then 1 in flight on the chosen one: not more than 1 beyond the others
+            raw = await c.chat.completions.with_raw_response.create(
+                model="fake-model", messages=messages, max_tokens=20, stream=True, extra_body=slow)
+            names.append(raw.headers["x-fake-instance"])
+            stream = raw.parse()
+            await anext(aiter(stream))
+            streams.append(stream)
+        assert names[0] == names[1]
+        raw = await c.chat.completions.with_raw_response.create(model="fake-model", messages=messages, max_tokens=1)
+        assert raw.headers["x-fake-instance"] != names[0]  # 2 in flight there, 0 elsewhere: escaped
+        for stream in streams:
+            await stream.close()
+        text = await metrics_text(proxy)
+        assert metric_value(text, "vsup_proxy_policy_decisions_total", policy="prefix_affinity", decision="escaped") == 1
+        assert metric_value(text, "vsup_proxy_policy_decisions_total", policy="prefix_affinity", decision="affinity") == 2
+
+
+async def test_session_header_and_user_field_pin_a_conversation(fakes):
+    async with running_proxy(ready_pool(fakes), policy="prefix_affinity") as proxy:
+        c = client(proxy)
+        for session in ("s1", "s2", "s3"):
+            names = set()
+            for question in range(4):
+                raw = await c.chat.completions.with_raw_response.create(
+                    model="fake-model", max_tokens=1, messages=[{"role": "user", "content": f"unrelated {question}"}],
+                    extra_headers={"X-Session-ID": session})
+                names.add(raw.headers["x-fake-instance"])
+            assert len(names) == 1
+        names = set()
+        for question in range(4):
+            raw = await c.chat.completions.with_raw_response.create(
+                model="fake-model", max_tokens=1, user="ann", messages=[{"role": "user", "content": f"other {question}"}])
+            names.add(raw.headers["x-fake-instance"])
+        assert len(names) == 1
+        text = await metrics_text(proxy)
+        assert metric_value(text, "vsup_proxy_policy_decisions_total", policy="prefix_affinity", decision="session") == 16
+
+
+async def test_requests_without_a_prefix_are_spread_like_least_outstanding(fakes):
+    async with running_proxy(ready_pool(fakes), policy="prefix_affinity") as proxy:
+        async with aiohttp.ClientSession() as session:
+            names = []
+            for _ in range(6):
+                async with session.post(url(proxy, "/detokenize"), json={"tokens": [1, 2]}) as response:
+                    assert response.status == 200
+                    names.append(response.headers["X-Fake-Instance"])
+            async with session.post(url(proxy, "/v1/completions"), data=b"not json", headers={"Content-Type": "text/plain"}) as response:
+                await response.read()
+        assert Counter(names) == {"a": 2, "b": 2, "c": 2}
+        text = await metrics_text(proxy)
+        assert metric_value(text, "vsup_proxy_policy_decisions_total", policy="prefix_affinity", decision="no_prefix") == 7
+
+
+async def test_round_robin_reports_no_policy_decisions(fakes):
+    async with running_proxy(ready_pool(fakes)) as proxy:
+        await client(proxy).chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "x"}], max_tokens=1)
+        assert "vsup_proxy_policy_decisions_total{" not in await metrics_text(proxy)
+
+
+def test_vsup_run_with_prefix_affinity_and_the_instances_cache_hits_in_its_metrics(tmp_path):
+    """The whole chain: proxy.policy in the YAML, `vsup run` over two fake instances, sessions that
+    share long system prompts, and each instance's prefix-cache counters re-exported on the proxy's
+    /metrics beside the policy's decisions."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.vsup_harness import VsupRun, make_config
+
+    config = make_config(tmp_path, proxy={"policy": "prefix_affinity"}, metrics={"interval": 0.3, "timeout": 1.0},
+                         vllm={"env": {"FAKE_VLLM_TOKEN_DELAY": "0.001", "FAKE_VLLM_ACCESS_LOG": "0",
+                                       "FAKE_VLLM_CHILD": "0", "FAKE_VLLM_SHM": "0"}})
+    run = VsupRun(tmp_path, config)
+    try:
+        run.wait_ready()
+        sessions = 5  # odd: round robin, alternating, would send each session to both instances
+        for question in range(3):
+            for session in range(sessions):
+                body = chat(("system", f"Manual {session}. " + LONG_SYSTEM), ("user", f"question {question}"), max_tokens=1)
+                body["model"] = "fake-model"
+                request = urllib.request.Request(f"http://127.0.0.1:{run.proxy_port}/v1/chat/completions",
+                                                 json.dumps(body).encode(), {"Content-Type": "application/json"})
+                with urllib.request.urlopen(request, timeout=30) as response:
+                    assert response.status == 200
+
+        def families(port: int) -> dict:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+                return {f.name: f for f in text_string_to_metric_families(response.read().decode())}
+
+        def per_instance(found: dict, name: str) -> dict[str, float]:
+            family = found.get(name)
+            return {s.labels.get("instance", ""): s.value for s in family.samples if s.name == name + "_total"} if family else {}
+
+        # what the instances count now, all requests answered; the collector re-exports every 0.3 s
+        final = {str(i): per_instance(families(run.port(i)), "vllm:prefix_cache_queries")[""] for i in range(2)}
+        deadline = time.monotonic() + 30
+        while True:
+            found = families(run.proxy_port)
+            queries = per_instance(found, "vllm:prefix_cache_queries")
+            if queries == final or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        hits = per_instance(found, "vllm:prefix_cache_hits")
+        assert queries == final, (queries, final)
+        # every session's second and third question found its system prompt cached: 2 of 3 hit
+        assert sum(hits.values()) / sum(queries.values()) > 0.6
+        decisions = {s.labels["decision"]: s.value for s in found["vsup_proxy_policy_decisions"].samples}
+        assert decisions == {"affinity": 3 * sessions}
+    finally:
+        run.close()
