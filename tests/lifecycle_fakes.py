@@ -5,11 +5,12 @@ by hand): `run_until(predicate)` lets the event loop settle, and while the predi
 jumps to the earliest sleeper's deadline. A restart policy's 60 s delay or a 600 s startup
 timeout thus take microseconds, and the order of events is exact.
 
-`FakeOps` plays processes and /health: each spawned `FakeProcess` "loads" for `load_time`
-virtual seconds (its port refuses connections), then answers its `health` (200 by default,
-another status, or "hang": the probe runs into its timeout). The test makes a process exit with
-`process.exit(status)`. `stop_tree` takes `stop_time` virtual seconds and ends the process with
-SIGTERM's status unless it exited on its own meanwhile.
+`FakeOps` plays processes, /health, the warm-up and memory: each spawned `FakeProcess` "loads"
+for `load_time` virtual seconds (its port refuses connections), then answers its `health` (200 by
+default, another status, or "hang": the probe runs into its timeout) and its `warmup` the same
+way after `warmup_time` virtual seconds; `tree_rss` reads its `rss`. The test makes a process exit
+with `process.exit(status)`. `stop_tree` takes `stop_time` virtual seconds and ends the process
+with SIGTERM's status unless it exited on its own meanwhile.
 """
 
 from __future__ import annotations
@@ -84,6 +85,8 @@ class FakeProcess:
         self.argv = argv
         self.ready_at = started + load_time
         self.health: int | str = 200
+        self.warmup: int | str = 200  # the warm-up's answer: a status, or "hang"
+        self.rss = 100 * 2**20  # what tree_rss reads, bytes
         self._exit: asyncio.Future[int] = asyncio.get_running_loop().create_future()
 
     @property
@@ -99,10 +102,13 @@ class FakeProcess:
 
 
 class FakeOps:
-    def __init__(self, clock: VirtualClock | None = None, *, load_time: float = 3.0, stop_time: float = 0.5) -> None:
+    def __init__(self, clock: VirtualClock | None = None, *, load_time: float = 3.0, stop_time: float = 0.5,
+                 warmup_time: float = 0.25) -> None:
         self.clock = clock or VirtualClock()
         self.load_time = load_time
         self.stop_time = stop_time
+        self.warmup_time = warmup_time
+        self.warmups: list[tuple[int, dict]] = []  # (pid, body) of every warm-up request
         self.spawn_error: str | None = None  # the next spawns fail with VsupError(this)
         self.processes: list[FakeProcess] = []
         self.stopped: list[int] = []  # pids stop_tree was called for, in order
@@ -118,6 +124,15 @@ class FakeOps:
     @property
     def current(self) -> FakeProcess | None:
         return self.processes[-1] if self.processes else None
+
+    def process_at(self, url: str) -> FakeProcess | None:
+        """The latest process started with `--port P` of this URL (several instances share one
+        FakeOps in the supervisor's tests); else the latest process."""
+        port = url.rsplit(":", 1)[-1]
+        for process in reversed(self.processes):
+            if "--port" in process.argv and process.argv[process.argv.index("--port") + 1] == port:
+                return process
+        return None if any("--port" in p.argv for p in self.processes) else self.current
 
     async def spawn(self, argv, env, log) -> FakeProcess:
         if self.spawn_error is not None:
@@ -136,10 +151,24 @@ class FakeOps:
 
     async def probe(self, url: str, timeout: float) -> HealthResult:
         self.probes += 1
-        process = self.current
+        process = self.process_at(url)
         if process is None or process.returncode is not None or self.now() < process.ready_at:
             return HealthResult(False, "cannot connect: connection refused")
         if process.health == "hang":
             await self.clock.sleep(timeout)
             return HealthResult(False, f"timeout after {timeout:g}s")
         return HealthResult(process.health == 200, f"HTTP {process.health}")
+
+    async def warm_up(self, url: str, body: dict, timeout: float) -> HealthResult:
+        process = self.process_at(url)
+        if process is None or process.returncode is not None:
+            return HealthResult(False, "POST /v1/completions: cannot connect: connection refused")
+        self.warmups.append((process.pid, body))
+        if process.warmup == "hang":
+            await self.clock.sleep(timeout)
+            return HealthResult(False, f"POST /v1/completions: timeout after {timeout:g}s")
+        await self.clock.sleep(self.warmup_time)
+        return HealthResult(process.warmup == 200, f"POST /v1/completions: HTTP {process.warmup}")
+
+    async def tree_rss(self, process: FakeProcess) -> int | None:
+        return process.rss if process.returncode is None else None

@@ -264,3 +264,56 @@ def test_plan_in_every_format_refuses_what_run_refuses(tmp_path, fsroot, vllm, e
     for output in ("json", "table", "shell"):
         assert one_error_line(vsup("plan", "--config", config, "--fsroot", fsroot, "--format", output)) == expected
     assert one_error_line(run(config, fsroot)) == expected
+
+
+# --- issue 13: spare ports (reload) and the memory watchdog's limit -----------------------------
+
+
+def test_proxy_port_on_a_spare_port_is_refused_by_plan_and_run(tmp_path, fsroot):
+    config = write(tmp_path, f"model: fake-model\ninstances: 2\n{SMALL}vllm:\n  command: ['false']\n  base_port: 8100\n"
+                             "proxy:\n  port: 8201\n")
+    for result in (plan(config, fsroot), run(config, fsroot)):
+        assert one_error_line(result) == (
+            f"{config}:{line(config, 'port: 8201')}: proxy.port: 8201 is the spare port of instance 1 (from {config}: "
+            "vllm.spare_base_port (default) (null: vllm.base_port + 100)), where its replacement listens during a reload; "
+            "choose a proxy.port outside 8200-8201 or set vllm.spare_base_port")
+
+
+@pytest.mark.parametrize(("spare", "expected"), [
+    (8101, "the spare ports 8101-8102 meet the instances' ports 8100-8101 (from {config}:{base}: vllm.base_port 8100); "
+           "set vllm.spare_base_port to 8102 or higher"),
+    (65535, "the spare ports of 2 instance(s) would end at 65536, above 65535; set vllm.spare_base_port lower"),
+])
+def test_spare_ports_must_fit_and_stay_clear_of_the_instances(tmp_path, fsroot, spare, expected):
+    config = write(tmp_path, f"model: fake-model\ninstances: 2\n{SMALL}vllm:\n  base_port: 8100\n  spare_base_port: {spare}\n")
+    assert one_error_line(plan(config, fsroot)) == (
+        f"{config}:{line(config, 'spare_base_port:')}: vllm.spare_base_port: "
+        + expected.format(config=config, base=line(config, "base_port:")))
+    fine = write(tmp_path, f"model: fake-model\ninstances: 2\n{SMALL}vllm:\n  base_port: 8100\n  spare_base_port: 8102\n",
+                 "fine.yaml")
+    assert plan(fine, fsroot).returncode == 0
+
+
+@pytest.mark.parametrize(("value", "expected"), [
+    ("'6 GiBs'", "restart.max_rss: '6 GiBs' is not valid: not a size in bytes: write a number and a unit, e.g. \"6GiB\", \"500MB\""),
+    ("60", "restart.max_rss: 60 is not valid: a number is a multiple of the instance's planned memory: more than 0, "
+           "at most 10 (write bytes with a unit, e.g. \"6GiB\")"),
+    ("0", "restart.max_rss: 0 is not valid: a number is a multiple of the instance's planned memory"),
+])
+def test_a_bad_memory_limit_is_refused(tmp_path, fsroot, value, expected):
+    config = write(tmp_path, f"model: fake-model\ninstances: 1\n{SMALL}restart:\n  max_rss: {value}\n")
+    message = one_error_line(plan(config, fsroot))
+    assert message.startswith(f"{config}:{line(config, 'max_rss:')}: {expected}"), message
+
+
+def test_a_memory_limit_as_a_multiple_needs_the_models_size(tmp_path, fsroot):
+    unsized = SMALL.replace("  model_size_gib: 0.01\n", "")
+    config = write(tmp_path, f"model: org/some-model\ninstances: 1\n{unsized}restart:\n  max_rss: 1.2\n")
+    for result in (plan(config, fsroot), run(config, fsroot)):
+        assert one_error_line(result) == (
+            f"{config}:{line(config, 'max_rss:')}: restart.max_rss: 1.2 is a multiple of the planned memory, but the plan "
+            "does not know the model's size (a hub name, or no weight files found); set placement.model_size_gib, or give "
+            "restart.max_rss in bytes, e.g. \"6GiB\"")
+    in_bytes = write(tmp_path, f"model: org/some-model\ninstances: 1\n{unsized}restart:\n  max_rss: '6GiB'\n", "bytes.yaml")
+    sized = write(tmp_path, f"model: org/some-model\ninstances: 1\n{SMALL}restart:\n  max_rss: 1.2\n", "sized.yaml")
+    assert plan(in_bytes, fsroot).returncode == 0 and plan(sized, fsroot).returncode == 0

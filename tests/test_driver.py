@@ -30,12 +30,13 @@ RESTART = {"initial_delay": 1.0, "max_delay": 8.0, "multiplier": 2.0, "jitter": 
 HEALTH = {"interval": 5.0, "timeout": 2.0, "failures": 3, "startup_timeout": 60.0}
 
 
-def make_config(health=None, restart=None, stop_timeout: float = 10.0) -> VsupConfig:
+def make_config(health=None, restart=None, stop_timeout: float = 10.0, drain_timeout: float = 30.0) -> VsupConfig:
     return VsupConfig.model_validate({
         "model": "m",
         "health": {**HEALTH, **(health or {})},
         "restart": {**RESTART, **(restart or {})},
         "stop": {"timeout": stop_timeout},
+        "proxy": {"drain_timeout": drain_timeout},
     })
 
 
@@ -45,7 +46,9 @@ class Driven:
     def __init__(self, ops: FakeOps, config: VsupConfig) -> None:
         self.ops = ops
         self.clock = ops.clock
-        self.inst = Instance(0, ["vllm", "serve", "m"], {}, port=8100, config=config, log=None, ops=ops)
+        self.in_flight = 0  # what the proxy would have in flight to the instance
+        self.inst = Instance(0, ["vllm", "serve", "m"], {}, port=8100, config=config, log=None, ops=ops,
+                             in_flight=lambda: self.in_flight)
         self.task = asyncio.create_task(self.inst.run())
 
     @property
@@ -79,8 +82,8 @@ class Driven:
 async def driven():
     made: list[Driven] = []
 
-    def make(*, load_time: float = 3.0, stop_time: float = 0.5, **config) -> Driven:
-        d = Driven(FakeOps(load_time=load_time, stop_time=stop_time), make_config(**config))
+    def make(*, load_time: float = 3.0, stop_time: float = 0.5, warmup_time: float = 0.25, **config) -> Driven:
+        d = Driven(FakeOps(load_time=load_time, stop_time=stop_time, warmup_time=warmup_time), make_config(**config))
         made.append(d)
         return d
 
@@ -108,8 +111,14 @@ def test_every_waiting_state_knows_every_intent_and_each_reaction_is_a_valid_tra
         next_state(State.STOPPING, event)
 
 
-def test_intent_precedence_is_halt_then_restart_then_run():
-    assert Intent.HALT > Intent.RESTART > Intent.RUN
+def test_intent_precedence_is_halt_retire_restart_recycle_run():
+    assert Intent.HALT > Intent.RETIRE > Intent.RESTART > Intent.RECYCLE > Intent.RUN
+
+
+def test_only_the_gentle_intents_drain_and_only_a_ready_instance():
+    drains = {(state, intent) for (state, intent), event in ON_INTENT.items() if event is Event.DRAIN}
+    assert drains == {(State.READY, Intent.RECYCLE), (State.READY, Intent.RETIRE)}
+    assert AFTER_STOP[Intent.RECYCLE] is Event.RESTART and AFTER_STOP[Intent.RETIRE] is Event.HALTED
 
 
 async def test_a_stronger_intent_is_never_replaced_by_a_weaker(driven):
@@ -133,9 +142,10 @@ async def test_first_start_is_ready_only_once_health_answers(driven):
     await d.clock.advance(2.9)
     assert d.inst.state is State.STARTING  # the port is still closed while the model loads
     await d.until_state(State.READY)
-    assert d.path == [("stopped", "start", "starting"), ("starting", "healthy", "ready")]
-    ready = d.inst.history[-1]
-    assert 3.0 <= ready.at <= 3.0 + STARTUP_POLL and "/health 200" in ready.reason
+    assert d.path == [("stopped", "start", "starting"), ("starting", "healthy", "warming"), ("warming", "warmed", "ready")]
+    healthy, warmed = list(d.inst.history)[-2:]
+    assert 3.0 <= healthy.at <= 3.0 + STARTUP_POLL and "/health 200" in healthy.reason
+    assert warmed.at == healthy.at + d.ops.warmup_time and "warm-up answered" in warmed.reason
     assert d.ops.probes == pytest.approx(3.0 / STARTUP_POLL + 1, abs=1)  # polled every STARTUP_POLL s
     assert d.inst.starts == 1 and d.inst.restarts == 0 and d.inst.last_exit is None
 
@@ -198,8 +208,9 @@ async def test_exit_of_a_ready_instance_restarts_it_after_the_backoff(driven):
     await d.until_state(State.STOPPING)
     assert d.inst.state is State.STOPPING  # out of rotation at once, not at the next poll
     await d.until(lambda: d.inst.state is State.READY and d.ops.current is not first, "ready again")
-    assert d.path[2:] == [("ready", "exited", "stopping"), ("stopping", "cleaned_up", "backoff"),
-                          ("backoff", "delay_over", "starting"), ("starting", "healthy", "ready")]
+    assert d.path[3:] == [("ready", "exited", "stopping"), ("stopping", "cleaned_up", "backoff"),
+                          ("backoff", "delay_over", "starting"), ("starting", "healthy", "warming"),
+                          ("warming", "warmed", "ready")]
     assert d.ops.stopped == [first.pid]  # the orphans of a dead leader are swept too
     assert d.inst.restarts == 1 and d.inst.last_exit.startswith("killed by SIGKILL")
 
@@ -218,11 +229,11 @@ async def test_failed_polls_in_a_row_make_it_unhealthy_and_it_is_restarted(drive
     assert d.inst.health_failures == 0 and d.inst.state is State.READY
     sick.health = answer
     await d.until(lambda: d.inst.state is State.READY and d.ops.current is not sick, "restarted")
-    assert d.path[2:5] == [("ready", "unhealthy", "unhealthy"), ("unhealthy", "stop", "stopping"),
+    assert d.path[3:6] == [("ready", "unhealthy", "unhealthy"), ("unhealthy", "stop", "stopping"),
                            ("stopping", "cleaned_up", "backoff")]
-    unhealthy = d.inst.history[2]
+    unhealthy = d.inst.history[3]
     assert detail in unhealthy.reason and "3 failed /health polls" in unhealthy.reason
-    assert d.inst.history[3].reason == "restarting the unhealthy instance"
+    assert d.inst.history[4].reason == "restarting the unhealthy instance"
     assert d.ops.stopped == [sick.pid]
     assert d.inst.last_exit.startswith("unhealthy: 3 failed")
 
@@ -243,7 +254,7 @@ async def test_failures_within_the_crash_loop_window_fail_the_instance_until_ask
     assert d.inst.state is State.FAILED and d.inst.starts == 3  # stays down on its own
     d.inst.start()  # SIGHUP / `vsup restart`: a new chance, with a clean count
     await d.until_state(State.READY)
-    assert d.inst.history[-2].reason == "restart requested: a new chance after the crash loop"
+    assert d.inst.history[-3].reason == "restart requested: a new chance after the crash loop"
     assert d.inst.policy.attempt == 0
 
 
@@ -287,9 +298,9 @@ async def test_restart_of_a_ready_instance_starts_it_again_at_once(driven):
     waiter = await run_concurrently(d, d.inst.restart())
     await d.until(waiter.done, "restart done")
     assert waiter.result() is State.READY
-    assert d.path[2:] == [("ready", "stop", "stopping"), ("stopping", "restart", "starting"),
-                          ("starting", "healthy", "ready")]
-    assert d.inst.history[2].reason == "restart requested"
+    assert d.path[3:] == [("ready", "stop", "stopping"), ("stopping", "restart", "starting"),
+                          ("starting", "healthy", "warming"), ("warming", "warmed", "ready")]
+    assert d.inst.history[3].reason == "restart requested"
     assert d.ops.stopped == [old.pid] and d.ops.current is not old
     assert d.inst.last_exit == "stopped on request (killed by SIGTERM)"
     assert d.inst.policy.attempt == 0  # a requested restart is not a failure
@@ -315,8 +326,8 @@ async def test_restart_during_backoff_skips_the_rest_of_the_delay(driven):
     await d.until_state(State.BACKOFF)
     waiter = await run_concurrently(d, d.inst.restart())
     await d.until(waiter.done, "restart done", limit=20)
-    assert d.path[4] == ("backoff", "start", "starting")
-    assert d.inst.history[4].reason == "restart requested: skipping the rest of the backoff delay"
+    assert d.path[5] == ("backoff", "start", "starting")
+    assert d.inst.history[5].reason == "restart requested: skipping the rest of the backoff delay"
 
 
 async def test_stop_during_backoff_stops_without_starting_again(driven):
@@ -388,7 +399,7 @@ async def test_an_exit_and_a_restart_at_the_same_moment_the_exit_is_seen_first(d
     d.ops.current.exit(-signal.SIGKILL)
     d.inst.ask(Intent.RESTART)
     await d.until(lambda: d.inst.state is State.READY and d.inst.starts == 2, "restarted")
-    assert d.path[2:4] == [("ready", "exited", "stopping"), ("stopping", "restart", "starting")]
+    assert d.path[3:5] == [("ready", "exited", "stopping"), ("stopping", "restart", "starting")]
     assert d.inst.last_exit.startswith("killed by SIGKILL")  # the failure stays the reason
     assert State.BACKOFF.value not in [to for _, _, to in d.path]  # asked for: no backoff
 
@@ -400,6 +411,209 @@ async def test_an_intent_arriving_with_unhealthy_decides_how_the_stop_ends(drive
     await d.ready()
     d.inst.subscribe(lambda inst, t: t.new is State.UNHEALTHY and inst.ask(intent))
     d.ops.current.health = 500
-    await d.until(lambda: len(d.path) >= 5, "the stop ended")
-    assert d.path[2:5] == [("ready", "unhealthy", "unhealthy"), ("unhealthy", "stop", "stopping"), ends]
+    await d.until(lambda: len(d.path) >= 6, "the stop ended")
+    assert d.path[3:6] == [("ready", "unhealthy", "unhealthy"), ("unhealthy", "stop", "stopping"), ends]
     assert d.inst.last_exit.startswith("unhealthy")  # it failed: that stays the reason
+
+
+# ---- warm-up -----------------------------------------------------------------------------------------
+
+async def test_the_warm_up_runs_after_health_and_before_the_rotation_with_the_configured_request(driven):
+    d = driven(warmup_time=4.0, health={"warmup": {"prompt": "Hi there", "max_tokens": 2}})
+    d.inst.start()
+    await d.until_state(State.WARMING)
+    process = d.ops.current
+    await d.clock.advance(3.9)
+    assert d.inst.state is State.WARMING  # not in the rotation while the warm-up runs
+    await d.until_state(State.READY)
+    assert d.ops.warmups == [(process.pid, {"model": "m", "prompt": "Hi there", "max_tokens": 2, "temperature": 0})]
+    assert d.path[1:] == [("starting", "healthy", "warming"), ("warming", "warmed", "ready")]
+    assert d.inst.history[-1].at - d.inst.history[-2].at == pytest.approx(4.0)
+
+
+async def test_the_warm_up_uses_the_served_model_name():
+    config = VsupConfig.model_validate({"model": "/srv/m", "served_model_name": "tiny", "health": HEALTH, "restart": RESTART})
+    d = Driven(FakeOps(), config)
+    try:
+        await d.ready()
+        assert d.ops.warmups[0][1]["model"] == "tiny"
+    finally:
+        await d.close()
+
+
+async def test_warm_up_off_joins_the_rotation_at_once(driven):
+    d = driven(health={"warmup": {"enabled": False}})
+    await d.ready()
+    assert d.ops.warmups == []
+    warmed = d.inst.history[-1]
+    assert (warmed.old, warmed.event) == (State.WARMING, Event.WARMED) and warmed.reason.startswith("warm-up off")
+    assert warmed.at == d.inst.history[-2].at
+
+
+@pytest.mark.parametrize("answer, detail", [(500, "HTTP 500"), ("hang", "timeout after 30s")])
+async def test_a_failed_warm_up_is_a_failed_start_and_the_next_start_warms_up_again(driven, answer, detail):
+    d = driven(health={"warmup": {"timeout": 30}})
+    d.ops.spawn_error = None
+    d.inst.start()
+    await d.until_state(State.STARTING)
+    cold = d.ops.current
+    cold.warmup = answer
+    await d.until_state(State.BACKOFF)
+    assert d.path[1:] == [("starting", "healthy", "warming"), ("warming", "warmup_failed", "stopping"),
+                          ("stopping", "cleaned_up", "backoff")]
+    assert detail in d.inst.last_exit and d.inst.last_exit.startswith("warm-up failed")
+    assert d.ops.stopped == [cold.pid] and d.inst.policy.attempt == 1 and d.inst.failures == 1
+    await d.until(lambda: d.inst.state is State.READY, "ready after the backoff")
+    assert [pid for pid, _ in d.ops.warmups] == [cold.pid, d.ops.current.pid]  # every start warms up
+
+
+async def test_an_exit_during_the_warm_up_is_a_failure(driven):
+    d = driven(warmup_time=10.0)
+    d.inst.start()
+    await d.until_state(State.WARMING)
+    d.ops.current.exit(-signal.SIGKILL)
+    await d.until_state(State.BACKOFF)
+    assert ("warming", "exited", "stopping") in d.path and d.inst.last_exit.startswith("killed by SIGKILL")
+
+
+async def test_a_start_asked_during_the_warm_up_sends_no_second_request(driven):
+    d = driven(warmup_time=5.0)
+    d.inst.start()
+    await d.until_state(State.WARMING)
+    d.inst.start()  # RUN changes nothing here
+    await d.until_state(State.READY)
+    assert len(d.ops.warmups) == 1
+
+
+# ---- draining: recycle and retire -------------------------------------------------------------------
+
+async def test_recycle_drains_until_nothing_is_in_flight_then_starts_again_warmed(driven):
+    d = driven(drain_timeout=30)
+    await d.ready()
+    old = d.ops.current
+    d.in_flight = 2
+    waiter = await run_concurrently(d, d.inst.recycle("memory watchdog: RSS 7 GiB above 6 GiB for 60s"))
+    assert d.inst.state is State.DRAINING and d.ops.stopped == []
+    draining = d.inst.history[-1]
+    assert draining.reason == ("memory watchdog: RSS 7 GiB above 6 GiB for 60s: out of the rotation, 2 request(s) in flight "
+                               "may finish (up to proxy.drain_timeout 30s)")
+    await d.clock.advance(12)
+    assert d.inst.state is State.DRAINING and d.ops.stopped == []  # still serving what it has
+    d.in_flight = 0
+    await d.until(waiter.done, "recycled")
+    assert waiter.result() is State.READY
+    assert d.path[3:] == [("ready", "drain", "draining"), ("draining", "drained", "stopping"),
+                          ("stopping", "restart", "starting"), ("starting", "healthy", "warming"),
+                          ("warming", "warmed", "ready")]
+    assert d.inst.history[4].reason.startswith("no request in flight after 12.")
+    assert d.ops.stopped == [old.pid] and len(d.ops.warmups) == 2
+    assert d.inst.last_exit == "memory watchdog: RSS 7 GiB above 6 GiB for 60s (killed by SIGTERM)"
+    assert d.inst.policy.attempt == 0 and d.inst.failures == 0  # asked for: not a failure
+
+
+async def test_a_drain_ends_at_the_drain_timeout(driven):
+    d = driven(drain_timeout=10)
+    await d.ready()
+    d.in_flight = 3
+    began = d.clock.now()
+    d.inst.ask(Intent.RECYCLE)
+    await d.until_state(State.STOPPING)
+    drained = d.inst.history[-1]
+    assert drained.event is Event.DRAINED and drained.at - began == pytest.approx(10)
+    assert drained.reason == "proxy.drain_timeout of 10s passed with 3 request(s) still in flight; stopping cuts them off"
+
+
+async def test_retire_drains_stops_and_stays_stopped(driven):
+    d = driven()
+    await d.ready()
+    d.in_flight = 1
+    retiring = await run_concurrently(d, d.inst.retire("replaced by a reload"))
+    await d.clock.advance(2)
+    assert d.inst.state is State.DRAINING
+    d.in_flight = 0
+    await d.until(retiring.done, "retired")
+    assert d.path[-3:] == [("ready", "drain", "draining"), ("draining", "drained", "stopping"),
+                           ("stopping", "halted", "stopped")]
+    assert d.inst.history[-1].reason == "replaced by a reload"
+    await d.clock.advance(1000)
+    assert d.inst.state is State.STOPPED and len(d.ops.processes) == 1
+
+
+@pytest.mark.parametrize("intent, ends", [(Intent.RESTART, ("stopping", "restart", "starting")),
+                                         (Intent.HALT, ("stopping", "halted", "stopped"))])
+async def test_a_restart_or_halt_during_a_drain_stops_at_once(driven, intent, ends):
+    d = driven(drain_timeout=600)
+    await d.ready()
+    d.in_flight = 5
+    d.inst.ask(Intent.RECYCLE)
+    await d.until_state(State.DRAINING)
+    await d.clock.advance(1)
+    d.inst.ask(intent)
+    await d.until(lambda: len(d.path) >= 6, "the stop ended")
+    assert d.path[4:6] == [("draining", "stop", "stopping"), ends]
+    assert d.clock.now() < 600  # it did not wait for the drain
+
+
+async def test_a_retire_during_a_recycle_keeps_draining_and_ends_stopped(driven):
+    d = driven(drain_timeout=600)
+    await d.ready()
+    d.in_flight = 1
+    d.inst.ask(Intent.RECYCLE)
+    await d.until_state(State.DRAINING)
+    d.inst.ask(Intent.RETIRE)
+    d.inst.ask(Intent.RECYCLE)  # weaker: changes nothing
+    await d.clock.advance(5)
+    assert d.inst.state is State.DRAINING and d.inst.intent is Intent.RETIRE
+    d.in_flight = 0
+    await d.until_state(State.STOPPED)
+    assert d.path[-3:] == [("ready", "drain", "draining"), ("draining", "drained", "stopping"),
+                           ("stopping", "halted", "stopped")]
+
+
+async def test_an_exit_while_draining_is_a_failure_but_the_recycle_still_restarts_at_once(driven):
+    d = driven()
+    await d.ready()
+    d.in_flight = 1
+    d.inst.ask(Intent.RECYCLE)
+    await d.until_state(State.DRAINING)
+    d.ops.current.exit(-signal.SIGKILL)
+    await d.until(lambda: d.inst.state is State.READY and d.inst.starts == 2, "ready again")
+    assert d.path[4:6] == [("draining", "exited", "stopping"), ("stopping", "restart", "starting")]
+    assert d.inst.last_exit.startswith("killed by SIGKILL")
+
+
+@pytest.mark.parametrize("state", [State.STARTING, State.WARMING, State.BACKOFF, State.FAILED])
+async def test_recycle_of_an_instance_out_of_the_rotation_has_nothing_to_drain(driven, state):
+    d = driven(load_time=5, warmup_time=5, restart={"crash_loop_failures": 1 if state is State.FAILED else 50,
+                                                      "initial_delay": 100.0})
+    d.in_flight = 4  # not the instance's: it is not in the rotation
+    d.inst.start()
+    await d.until_state(State.STARTING if state is not State.WARMING else State.WARMING)
+    if state in (State.BACKOFF, State.FAILED):
+        d.ops.current.exit(1)
+        await d.until_state(state)
+    recycled = await run_concurrently(d, d.inst.recycle())
+    await d.until(recycled.done, "recycled", limit=50)
+    assert recycled.result() is State.READY
+    assert State.DRAINING.value not in [to for _, _, to in d.path]
+
+
+async def test_relaunch_starts_the_next_run_with_the_new_command(driven):
+    d = driven()
+    await d.ready()
+    d.inst.relaunch(["vllm", "serve", "m", "--dtype", "float32"], {"X": "1"})
+    assert d.ops.current.argv == ["vllm", "serve", "m"]  # the running process is not touched
+    waiter = await run_concurrently(d, d.inst.recycle("config reloaded"))
+    await d.until(waiter.done, "recycled")
+    assert d.ops.current.argv == ["vllm", "serve", "m", "--dtype", "float32"] and d.inst.env == {"X": "1"}
+    assert d.inst.launch is None
+
+
+async def test_recycle_waiter_is_told_when_the_new_run_fails(driven):
+    d = driven()
+    await d.ready()
+    waiter = await run_concurrently(d, d.inst.recycle())
+    await d.until_state(State.WARMING)
+    d.ops.current.warmup = 500
+    await d.until(waiter.done, "told")
+    assert waiter.result() is State.BACKOFF and d.inst.failures == 1

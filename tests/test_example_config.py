@@ -19,12 +19,15 @@ EXAMPLE = ROOT / "configs" / "vsup.yaml"
 VSUP = Path(sys.executable).parent / "vsup"
 
 
-def model_keys(model: type[BaseModel], prefix: str = "") -> dict[str, object]:
-    """dotted key -> default, for every leaf field of the config model."""
+def model_keys(model: type[BaseModel], prefix: str = "", *, shown: bool = False) -> dict[str, object]:
+    """dotted key -> default, for every leaf field of the config model (shown: what the example
+    shows instead: the example of a key that is off by default but worth turning on)."""
     keys = {}
     for name, field in model.model_fields.items():
         if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
-            keys.update(model_keys(field.annotation, f"{prefix}{name}."))
+            keys.update(model_keys(field.annotation, f"{prefix}{name}.", shown=shown))
+        elif shown and field.examples and not field.is_required():
+            keys[f"{prefix}{name}"] = field.examples[0]
         else:
             keys[f"{prefix}{name}"] = field.get_default(call_default_factory=True)
     return keys
@@ -52,9 +55,11 @@ def test_every_config_key_is_in_the_example_with_a_comment():
             assert "#" in line, f"no comment on: {line!r}"
 
 
-def test_the_example_loads_and_holds_the_defaults():
+def test_the_example_loads_and_holds_the_defaults_but_turns_the_memory_watchdog_on():
     config = load_config(EXAMPLE)
-    defaults = model_keys(VsupConfig)
+    defaults = model_keys(VsupConfig, shown=True)
+    assert model_keys(VsupConfig)["restart.max_rss"] is None and defaults["restart.max_rss"] == 1.2
+    assert "(this example turns it on; the default is null)" in EXAMPLE.read_text()
     loaded = config.model_dump()
     for key, default in defaults.items():
         if key == "model":

@@ -27,6 +27,7 @@ from tests.fakevllm.fixtures import (  # noqa: F401 (fake_vllm is a fixture)
     free_port,
     group_pids,
     http_get,
+    read_events,
     start_records,
 )
 from tests.fakevllm.settings import SettingsError, load_faults
@@ -92,6 +93,8 @@ def test_settings_reject_bad_values_with_the_variable_named():
         load_faults({"FAKE_VLLM_IGNORE_SIGTERM": "maybe"})
     assert load_faults({"FAKE_VLLM_CRASH_AT_START": "0"}).crash_at_start == 0
     assert load_faults({}).crash_at_start is None
+    with pytest.raises(SettingsError, match="FAKE_VLLM_GROW_MIB_PER_S='-1' must be >= 0"):
+        load_faults({"FAKE_VLLM_GROW_MIB_PER_S": "-1"})
 
 
 def test_bad_command_line_exits_2_with_one_line():
@@ -332,6 +335,28 @@ def test_metrics_look_like_vllms(fake_vllm):
                if s.name == "vllm:request_success_total"}
     assert success["length"] == 1
     assert families["process_resident_memory_bytes"].samples[0].value > 0
+
+
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def test_resident_memory_grows_on_demand_and_bad_amounts_are_400(fake_vllm):
+    srv = fake_vllm(env={"FAKE_VLLM_CHILD": "0"}).wait_ready()
+    before = rss_mib(srv.pid)
+    status, _, body = post(srv.port, "/fake/grow", json.dumps({"mib": 64}).encode())
+    assert status == 200 and body == {"grown_mib": 64}
+    assert rss_mib(srv.pid) - before >= 60  # resident at once, not merely reserved
+    status, _, body = post(srv.port, "/fake/grow", json.dumps({"mib": 0}).encode())
+    assert status == 400 and "0 < N" in body["error"]["message"]
+    assert [e["mib"] for e in read_events(srv.events_path, "grown")] == [64]
+
+
+def test_resident_memory_leaks_at_the_configured_rate(fake_vllm):
+    srv = fake_vllm(env={"FAKE_VLLM_CHILD": "0", "FAKE_VLLM_GROW_MIB_PER_S": "40"}).wait_ready()
+    start = rss_mib(srv.pid)
+    wait_until(lambda: rss_mib(srv.pid) - start >= 40, timeout=10, what="40 MiB more resident memory")
 
 
 def test_status_503_answers_completions_but_not_health(fake_vllm):

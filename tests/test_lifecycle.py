@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from vsup.supervisor.backoff import RestartPolicy
 from vsup.supervisor.config import RestartConfig
-from vsup.supervisor.lifecycle import TRANSITIONS, Event, InvalidTransition, State, describe_exit, next_state
+from vsup.supervisor.lifecycle import RUNNING, TRANSITIONS, Event, InvalidTransition, State, describe_exit, next_state
 
 
 def test_every_state_event_pair_maps_or_is_rejected():
@@ -42,14 +42,24 @@ def test_every_state_is_reachable_from_stopped_and_can_get_back_to_stopped():
         assert State.STOPPED in reachable(state), f"{state} cannot be stopped"
 
 
-def test_only_a_healthy_start_leads_to_ready():
+def test_only_a_healthy_start_that_warmed_up_leads_to_ready():
     into_ready = [(src, event) for (src, event), dst in TRANSITIONS.items() if dst is State.READY]
-    assert into_ready == [(State.STARTING, Event.HEALTHY)]
+    assert into_ready == [(State.WARMING, Event.WARMED)]
+    into_warming = [(src, event) for (src, event), dst in TRANSITIONS.items() if dst is State.WARMING]
+    assert into_warming == [(State.STARTING, Event.HEALTHY)]
+
+
+def test_only_a_ready_instance_is_drained_and_a_drain_always_ends_in_a_stop():
+    into_draining = [(src, event) for (src, event), dst in TRANSITIONS.items() if dst is State.DRAINING]
+    assert into_draining == [(State.READY, Event.DRAIN)]
+    out_of_draining = {dst for (src, _), dst in TRANSITIONS.items() if src is State.DRAINING}
+    assert out_of_draining == {State.STOPPING}
 
 
 def test_every_running_state_handles_an_exit_and_a_stop():
     # a process exists in these states: its exit and a stop request must always be accepted
-    for state in (State.STARTING, State.READY, State.UNHEALTHY):
+    assert RUNNING == {State.STARTING, State.WARMING, State.READY, State.UNHEALTHY, State.DRAINING}
+    for state in RUNNING:
         assert next_state(state, Event.EXITED) is State.STOPPING
         assert next_state(state, Event.STOP) is State.STOPPING
 

@@ -432,3 +432,19 @@ def test_vsup_run_with_prefix_affinity_and_the_instances_cache_hits_in_its_metri
         assert decisions == {"affinity": 3 * sessions}
     finally:
         run.close()
+
+
+def test_reconfigure_applies_affinity_settings_and_policy():
+    """`vsup reload`: a changed affinity setting reaches the running balancer (counts kept), and a
+    switch to prefix_affinity builds it with the new config's settings, not the defaults."""
+    from vsup.supervisor.backends import BackendPool
+    from vsup.supervisor.config import ProxyConfig
+    from vsup.supervisor.proxy.server import ProxyServer
+
+    proxy = ProxyServer(ProxyConfig(policy="prefix_affinity"), BackendPool())
+    before = proxy._balancer
+    proxy.reconfigure(ProxyConfig(policy="prefix_affinity", affinity_prefix_chars=512, affinity_max_imbalance=9), None)
+    assert proxy._balancer is before and (before.prefix_chars, before.max_imbalance) == (512, 9)
+    proxy = ProxyServer(ProxyConfig(policy="round_robin"), BackendPool())
+    proxy.reconfigure(ProxyConfig(policy="prefix_affinity", affinity_prefix_chars=300), None)
+    assert proxy._balancer.prefix_chars == 300 and proxy.metrics.policy == "prefix_affinity"

@@ -156,10 +156,12 @@ def test_staggered_slow_start_is_ready_only_after_health_then_serves_through_the
 
     status = run.wait_ready(2)
     zero, one = status["instances"]
-    (became_ready,) = transitions(zero, "starting", "ready")
+    (healthy,) = transitions(zero, "starting", "warming")
+    (became_ready,) = transitions(zero, "warming", "ready")
     (started,) = transitions(zero, "stopped", "starting")
-    assert became_ready["at"] - started["at"] >= 2.0  # not before /health answered
-    assert "/health 200" in became_ready["reason"]
+    assert healthy["at"] - started["at"] >= 2.0  # not before /health answered
+    assert "/health 200" in healthy["reason"]
+    assert became_ready["reason"].startswith("warm-up answered")  # and the warm-up before the rotation
     assert transitions(one, "stopped", "starting")[0]["at"] >= became_ready["at"]  # the next after the previous
 
     for index, inst in enumerate((zero, one)):
@@ -268,7 +270,7 @@ def test_a_hung_instance_and_one_whose_health_fails_are_restarted(vsup):
 
     def came_back(inst: dict) -> bool:
         unhealthy = transitions(inst, "ready", "unhealthy")
-        return bool(unhealthy) and any(t["at"] > unhealthy[0]["at"] for t in transitions(inst, "starting", "ready"))
+        return bool(unhealthy) and any(t["at"] > unhealthy[0]["at"] for t in transitions(inst, "warming", "ready"))
 
     status = run.wait_for(lambda s: all(came_back(i) for i in s["instances"]), 60, "both restarted")
     zero, one = status["instances"]
@@ -352,9 +354,11 @@ def test_restart_one_and_rolling_restart_all_keep_the_endpoint_up(vsup):
         assert final[0]["pid"] not in (zero["pid"], after_one[0]["pid"]) and final[1]["pid"] != one["pid"]
         # one at a time: instance 1 went down only after instance 0 was ready again
         status = run.status()["instances"]
-        zero_ready_again = transitions(status[0], "starting", "ready")[-1]["at"]
-        one_stopped = transitions(status[1], "ready", "stopping")[-1]["at"]
-        assert one_stopped >= zero_ready_again
+        zero_ready_again = transitions(status[0], "warming", "ready")[-1]["at"]
+        one_drained = transitions(status[1], "ready", "draining")[-1]["at"]
+        assert one_drained >= zero_ready_again
+        for inst in status:  # the rolling path: drained, restarted, warmed up
+            assert [t["to"] for t in inst["transitions"]][-5:] == ["draining", "stopping", "starting", "warming", "ready"]
     finally:
         done.set()
         watcher.join()

@@ -118,6 +118,14 @@ def test_lines_vllm_depends_on():
     assert int(lines["WatchdogSec"]) > 0
 
 
+def test_reload_is_vsup_reload_of_the_units_own_config():
+    text = render_unit(UnitSettings(vsup="/opt/vsup/bin/vsup", config="/srv/vsup/prod.yaml"))
+    assert "ExecStart=/opt/vsup/bin/vsup run --config /srv/vsup/prod.yaml\n" in text
+    assert "ExecReload=/opt/vsup/bin/vsup reload --config /srv/vsup/prod.yaml\n" in text
+    result = CliRunner().invoke(main, ["reload", "--help"])
+    assert result.exit_code == 0 and "--config" in result.output  # the command the unit runs exists
+
+
 def test_timeouts_follow_the_configuration():
     cfg = parse_config("model: /m\ninstances: 4\nstop: {timeout: 45}\nproxy: {drain_timeout: 20}\nhealth: {startup_timeout: 900}\n")
     start, stop = timeouts_for(cfg, 4)

@@ -254,7 +254,7 @@ def served_config(tmp: Path, model: Path, instances: int | None = None) -> dict:
     config["model"] = str(model)
     if instances is not None:
         config["instances"] = instances
-    config["vllm"]["base_port"], proxy_port = ports_for(config["instances"])
+    config["vllm"]["base_port"], config["vllm"]["spare_base_port"], proxy_port = ports_for(config["instances"])
     config["vllm"]["env"] = {**config["vllm"].get("env", {}), "VLLM_CACHE_ROOT": str(tmp / "vllm-cache")}
     config["proxy"] = {**config.get("proxy", {}), "port": proxy_port, "drain_timeout": 5}
     config["health"] = {"interval": 1.0, "timeout": 10.0, "failures": 3, "startup_timeout": STARTUP_TIMEOUT}
@@ -388,6 +388,61 @@ def test_every_vllm_process_runs_on_its_planned_cpus(served):
 
 
 # ---- failure: kill -9 of one API server under a streaming load ----------------------------------
+
+def test_each_instance_was_warmed_up_before_it_joined_the_rotation(served):
+    for inst in served.run.status()["instances"]:
+        warmed = [t for t in inst["transitions"] if t["from"] == "warming" and t["to"] == "ready"]
+        assert warmed and warmed[-1]["reason"].startswith("warm-up answered"), inst["transitions"]
+        log = (served.run.tmp / "logs" / f"i{inst['index']}.log").read_text(errors="replace")
+        assert '"POST /v1/completions HTTP/1.1" 200' in log  # the warm-up reached vLLM itself
+
+
+def test_reload_with_changed_args_under_a_streaming_load_fails_no_request(served):
+    """vllm.args changes (--max-num-seqs): every instance is replaced one at a time (no free core on
+    this machine: in place, drained first) while streams keep flowing through the proxy."""
+    run = served.run
+    before = [inst["pid"] for inst in run.wait_ready(timeout=STARTUP_TIMEOUT)["instances"]]
+    config = dict(run.config)
+    args = list(config["vllm"]["args"])
+    args[args.index("--max-num-seqs") + 1] = "16"
+    config["vllm"] = {**config["vllm"], "args": args}
+    config["proxy"] = {**config["proxy"], "drain_timeout": 120}  # applies at once: the drains below use it
+    run.config_path.write_text(yaml.safe_dump(config))
+    done = threading.Event()
+    outcomes: list[str] = []
+
+    def stream(index: int) -> None:
+        client = served.client(timeout=600)
+        n = 0
+        while not done.is_set():
+            n += 1
+            try:
+                chunks = client.completions.create(model=MODEL_NAME, prompt=f"reload {index} {n}", max_tokens=32,
+                                                   stream=True, extra_body={"ignore_eos": True})
+                finish = None
+                for chunk in chunks:
+                    for choice in chunk.choices:
+                        finish = choice.finish_reason or finish
+                outcomes.append(f"finished:{finish}")
+            except Exception as exc:
+                outcomes.append(f"failed:{type(exc).__name__}: {exc}"[:300])
+
+    with ThreadPoolExecutor(3) as pool:
+        for i in range(3):
+            pool.submit(stream, i)
+        time.sleep(5)
+        result = subprocess.run([*served.vsup, "reload", "--socket", run.socket], capture_output=True, text=True,
+                                timeout=2 * STARTUP_TIMEOUT + 300)
+        time.sleep(5)
+        done.set()
+    assert result.returncode == 0, result.stdout + result.stderr + run.log()[-4000:]
+    failed = [o for o in outcomes if not o == "finished:length"]
+    assert not failed and len(outcomes) >= 6, f"{len(outcomes)} requests, failed: {failed[:5]}"
+    status = run.status()
+    assert status["rollout"]["state"] == "done" and len(status["rollout"]["steps"]) == 2
+    assert all(inst["state"] == "ready" and inst["pid"] not in before for inst in status["instances"])
+    run.config = config
+
 
 def test_kill9_of_one_api_server_under_load(served):
     run = served.run

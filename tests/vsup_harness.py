@@ -54,13 +54,18 @@ def free_port() -> int:
     return free_ports(1)
 
 
-def ports_for(instances: int) -> tuple[int, int]:
-    """(base_port, proxy port): free, and the proxy's outside the instances' range (two draws of
-    free ports can meet, and vsup refuses a proxy.port on an instance's port)."""
-    base_port, proxy_port = free_ports(instances), free_port()
-    while base_port <= proxy_port < base_port + instances:
-        proxy_port = free_port()
-    return base_port, proxy_port
+def ports_for(instances: int) -> tuple[int, int, int]:
+    """(base_port, spare_base_port, proxy port): free, and no two ranges meeting (two draws of
+    free ports can meet, and vsup refuses a proxy.port on an instance's or a spare port)."""
+    ranges: list[range] = []
+    for count in (instances, instances, 1):
+        while True:
+            first = free_ports(count)
+            candidate = range(first, first + count)
+            if not any(set(candidate) & set(other) for other in ranges):
+                ranges.append(candidate)
+                break
+    return ranges[0].start, ranges[1].start, ranges[2].start
 
 
 class UnixHTTPConnection(http.client.HTTPConnection):
@@ -76,13 +81,13 @@ class UnixHTTPConnection(http.client.HTTPConnection):
 
 def make_config(tmp: Path, *, instances: int = 2, **sections) -> dict:
     """A config for fast tests: each section's keys override these defaults."""
-    base_port, proxy_port = ports_for(instances)
+    base_port, spare_port, proxy_port = ports_for(instances)
     config = {
         "model": "fake-model",
         "instances": instances,
         "placement": {"launcher": "taskset", "reserve_cores": 0, "model_size_gib": 0.01, "kvcache_gib": 0.01,
                       "overhead_gib": 0.01, "memory_reserve_gib": 0.1},
-        "vllm": {"command": FAKE, "base_port": base_port, "env": {}},
+        "vllm": {"command": FAKE, "base_port": base_port, "spare_base_port": spare_port, "env": {}},
         "proxy": {"port": proxy_port, "drain_timeout": 2},
         "health": {"interval": 0.2, "timeout": 1.0, "failures": 3, "startup_timeout": 20},
         "restart": {"initial_delay": 0.2, "max_delay": 1.0, "multiplier": 2.0, "jitter": 0.0,
@@ -109,6 +114,7 @@ class VsupRun:
         self.log_path = tmp / "vsup.log"
         self.socket = config["control"]["socket"]
         self.base_port = config["vllm"]["base_port"]
+        self.spare_base_port = config["vllm"].get("spare_base_port")
         self.proxy_port = config["proxy"]["port"]
         full_env = {k: v for k, v in os.environ.items() if not k.startswith(("FAKE_VLLM_", "PORT"))}
         # its own runtime directory (state file): a vsup only ever sweeps what vsups of this test left

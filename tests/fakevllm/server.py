@@ -104,6 +104,7 @@ class FakeVllm:
         self.prefill_lock = asyncio.Lock()  # one prefill at a time, as one engine computes them
         self.created = int(time.time())
         self.early_signals: list[str] = []
+        self.ballast: list[bytes] = []  # resident memory grown on demand (POST /fake/grow, a leak)
         self.engine_model: BatchEngine | None = None  # the speed model, when FAKE_VLLM_STEP_TIME is set
 
     # ---------------------------------------------------------------- startup and shutdown
@@ -257,6 +258,19 @@ class FakeVllm:
                 f.health_fail_after,
                 lambda: self.events.emit("health_failing", status=f.health_fail_status),
             )
+        if f.grow_mib_per_s > 0:
+            asyncio.ensure_future(self._leak(f.grow_mib_per_s))
+
+    def grow_by(self, mib: float) -> int:
+        """Allocate and touch `mib` MiB more (resident at once: every page is written). Returns
+        the MiB grown so far."""
+        self.ballast.append(b"\x01" * int(mib * MIB))
+        return sum(len(chunk) for chunk in self.ballast) // MIB
+
+    async def _leak(self, mib_per_s: float) -> None:
+        while not self.stopping:
+            await asyncio.sleep(0.1)
+            self.grow_by(mib_per_s / 10)
 
     def _health_failing(self) -> bool:
         after = self.faults.health_fail_after
@@ -312,6 +326,7 @@ class FakeVllm:
         app.router.add_post("/v1/embeddings", self.embeddings)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_post("/fake/grow", self.grow)
         return app
 
     async def _tag_response(self, request: web.Request, response: web.StreamResponse) -> None:
@@ -389,6 +404,19 @@ class FakeVllm:
                      b"# TYPE fakevllm:engine_steps_total counter\n"
                      b"fakevllm:engine_steps_total %d\n" % self.engine_model.steps)
         return web.Response(body=body, headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+    async def grow(self, request: web.Request) -> web.Response:
+        """Test-only: `POST /fake/grow {"mib": N}` makes the server's resident memory N MiB larger."""
+        try:
+            body = await self._read_json(request)
+            mib = body["mib"] if isinstance(body, dict) else None
+            if not isinstance(mib, (int, float)) or isinstance(mib, bool) or not 0 < mib <= 65536:
+                raise api.bad_request('give {"mib": N} with 0 < N <= 65536')
+        except api.ApiError as err:
+            return self._error(err)
+        grown = self.grow_by(mib)
+        self.events.emit("grown", mib=grown)
+        return web.json_response({"grown_mib": grown})
 
     async def tokenize(self, request: web.Request) -> web.Response:
         try:
@@ -575,6 +603,9 @@ class FakeVllm:
 
 
 # -------------------------------------------------------------------- noise and entry point
+
+
+MIB = 1024 * 1024
 
 
 def _start_noise(lines_per_second: float) -> None:

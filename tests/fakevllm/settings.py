@@ -40,6 +40,7 @@ class Faults:
     exit_on_engine_death: bool = True  # like vLLM: EngineCore gone -> API server exits 0
     access_log: bool = True
     max_num_seqs: int | None = None  # concurrent generations; more wait ("queued"), like --max-num-seqs
+    grow_mib_per_s: float = 0.0  # resident memory the server adds per second once ready (a leak)
     prefill_delay: float = 0.0  # seconds per prompt token not in the prefix cache, one prefill at a time
     prefix_cache_blocks: int = 4096  # blocks of 16 tokens the prefix cache holds (LRU)
     # speed model (engine.py): batched steps whose length depends on threads, CPUs and LD_PRELOAD
@@ -118,6 +119,7 @@ def load_faults(env: Mapping[str, str] = os.environ) -> Faults:
         exit_on_engine_death=_flag(env, "FAKE_VLLM_EXIT_ON_ENGINE_DEATH", True),
         access_log=_flag(env, "FAKE_VLLM_ACCESS_LOG", True),
         max_num_seqs=num("FAKE_VLLM_MAX_NUM_SEQS", int, 1, "4"),
+        grow_mib_per_s=default(num("FAKE_VLLM_GROW_MIB_PER_S", example="20"), 0.0),
         prefill_delay=default(num("FAKE_VLLM_PREFILL_DELAY", example="0.001"), 0.0),
         prefix_cache_blocks=default(num("FAKE_VLLM_PREFIX_CACHE_BLOCKS", int, 0, "64"), 4096),
         step_time=num("FAKE_VLLM_STEP_TIME", example="0.02"),

@@ -44,6 +44,15 @@ class BackendPool:
         self._ready[backend.name] = False
         self._rebuild_rotation()
 
+    def remove(self, name: str) -> None:
+        """`name` leaves for good (a reload replaced or removed the instance); it is out of the
+        rotation first, so its waiters and listeners hear that."""
+        if name not in self._backends:
+            return
+        self.set_state(name, "removed", False)
+        del self._backends[name], self._state[name], self._ready[name]
+        self._rebuild_rotation()
+
     def set_state(self, name: str, state: str, ready: bool) -> None:
         if name not in self._backends:
             raise KeyError(name)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, PrivateAttr, TypeAdapter, ValidationError, field_validator
 
 from vsup.supervisor.errors import ConfigError
 
@@ -34,6 +34,10 @@ MAX_DEPTH = 32
 MAX_VALUES = 10_000
 # Error lines name at most this many problems.
 MAX_PROBLEMS = 5
+# vllm.spare_base_port when null: this far above vllm.base_port.
+SPARE_PORT_OFFSET = 100
+# restart.max_rss as a number: a multiple of the planned memory, at most this.
+MAX_RSS_FACTOR = 10.0
 
 
 class _Section(BaseModel):
@@ -70,6 +74,7 @@ class VllmConfig(_Section):
     args: list[str] = Field(default_factory=list, description='extra vLLM options, e.g. [--dtype, float32, --max-model-len, "4096"] (not --host/--port: vsup sets those)')
     env: dict[str, str] = Field(default_factory=dict, description="extra environment for every instance (placement variables come from the plan)")
     base_port: int = Field(8100, ge=1, le=65535, description="instance i listens on 127.0.0.1:<base_port + i>")
+    spare_base_port: int | None = Field(None, ge=1, le=65535, description="a replacement started beside the instance it replaces (vsup reload with free cores) listens on <spare_base_port + i> and stays there until its next replacement, which goes back to base_port + i; null: base_port + 100")
 
     @field_validator("command")
     @classmethod
@@ -96,8 +101,15 @@ class ProxyConfig(_Section):
     first_byte_timeout: float = Field(300.0, gt=0, description="seconds to the first byte of a response (prefill of a long prompt on CPU takes a while)")
     idle_timeout: float = Field(120.0, gt=0, description="longest silence, in seconds, between two chunks of a response")
     retries: int = Field(2, ge=0, description="other instances tried before the first byte on connect errors / 503")
-    drain_timeout: float = Field(30.0, ge=0, description="on stop, seconds in-flight requests may take to finish")
+    drain_timeout: float = Field(30.0, ge=0, description="seconds in-flight requests may take to finish when vsup stops, and when one instance is drained (reload, rolling restart, memory watchdog)")
     max_connections: int = Field(256, ge=1, description="upstream connection pool size, per instance")
+
+
+class WarmupConfig(_Section):
+    enabled: bool = Field(True, description="before an instance joins the rotation (first start and every restart), send it one short completion; a failed or timed-out warm-up counts as a failed start (turn it off for models that do not generate, e.g. embeddings)")
+    prompt: str = Field("Hello", min_length=1, description="the warm-up's prompt (POST /v1/completions to the instance itself)")
+    max_tokens: int = Field(4, ge=1, description="tokens the warm-up generates")
+    timeout: float = Field(120.0, gt=0, description="seconds the warm-up may take")
 
 
 class HealthConfig(_Section):
@@ -105,6 +117,7 @@ class HealthConfig(_Section):
     timeout: float = Field(5.0, gt=0, description="seconds one /health poll may take; longer counts as a failed poll")
     failures: int = Field(3, ge=1, description="consecutive failed polls that make a ready instance unhealthy (-> restart)")
     startup_timeout: float = Field(600.0, gt=0, description="seconds a model load may take before the start counts as failed")
+    warmup: WarmupConfig = Field(default_factory=WarmupConfig, description="the warm-up request: the first requests after a (re)start are slow, so the instance gets one before clients do")
 
 
 class RestartConfig(_Section):
@@ -115,6 +128,26 @@ class RestartConfig(_Section):
     stable_after: float = Field(300.0, ge=0, description="ready this many seconds resets the backoff and the crash count")
     crash_loop_failures: int = Field(5, ge=1, description="this many failures within crash_loop_window -> failed (until `vsup restart N`)")
     crash_loop_window: float = Field(600.0, gt=0, description="seconds over which crash_loop_failures are counted")
+    max_rss: float | str | None = Field(None, examples=[1.2], description='memory watchdog: an instance whose process tree (API server, EngineCore, Worker) stays above this resident memory for max_rss_for seconds is drained and restarted; bytes with a unit ("6GiB", "500MB"), or a number: that multiple of the instance\'s planned memory (weights + KV cache + overhead, `vsup plan`); null: off')
+    max_rss_for: float = Field(60.0, gt=0, description="seconds the tree must stay above max_rss before the watchdog acts (short peaks pass)")
+
+    @field_validator("max_rss")
+    @classmethod
+    def _rss_limit(cls, value: float | str | None) -> float | str | None:
+        if isinstance(value, float) and not 0 < value <= MAX_RSS_FACTOR:
+            raise ValueError(f"a number is a multiple of the instance's planned memory: more than 0, at most {MAX_RSS_FACTOR:g} "
+                             '(write bytes with a unit, e.g. "6GiB")')
+        if isinstance(value, str):
+            parse_bytes(value)
+        return value
+
+    def rss_limit(self, planned_bytes: int) -> int | None:
+        """max_rss in bytes for an instance planned to hold `planned_bytes`; None: off."""
+        if self.max_rss is None:
+            return None
+        if isinstance(self.max_rss, str):
+            return parse_bytes(self.max_rss)
+        return int(self.max_rss * planned_bytes)
 
 
 class StartConfig(_Section):
@@ -134,7 +167,7 @@ class LogConfig(_Section):
 
 
 class ControlConfig(_Section):
-    socket: Path | None = Field(None, strict=False, description="unix socket (0600) for `vsup status` / `vsup restart`; null: $RUNTIME_DIRECTORY/control.sock under systemd, else /tmp/vsup-<uid>/control-<proxy.port>.sock")
+    socket: Path | None = Field(None, strict=False, description="unix socket (0600) for `vsup status` / `restart` / `reload`; null: $RUNTIME_DIRECTORY/control.sock under systemd (/run/vsup), else /tmp/vsup-<uid>/control-<proxy.port>.sock")
 
 
 class MetricsConfig(_Section):
@@ -193,11 +226,11 @@ class VsupConfig(_Section):
     vllm: VllmConfig = Field(default_factory=VllmConfig, description="vsup runs `<launcher> <command> <model> --host 127.0.0.1 --port P <args>`")
     proxy: ProxyConfig = Field(default_factory=ProxyConfig, description="the one OpenAI-compatible endpoint in front of the ready instances")
     health: HealthConfig = Field(default_factory=HealthConfig, description="when an instance counts as ready, and when as unhealthy")
-    restart: RestartConfig = Field(default_factory=RestartConfig, description="restart policy after a failure (any exit, code 0 too; startup timeout; unhealthy)")
+    restart: RestartConfig = Field(default_factory=RestartConfig, description="restart policy after a failure (any exit, code 0 too; startup timeout; failed warm-up; unhealthy), and the memory watchdog")
     start: StartConfig = Field(default_factory=StartConfig, description="how the instances start")
     stop: StopConfig = Field(default_factory=StopConfig, description="how the instances stop (vsup stopping, `vsup restart N`, a failure)")
     log: LogConfig = Field(default_factory=LogConfig, description="the instances' output and vsup's own log")
-    control: ControlConfig = Field(default_factory=ControlConfig, description="where `vsup status` and `vsup restart` reach a running vsup")
+    control: ControlConfig = Field(default_factory=ControlConfig, description="where `vsup status`, `vsup restart` and `vsup reload` reach a running vsup")
     metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="what vsup collects about each instance in the background (docs/metrics.md)")
     notify: NotifyConfig = Field(default_factory=NotifyConfig, description="systemd Type=notify (no-op outside systemd)")
     tune: TuneConfig = Field(default_factory=TuneConfig, description="what `vsup tune` tries and the load it measures with (docs/tune.md); its command-line options override each key; `vsup run` ignores this section")
@@ -218,6 +251,17 @@ class VsupConfig(_Section):
         if isinstance(value, int) and value < 1:
             raise ValueError("must be at least 1, or auto")
         return value
+
+
+def parse_bytes(text: str) -> int:
+    """ "6GiB", "500 MB", "1073741824" -> bytes (pydantic's ByteSize); ValueError naming what works."""
+    try:
+        size = int(TypeAdapter(ByteSize).validate_python(text))
+    except ValidationError:
+        size = -1
+    if size <= 0:
+        raise ValueError('not a size in bytes: write a number and a unit, e.g. "6GiB", "500MB"')
+    return size
 
 
 # --- loading ------------------------------------------------------------------------------------
@@ -384,13 +428,16 @@ def _clip(text: str, limit: int = 80) -> str:
     return text if len(text) <= limit else f"{text[:limit - 3]}..."
 
 
+_UNION_MEMBERS = {"int", "float", "str"}  # what pydantic names the members of `int | float | str` unions
+
+
 def _describe(exc: ValidationError, root: Any, origin: str) -> str:
     """One entry per bad key: "<file>:<line>: <dotted.key>: <value> is not valid: <why>"; several
     are joined with "; " (the CLI prints one line), at most MAX_PROBLEMS of them."""
     problems: dict[str, tuple[str, list[str]]] = {}  # key -> (start of the entry, reasons)
     for error in exc.errors():
         # drop the union member names pydantic adds to the location ("int", "literal['auto']")
-        loc = [part for part in error["loc"] if not (isinstance(part, str) and (part == "int" or "[" in part))]
+        loc = [part for part in error["loc"] if not (isinstance(part, str) and (part in _UNION_MEMBERS or "[" in part))]
         key = _clip(".".join(str(p) for p in loc) or "(top level)")
         line = _line_of(root, loc)
         where = f"{origin}:{line}" if line else origin
@@ -468,14 +515,48 @@ def check_model_path(cfg: VsupConfig, flag: str | None = None) -> None:
                       "or a hub name like org/name")
 
 
+def spare_base_port(cfg: VsupConfig) -> int:
+    """Where replacements started beside their instance listen (vllm.spare_base_port)."""
+    spare = cfg.vllm.spare_base_port
+    return spare if spare is not None else cfg.vllm.base_port + SPARE_PORT_OFFSET
+
+
 def check_instance_ports(cfg: VsupConfig, count: int, base_port_flag: str | None = None) -> None:
-    """The instances listen on vllm.base_port .. +count-1; the proxy must not be one of them (it
-    would answer the instance's health checks and send requests to itself).
-    `base_port_flag`: the option the base port came from, when not the config."""
+    """The instances listen on vllm.base_port .. +count-1, and a replacement started beside one
+    (vsup reload) on vllm.spare_base_port .. +count-1; the proxy must not be one of them (it would
+    answer the instance's health checks and send requests to itself), and the two ranges must not
+    meet. `base_port_flag`: the option the base port came from, when not the config."""
     base, proxy = cfg.vllm.base_port, cfg.proxy.port
     last = base + count - 1
+    source = f"{base_port_flag} {base}" if base_port_flag else f"{where(cfg, 'vllm.base_port')} {base}"
+    ports = f"{base}-{last}" if count > 1 else str(base)
     if proxy != 0 and base <= proxy <= last:
-        source = f"{base_port_flag} {base}" if base_port_flag else f"{where(cfg, 'vllm.base_port')} {base}"
-        ports = f"{base}-{last}" if count > 1 else str(base)
         raise ConfigError(f"{where(cfg, 'proxy.port')}: {proxy} is the port of instance {proxy - base} "
                           f"(from {source}); choose a proxy.port outside {ports} or move vllm.base_port")
+    spare = spare_base_port(cfg)
+    spare_last = spare + count - 1
+    if cfg.vllm.spare_base_port is not None:
+        spare_source = where(cfg, "vllm.spare_base_port")
+    else:
+        spare_source = f"{where(cfg, 'vllm.spare_base_port')} (null: vllm.base_port + {SPARE_PORT_OFFSET})"
+    spares = f"{spare}-{spare_last}" if count > 1 else str(spare)
+    if spare_last > 65535:
+        raise ConfigError(f"{spare_source}: the spare ports of {count} instance(s) would end at {spare_last}, above 65535; "
+                          "set vllm.spare_base_port lower")
+    if spare <= last and base <= spare_last:
+        raise ConfigError(f"{spare_source}: the spare ports {spares} meet the instances' ports {ports} (from {source}); "
+                          f"set vllm.spare_base_port to {last + 1} or higher")
+    if proxy != 0 and spare <= proxy <= spare_last:
+        raise ConfigError(f"{where(cfg, 'proxy.port')}: {proxy} is the spare port of instance {proxy - spare} "
+                          f"(from {spare_source}), where its replacement listens during a reload; choose a proxy.port "
+                          f"outside {spares} or set vllm.spare_base_port")
+
+
+def check_rss_limit(cfg: VsupConfig, planned: list[int | None]) -> None:
+    """restart.max_rss as a multiple of the planned memory needs the model's size: without it the
+    plan holds only the KV cache and the overhead, and the limit would restart healthy instances.
+    `planned`: each instance's planned weights in bytes (None: unknown)."""
+    if isinstance(cfg.restart.max_rss, float) and any(weights is None for weights in planned):
+        raise ConfigError(f"{where(cfg, 'restart.max_rss')}: {quote(cfg.restart.max_rss)} is a multiple of the planned memory, "
+                          "but the plan does not know the model's size (a hub name, or no weight files found); set "
+                          'placement.model_size_gib, or give restart.max_rss in bytes, e.g. "6GiB"')

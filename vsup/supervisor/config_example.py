@@ -2,7 +2,9 @@
 
 Every key of vsup/supervisor/config.py appears with its default (or, for a required key, its
 example) and its `description` as the comment; a section's comment is the description of its
-field in `VsupConfig`. Byte counts (keys ending in `bytes`) get their size in KiB/MiB/GiB added.
+field in `VsupConfig` (or in its section, for a section inside one, like `health.warmup`). A key
+that is off by default but worth turning on (`restart.max_rss`) shows its example, and its
+default after the comment. Byte counts (keys ending in `bytes`) get their size in KiB/MiB/GiB added.
 `vsup config --example` prints this text; vsup/supervisor/data/vsup.yaml (configs/vsup.yaml) and
 the README's configuration reference are this text checked in (scripts/config-reference writes
 both; tests/test_example_config.py and tests/test_readme.py keep them identical).
@@ -41,10 +43,18 @@ def example_yaml() -> str:
             sections.append((name, field))
     for name, field in sections:
         lines.append("")
-        lines.append(_commented(f"{name}:", field.description))
-        for key, subfield in _section_model(field).model_fields.items():
-            lines.append(_key_line(key, subfield, "  "))
+        lines.extend(_section_lines(name, field, ""))
     return "\n".join(lines) + "\n"
+
+
+def _section_lines(name: str, field: FieldInfo, indent: str) -> list[str]:
+    lines = [_commented(f"{indent}{name}:", field.description)]
+    for key, subfield in _section_model(field).model_fields.items():
+        if _section_model(subfield) is None:
+            lines.append(_key_line(key, subfield, indent + "  "))
+        else:
+            lines.extend(_section_lines(key, subfield, indent + "  "))
+    return lines
 
 
 def _section_model(field: FieldInfo) -> type[BaseModel] | None:
@@ -57,6 +67,9 @@ def _key_line(name: str, field: FieldInfo, indent: str) -> str:
         raise ValueError(f"{name}: every config key needs a description (it is the key's documentation)")
     if field.is_required():
         value, comment = field.examples[0], f"REQUIRED: {field.description}"
+    elif field.examples:
+        default = field.get_default(call_default_factory=True)
+        value, comment = field.examples[0], f"{field.description} (this example turns it on; the default is {_scalar(default)})"
     else:
         value, comment = field.get_default(call_default_factory=True), field.description
         if name.endswith("bytes") and isinstance(value, int):

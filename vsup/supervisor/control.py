@@ -1,22 +1,35 @@
-"""The control endpoint: a unix socket (mode 0600) that `vsup status` and `vsup restart` talk to.
+"""The control endpoint: a unix socket (mode 0600) that `vsup status`, `vsup restart` and
+`vsup reload` talk to.
 
 HTTP/JSON over the socket (aiohttp on both ends):
-    GET  /status                          -> {"vsup": {...}, "instances": [{index, state, pid, ...}]}
+    GET  /status                          -> {"vsup": {...}, "instances": [{index, state, pid, ...}],
+                                              "changing": [...], "rollout": {...} or null}
     POST /restart {"target": "all"|N, "rolling": bool, "wait": bool}
                                           -> {"instances": [...]} once the restart is done (wait)
                                              or has begun (wait false)
-Errors come back as {"error": "one line"} with status 400 (bad request) or 409 (cannot do it now).
+    POST /reload {"wait": bool}           -> {"rollout": {...}} once the reload is done (wait) or
+                                             has begun (wait false; the file is checked first)
+Errors come back as {"error": "one line"} with status 400 (bad request) or 409 (cannot do it now,
+or the reload was refused: the fleet is untouched).
 
 Where the socket lives: `control.socket` when set; under systemd `$RUNTIME_DIRECTORY/control.sock`;
 else `/tmp/vsup-<uid>/control-<proxy port>.sock` (a private 0700 directory; the proxy port in the
 name keeps two vsups on one machine apart). A unix socket is never reachable from another host,
 and only this user (or root) may connect.
+
+Where the client looks (`find_socket`): `--socket`; else, with `control.socket` set, there; else
+the first that answers of `$RUNTIME_DIRECTORY/control.sock` (a command run by the unit, e.g.
+ExecReload=), the private `control-<proxy.port>.sock` of this user, and the installed unit's
+`/run/vsup/control.sock` (RuntimeDirectory=vsup: a root shell beside the service) — that one only
+when its vsup serves the config's proxy port. Nothing answering is one line naming every place
+looked at and what was found there.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
 import json
 import os
 import socket
@@ -45,6 +58,9 @@ class Controlled(Protocol):
     async def restart(self, indices: list[int], rolling: bool) -> list[dict[str, Any]]:
         """VsupError (-> 409) when it cannot be done now."""
 
+    async def reload(self, trigger: str, wait: bool) -> dict[str, Any]:
+        """The rollout's record; VsupError (-> 409) when refused (nothing was changed)."""
+
 
 SYSTEMD_DEFAULT = Path("/run/vsup/control.sock")  # RuntimeDirectory=vsup, seen from a shell
 
@@ -60,13 +76,6 @@ def control_socket_path(config: VsupConfig, environ: Mapping[str, str] = os.envi
     if config.control.socket is not None:
         return Path(config.control.socket)
     return _runtime_socket(environ) or private_dir(environ) / f"control-{config.proxy.port}.sock"
-
-
-def client_socket_candidates(environ: Mapping[str, str] = os.environ) -> list[Path]:
-    """Without --socket/--config: where a vsup with default settings would listen."""
-    defaults = [private_dir(environ) / "control-8000.sock", SYSTEMD_DEFAULT]
-    runtime = _runtime_socket(environ)
-    return [runtime, *defaults] if runtime else defaults
 
 
 def _prepare_directory(path: Path, environ: Mapping[str, str]) -> None:
@@ -109,6 +118,7 @@ class ControlServer:
         app = web.Application()
         app.router.add_get("/status", self._status)
         app.router.add_post("/restart", self._restart)
+        app.router.add_post("/reload", self._reload)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -172,6 +182,26 @@ class ControlServer:
         return web.json_response({"instances": result})
 
 
+    async def _reload(self, request: web.Request) -> web.Response:
+        try:
+            body = await request.json() if request.body_exists else {}
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return _error(400, "the request body is not JSON")
+        if not isinstance(body, dict):
+            return _error(400, "the request body must be a JSON object")
+        wait = body.get("wait", True)
+        # Its own task, like a restart: a client that goes away does not cut a reload in half.
+        job = asyncio.create_task(self.target.reload("vsup reload", bool(wait)))
+        self._jobs.add(job)
+        job.add_done_callback(self._jobs.discard)
+        job.add_done_callback(_consume)
+        try:
+            record = await asyncio.shield(job)
+        except VsupError as exc:
+            return _error(409, str(exc))
+        return web.json_response({"rollout": record})
+
+
 def _consume(task: asyncio.Task) -> None:
     if not task.cancelled():
         task.exception()  # retrieved here so a job nobody waits for does not log "never retrieved"
@@ -183,18 +213,62 @@ def _error(status: int, message: str) -> web.Response:
 
 # ---- the client side (vsup status / vsup restart) --------------------------------------------------
 
-def resolve_socket(socket_path: str | None, config: VsupConfig | None, environ: Mapping[str, str] = os.environ) -> Path:
-    """--socket, else the path the config implies, else the first default that exists."""
+def socket_candidates(config: VsupConfig | None, environ: Mapping[str, str] = os.environ) -> list[tuple[Path, bool]]:
+    """Where a vsup run with `config` (None: the defaults) may listen, in the order the client
+    tries them: (path, whether it is this config's own path rather than a guess)."""
+    if config is not None and config.control.socket is not None:
+        return [(Path(config.control.socket), True)]
+    port = config.proxy.port if config is not None else 8000
+    found: list[tuple[Path, bool]] = []
+    runtime = _runtime_socket(environ)
+    if runtime is not None:
+        found.append((runtime, True))
+    found.append((private_dir(environ) / f"control-{port}.sock", True))
+    if SYSTEMD_DEFAULT not in [path for path, _ in found]:
+        found.append((SYSTEMD_DEFAULT, config is None))
+    return found
+
+
+def find_socket(socket_path: str | None, config: VsupConfig | None, environ: Mapping[str, str] = os.environ) -> Path:
+    """--socket, else the first place (`socket_candidates`) where a vsup answers — for a guess,
+    only one serving the config's proxy port; VsupError naming every place and what was there."""
     if socket_path:
         return Path(socket_path)
-    if config is not None:
-        return control_socket_path(config, environ)
-    candidates = client_socket_candidates(environ)
-    for candidate in candidates:
-        if candidate.exists():
-            return candidate
-    raise VsupError("vsup is not running (no control socket at " + ", ".join(map(str, candidates))
-                    + "); if it runs with another proxy.port or control.socket, pass --config FILE or --socket PATH")
+    looked = []
+    for path, own in socket_candidates(config, environ):
+        seen = _probe(path)
+        if isinstance(seen, int) and (own or config is None or seen in (config.proxy.port, -1)):
+            return path
+        if isinstance(seen, int):
+            seen = f"a vsup with proxy port {seen}, not {config.proxy.port}"  # type: ignore[union-attr]
+        looked.append(f"{path} ({seen})")
+    raise VsupError("vsup is not running: no control socket answers at " + ", ".join(looked)
+                    + "; if it runs with another proxy.port or control.socket, pass --config FILE or --socket PATH")
+
+
+def _probe(path: Path) -> int | str:
+    """The proxy port of the vsup answering on `path` (-1: it answers, port unknown), or what
+    was found there instead."""
+    if not path.exists():
+        return "no such socket"
+    client = http.client.HTTPConnection("vsup", timeout=5)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(5)
+        sock.connect(str(path))
+        client.sock = sock
+        client.request("GET", "/status")
+        data = json.loads(client.getresponse().read())
+        return int(str(data["vsup"]["proxy"]).rpartition(":")[2])
+    except PermissionError:
+        return "permission denied: run as the service's user or root"
+    except OSError as exc:
+        return f"does not answer: {exc.strerror or exc}"
+    except (ValueError, KeyError, TypeError, http.client.HTTPException):
+        return -1
+    finally:
+        client.close()
+        sock.close()
 
 
 async def request(path: Path, method: str, route: str, body: Any = None, timeout: float | None = None) -> Any:

@@ -2,33 +2,41 @@
 
 Every transition an instance can make is in `TRANSITIONS`, and nowhere else::
 
-    stopped ──start──▶ starting ──healthy──▶ ready ──unhealthy──▶ unhealthy
-                         │ exited,             │ exited,               │ exited,
-                         │ startup_timeout,    │ stop                  │ stop
-                         │ stop                ▼                       │
-                         └───────────────▶ stopping ◀──────────────────┘
-                                             ├── cleaned_up ──▶ backoff ──delay_over, start──▶ starting
-                                             ├── crash_loop ──▶ failed ──start──▶ starting
-                                             ├── restart ─────▶ starting
-                                             └── halted ──────▶ stopped
+    stopped ──start──▶ starting ──healthy──▶ warming ──warmed──▶ ready ──unhealthy──▶ unhealthy
+                                                                   └──drain──▶ draining
+    starting  ──exited, startup_timeout, stop──▶ stopping
+    warming   ──exited, warmup_failed, stop────▶ stopping
+    ready     ──exited, stop───────────────────▶ stopping
+    unhealthy ──exited, stop───────────────────▶ stopping
+    draining  ──drained, exited, stop──────────▶ stopping
+    stopping  ──cleaned_up──▶ backoff ──delay_over, start──▶ starting
+              ──crash_loop──▶ failed ──start──▶ starting
+              ──restart─────▶ starting
+              ──halted──────▶ stopped
     backoff ──stop──▶ stopped        failed ──stop──▶ stopped
+
+`warming`: /health answered; one short completion (`health.warmup`) runs before the instance joins
+the rotation, so its first client does not pay for the first-call paths; a failed warm-up is a
+failed start. `draining`: out of the rotation, alive, until the proxy has no request in flight to
+it (at most `proxy.drain_timeout`); a rolling restart, a reload and the memory watchdog drain an
+instance before they stop it.
 
 `stopping` always runs `stop_tree` (also after the process exited by itself: it removes the
 orphaned EngineCore/Worker and their /dev/shm files), then leaves by one of four events chosen
 by why the instance stopped: `cleaned_up` (a failure: wait out the backoff), `crash_loop` (too
 many failures: `failed`), `restart` (asked for: start again at once), `halted` (asked to stop).
 A failure is any exit (code 0 too: vLLM exits 0 when its EngineCore dies), a startup timeout,
-or `health.failures` failed /health polls in a row. Only `ready` is in the proxy's rotation;
-ready requires both a live process and /health 200.
+a failed warm-up, or `health.failures` failed /health polls in a row. Only `ready` is in the
+proxy's rotation; ready requires a live process, /health 200 and a warm-up that answered.
 
 `Instance` drives one instance through the table from a single asyncio task (`run`). Requests
-from outside (`start`, `restart`, `stop`) only record an `Intent` and wake the task, so every
-transition happens in one place and is logged with its reason. The instance holds one intent at a
-time, and a stronger one is never replaced by a weaker: halt beats restart beats run (`ask`).
-What an intent does in each state is the table `ON_INTENT`; how a stop ends is `AFTER_STOP`.
-Everything the driver does to the world (spawn, stop a tree, probe, clock) goes through an
-`Operations` object (vsup/supervisor/operations.py), so the tests drive it with fakes on a
-virtual clock.
+from outside (`start`, `restart`, `recycle`, `retire`, `stop`) only record an `Intent` and wake
+the task, so every transition happens in one place and is logged with its reason. The instance
+holds one intent at a time, and a stronger one is never replaced by a weaker (`ask`; the order is
+`Intent`'s). What an intent does in each state is the table `ON_INTENT`; how a stop ends is
+`AFTER_STOP`. Everything the driver does to the world (spawn, stop a tree, probe, warm up, measure
+memory, clock) goes through an `Operations` object (vsup/supervisor/operations.py), so the tests
+drive it with fakes on a virtual clock.
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 from vsup.supervisor.backoff import RestartPolicy
 from vsup.supervisor.config import VsupConfig
 from vsup.supervisor.errors import VsupError
+from vsup.supervisor.warmup import warmup_body
 
 if TYPE_CHECKING:
     from vsup.supervisor.health import HealthResult
@@ -57,8 +66,10 @@ logger = logging.getLogger("vsup.lifecycle")
 class State(StrEnum):
     STOPPED = "stopped"  # not running and not meant to (before the first start, after a stop)
     STARTING = "starting"  # process started, waiting for /health 200 (the model is loading)
-    READY = "ready"  # alive and healthy: in the proxy's rotation
+    WARMING = "warming"  # /health answered; the warm-up request runs (not in the rotation yet)
+    READY = "ready"  # alive, healthy and warmed up: in the proxy's rotation
     UNHEALTHY = "unhealthy"  # was ready, /health failed too often: about to be restarted
+    DRAINING = "draining"  # out of the rotation, alive: its requests in flight finish, then it stops
     STOPPING = "stopping"  # stop_tree running (SIGTERM, grace, SIGKILL, sweep, /dev/shm)
     BACKOFF = "backoff"  # after a failure, waiting before the next start
     FAILED = "failed"  # crash loop: left down until `vsup restart` gives it a new chance
@@ -67,6 +78,10 @@ class State(StrEnum):
 class Event(StrEnum):
     START = "start"  # a start was asked for (first start, vsup restart of a failed/waiting instance)
     HEALTHY = "healthy"  # process alive and /health answered 200
+    WARMED = "warmed"  # the warm-up request answered (or warm-up is off)
+    WARMUP_FAILED = "warmup_failed"  # the warm-up request failed or timed out: a failed start
+    DRAIN = "drain"  # leave the rotation and let the requests in flight finish (recycle, retire)
+    DRAINED = "drained"  # nothing in flight any more, or the drain timeout passed
     STARTUP_TIMEOUT = "startup_timeout"  # not healthy within health.startup_timeout
     UNHEALTHY = "unhealthy"  # health.failures failed polls in a row
     EXITED = "exited"  # the process ended by itself (any exit status)
@@ -81,15 +96,23 @@ class Event(StrEnum):
 S, E = State, Event
 TRANSITIONS: dict[tuple[State, Event], State] = {
     (S.STOPPED, E.START): S.STARTING,
-    (S.STARTING, E.HEALTHY): S.READY,
+    (S.STARTING, E.HEALTHY): S.WARMING,
     (S.STARTING, E.STARTUP_TIMEOUT): S.STOPPING,
     (S.STARTING, E.EXITED): S.STOPPING,
     (S.STARTING, E.STOP): S.STOPPING,
+    (S.WARMING, E.WARMED): S.READY,
+    (S.WARMING, E.WARMUP_FAILED): S.STOPPING,
+    (S.WARMING, E.EXITED): S.STOPPING,
+    (S.WARMING, E.STOP): S.STOPPING,
     (S.READY, E.UNHEALTHY): S.UNHEALTHY,
+    (S.READY, E.DRAIN): S.DRAINING,
     (S.READY, E.EXITED): S.STOPPING,
     (S.READY, E.STOP): S.STOPPING,
     (S.UNHEALTHY, E.EXITED): S.STOPPING,
     (S.UNHEALTHY, E.STOP): S.STOPPING,
+    (S.DRAINING, E.DRAINED): S.STOPPING,
+    (S.DRAINING, E.EXITED): S.STOPPING,
+    (S.DRAINING, E.STOP): S.STOPPING,
     (S.STOPPING, E.CLEANED_UP): S.BACKOFF,
     (S.STOPPING, E.CRASH_LOOP): S.FAILED,
     (S.STOPPING, E.RESTART): S.STARTING,
@@ -142,42 +165,53 @@ def describe_exit(status: int | None) -> str:
 class Intent(IntEnum):
     """What was asked of an instance from outside. The value is the precedence: an instance holds
     one intent, and a request never replaces a stronger one (a restart cannot undo a pending halt,
-    a start cannot undo a pending restart)."""
+    a start cannot undo a pending restart). The gentle ones drain a ready instance before they
+    stop it; the one above each overrides it with a stop at once."""
 
-    RUN = 1  # be running: the first start, a new chance for a failed instance (SIGHUP)
-    RESTART = 2  # stop if running, then start again at once (`vsup restart`)
-    HALT = 3  # stop and stay stopped (shutdown)
+    RUN = 1  # be running: the first start, a new chance for a failed instance
+    RECYCLE = 2  # drain if ready, stop, start again (rolling restart, reload in place, memory watchdog)
+    RESTART = 3  # stop if running, then start again at once (`vsup restart`)
+    RETIRE = 4  # drain if ready, stop, stay stopped (a reload replaced or removed the instance)
+    HALT = 5  # stop at once and stay stopped (shutdown; the proxy has drained already)
 
 
 S, E, I = State, Event, Intent
+_AT_REST = {I.RUN: E.START, I.RECYCLE: E.START, I.RESTART: E.START}  # stopped/failed/backoff: start
+_LOADING = {I.RUN: None, I.RECYCLE: E.STOP, I.RESTART: E.STOP, I.RETIRE: E.STOP, I.HALT: E.STOP}  # not in rotation: nothing to drain
 # What an intent does in the states that wait for one: the event it fires, or None (nothing to
-# do; the intent is simply done). An intent that fires STOP from a running state stays held until
-# `stopping` has finished, which then ends the stop as AFTER_STOP says.
+# do; the intent is simply done, except in `draining`, where it is the drain's). An intent that
+# fires STOP or DRAIN from a running state stays held until `stopping` has finished, which then
+# ends the stop as AFTER_STOP says.
 ON_INTENT: dict[tuple[State, Intent], Event | None] = {
     (S.STOPPED, I.RUN): E.START,
+    (S.STOPPED, I.RECYCLE): E.START,
     (S.STOPPED, I.RESTART): E.START,
+    (S.STOPPED, I.RETIRE): None,
     (S.STOPPED, I.HALT): None,
-    (S.FAILED, I.RUN): E.START,
-    (S.FAILED, I.RESTART): E.START,
-    (S.FAILED, I.HALT): E.STOP,
-    (S.BACKOFF, I.RUN): E.START,
-    (S.BACKOFF, I.RESTART): E.START,
-    (S.BACKOFF, I.HALT): E.STOP,
-    (S.STARTING, I.RUN): None,
-    (S.STARTING, I.RESTART): E.STOP,
-    (S.STARTING, I.HALT): E.STOP,
+    **{(S.FAILED, i): e for i, e in {**_AT_REST, I.RETIRE: E.STOP, I.HALT: E.STOP}.items()},
+    **{(S.BACKOFF, i): e for i, e in {**_AT_REST, I.RETIRE: E.STOP, I.HALT: E.STOP}.items()},
+    **{(S.STARTING, i): e for i, e in _LOADING.items()},
+    **{(S.WARMING, i): e for i, e in _LOADING.items()},
     (S.READY, I.RUN): None,
+    (S.READY, I.RECYCLE): E.DRAIN,
     (S.READY, I.RESTART): E.STOP,
+    (S.READY, I.RETIRE): E.DRAIN,
     (S.READY, I.HALT): E.STOP,
-    (S.UNHEALTHY, I.RUN): None,
-    (S.UNHEALTHY, I.RESTART): E.STOP,
-    (S.UNHEALTHY, I.HALT): E.STOP,
+    **{(S.UNHEALTHY, i): e for i, e in _LOADING.items()},  # stopped anyway: the intent decides how the stop ends
+    (S.DRAINING, I.RUN): None,
+    (S.DRAINING, I.RECYCLE): None,  # already draining
+    (S.DRAINING, I.RESTART): E.STOP,  # asked to hurry: stop now
+    (S.DRAINING, I.RETIRE): None,  # keeps draining; the stop now ends in `stopped`
+    (S.DRAINING, I.HALT): E.STOP,
 }
 # How `stopping` ends, by the intent held when the tree is gone; with none (or RUN) the stop was a
 # failure, and the restart policy chooses between CLEANED_UP and CRASH_LOOP.
-AFTER_STOP: dict[Intent, Event] = {I.HALT: E.HALTED, I.RESTART: E.RESTART}
-RUNNING = frozenset({S.STARTING, S.READY, S.UNHEALTHY})  # a process exists
-del S, E, I
+AFTER_STOP: dict[Intent, Event] = {I.HALT: E.HALTED, I.RETIRE: E.HALTED, I.RESTART: E.RESTART, I.RECYCLE: E.RESTART}
+RUNNING = frozenset({S.STARTING, S.WARMING, S.READY, S.UNHEALTHY, S.DRAINING})  # a process exists
+# The reason a transition names when an intent fires it without a reason of its own.
+ASKED_FOR = {I.RUN: "start requested", I.RECYCLE: "restart requested (drained first)",
+             I.RESTART: "restart requested", I.RETIRE: "retired (drained first)", I.HALT: "stop requested"}
+del S, E, I, _AT_REST, _LOADING
 
 
 class Wake(Enum):
@@ -191,6 +225,8 @@ class Wake(Enum):
 
 # While starting, /health is polled this often (but never more often than health.interval).
 STARTUP_POLL = 0.5
+# While draining, the proxy's in-flight count is read this often.
+DRAIN_POLL = 0.1
 HISTORY = 50  # transitions kept per instance for `vsup status`
 
 Listener = Callable[["Instance", Transition], None]
@@ -210,9 +246,11 @@ class Instance:
         log: InstanceLog | None,
         ops: Operations,
         on_transition: Listener | None = None,
+        name: str | None = None,
+        in_flight: Callable[[], int] | None = None,
     ) -> None:
         self.index = index
-        self.name = str(index)
+        self.name = name if name is not None else str(index)
         self.argv = argv
         self.env = env
         self.port = port
@@ -221,16 +259,21 @@ class Instance:
         self.log = log
         self.ops = ops
         self.policy = RestartPolicy(config.restart)
+        # requests the proxy has in flight to this instance (draining waits for 0)
+        self.in_flight: Callable[[], int] = in_flight or (lambda: 0)
         self._listeners: list[Listener] = [on_transition] if on_transition else []
 
         self.state = State.STOPPED
         self.since = ops.now()  # when the current state was entered
         self.intent: Intent | None = None  # the one request from outside not yet carried out
+        self.intent_why: str | None = None  # the reason given with it (named by the transition it fires)
+        self.launch: tuple[list[str], dict[str, str]] | None = None  # argv and env for the next start (reload)
         self.failure: str | None = None  # why the current run is ending, if it failed (None: on request)
         self.child: Process | None = None
         self.started_at: float | None = None  # when the current process was started
         self.starts = 0  # how many times the process was started
         self.halts = 0  # how many halts were carried out (stop() waits for the next)
+        self.failures = 0  # how many runs ended in a failure (a reload waits for ready or the next)
         self.last_exit: str | None = None  # why the last run ended
         self.next_start_at: float | None = None  # in backoff: when the next start is due
         self.history: deque[Transition] = deque(maxlen=HISTORY)
@@ -254,12 +297,20 @@ class Instance:
         """Call `listener(instance, transition)` after every transition."""
         self._listeners.append(listener)
 
-    def ask(self, intent: Intent) -> None:
-        """Record `intent` unless a stronger one is pending, and wake the driver."""
+    def ask(self, intent: Intent, why: str | None = None) -> None:
+        """Record `intent` (and why it was asked for) unless a stronger one is pending, and wake
+        the driver."""
         if self.intent is None or intent >= self.intent:
+            if intent != self.intent or why is not None:
+                self.intent_why = why
             self.intent = intent
         self._wake.set()
         self._notify_changed()
+
+    def relaunch(self, argv: list[str], env: dict[str, str]) -> None:
+        """Start with this argv and env from the next start on (a reload that replaces the
+        instance in place; ask RECYCLE to make that start happen)."""
+        self.launch = (list(argv), dict(env))
 
     def start(self) -> None:
         """Ask for the instance to run (from stopped or failed; in backoff: at once); no-op while it runs."""
@@ -272,6 +323,21 @@ class Instance:
         self.ask(Intent.RESTART)
         await self.wait_for(lambda: self.halts > halts or (self.starts > first and self.state in (State.READY, State.FAILED)))
         return self.state
+
+    async def recycle(self, why: str | None = None) -> State:
+        """Drain (if ready), stop and start again, and wait until the new run is ready, or that
+        run failed (its state then: backoff or failed), or a halt came first. Returns the state."""
+        first, failures, halts = self.starts, self.failures, self.halts
+        self.ask(Intent.RECYCLE, why)
+        await self.wait_for(lambda: self.halts > halts or (self.starts > first and (
+            self.state is State.READY or (self.failures > failures and self.state in (State.BACKOFF, State.FAILED)))))
+        return self.state
+
+    async def retire(self, why: str | None = None) -> None:
+        """Drain (if ready), stop, and stay stopped; waits until it is stopped."""
+        halts = self.halts
+        self.ask(Intent.RETIRE, why)
+        await self.wait_for(lambda: self.halts > halts)
 
     async def stop(self) -> None:
         """Stop the instance (stop_tree with stop.timeout) and wait until that is done."""
@@ -293,8 +359,10 @@ class Instance:
             State.FAILED: self._at_rest,
             State.BACKOFF: self._backoff,
             State.STARTING: self._starting,
+            State.WARMING: self._warming,
             State.READY: self._ready,
             State.UNHEALTHY: self._unhealthy,
+            State.DRAINING: self._draining,
             State.STOPPING: self._stopping,
         }
         try:
@@ -310,7 +378,8 @@ class Instance:
         transition = Transition(now, old, new, event, reason)
         self.state, self.since = new, now
         self.history.append(transition)
-        level = logging.WARNING if new in (State.UNHEALTHY, State.FAILED) or event is Event.EXITED else logging.INFO
+        level = (logging.WARNING if new in (State.UNHEALTHY, State.FAILED) or event in (Event.EXITED, Event.WARMUP_FAILED)
+                 else logging.INFO)
         logger.log(level, "instance %s: %s -> %s (%s: %s)", self.name, old.value, new.value, event.value, reason)
         if new is State.STARTING:
             self.starts += 1
@@ -330,6 +399,7 @@ class Instance:
     def _fail(self, event: Event, why: str) -> None:
         """A failure of the running process: remembered for the stop that follows."""
         self.failure = self.last_exit = why
+        self.failures += 1
         self._fire(event, why)
 
     def _notify_changed(self) -> None:
@@ -343,16 +413,19 @@ class Instance:
 
     async def _race(self, work: Awaitable[Any] | None, timeout: float | None) -> tuple[Wake, Any]:
         """Wait for `work`, the process's exit, an intent, or `timeout` seconds (on the ops clock),
-        whichever comes first. An exit wins over everything else that is ready at the same time."""
+        whichever comes first. An exit wins over everything else that is ready at the same time.
+        An intent wakes it once per request (`ask`): a held intent (draining holds its own) does not."""
         if self._exit is not None and self._exit.done():
             early: tuple[Wake, Any] | None = (Wake.EXITED, self._exit.result())
+        elif self._wake.is_set():
+            self._wake.clear()
+            early = (Wake.ASKED, None)
         else:
-            early = (Wake.ASKED, None) if self.intent is not None else None
+            early = None
         if early is not None:
             if asyncio.iscoroutine(work):
                 work.close()  # never started: no "coroutine was never awaited" warning
             return early
-        self._wake.clear()
         wake = asyncio.ensure_future(self._wake.wait())
         job = asyncio.ensure_future(work) if work is not None else None
         timer = asyncio.ensure_future(self.ops.sleep(timeout)) if timeout is not None else None
@@ -368,6 +441,7 @@ class Instance:
         if job is not None and job in done:
             return Wake.DONE, job.result()
         if wake in done:
+            self._wake.clear()
             return Wake.ASKED, None
         return Wake.TIMEOUT, None
 
@@ -386,22 +460,32 @@ class Instance:
         if intent is None:
             return False
         event = ON_INTENT[(self.state, intent)]
-        if not (self.state in RUNNING and event is Event.STOP):
-            self.intent = None  # carried out here; a stop keeps it until `stopping` ends the stop
+        # carried out here, except on the way down: a stop or a drain keeps it until `stopping`
+        # ends the stop (AFTER_STOP), and in `draining` it is the drain's
+        keep = self.state in RUNNING and (event in (Event.STOP, Event.DRAIN) or self.state is State.DRAINING)
+        why = self.intent_why or ASKED_FOR[intent]
+        if not keep:
+            self.intent, self.intent_why = None, None
         if event is None:
             if self.state is State.STOPPED:
                 self.halts += 1  # halting a stopped instance: nothing to do, but done
             self._notify_changed()
             return False
-        if event is Event.STOP:
-            reason = "restart requested" if intent is Intent.RESTART else "stop requested"
-        elif self.state is State.FAILED:
-            self.policy.reset()
-            reason = "restart requested: a new chance after the crash loop"
-        elif self.state is State.BACKOFF:
-            reason = "restart requested: skipping the rest of the backoff delay"
+        if event is Event.DRAIN:
+            reason = f"{why}: out of the rotation, {self.in_flight()} request(s) in flight may finish " \
+                     f"(up to proxy.drain_timeout {self.config.proxy.drain_timeout:g}s)"
+        elif event is Event.STOP:
+            reason = why
+        elif self.state in (State.FAILED, State.BACKOFF):
+            if intent is Intent.RUN and why == ASKED_FOR[Intent.RUN]:
+                why = ASKED_FOR[Intent.RESTART]  # from here a plain start is a restart of the instance
+            if self.state is State.FAILED:
+                self.policy.reset()
+                reason = f"{why}: a new chance after the crash loop"
+            else:
+                reason = f"{why}: skipping the rest of the backoff delay"
         else:
-            reason = "restart requested" if intent is Intent.RESTART else "start requested"
+            reason = why
         self._fire(event, reason)
         return True
 
@@ -424,6 +508,8 @@ class Instance:
         health = self.config.health
         started = self.ops.now()
         deadline = started + health.startup_timeout
+        if self.launch is not None:
+            (self.argv, self.env), self.launch = self.launch, None
         try:
             self.child = await self.ops.spawn(self.argv, self.env, self.log)
         except VsupError as exc:
@@ -449,6 +535,49 @@ class Instance:
                     self._fire(Event.HEALTHY, f"pid {self.child.pid} alive and /health 200 after {self.ops.now() - started:.1f}s")
                     return
             wake, result = await self._race(self.ops.sleep(min(poll, max(0.0, deadline - self.ops.now()))), None)
+            if self._interrupted(wake, result):
+                return
+
+    async def _warming(self) -> None:
+        """One short completion before the instance joins the rotation (health.warmup)."""
+        warmup = self.config.health.warmup
+        if not warmup.enabled:
+            self._fire(Event.WARMED, "warm-up off (health.warmup.enabled: false)")
+            return
+        began = self.ops.now()
+        # one request, however often an intent that changes nothing wakes the race
+        job = asyncio.ensure_future(self.ops.warm_up(self.url, warmup_body(self.config), warmup.timeout))
+        try:
+            while True:
+                wake, result = await self._race(asyncio.shield(job), None)
+                if self._interrupted(wake, result):
+                    return
+                if wake is Wake.DONE:
+                    break
+        finally:
+            job.cancel()
+        outcome: HealthResult = result
+        took = self.ops.now() - began
+        if outcome.ok and self.child is not None and self.child.returncode is None:
+            self._fire(Event.WARMED, f"warm-up answered in {took:.1f}s ({outcome.detail})")
+        else:
+            self._fail(Event.WARMUP_FAILED, f"warm-up failed after {took:.1f}s: {outcome.detail}")
+
+    async def _draining(self) -> None:
+        """Out of the rotation: wait until the proxy has nothing in flight to it, at most
+        proxy.drain_timeout; an exit or a stronger intent (restart, halt) ends the wait early."""
+        timeout = self.config.proxy.drain_timeout
+        deadline = self.since + timeout
+        while True:
+            left, now = self.in_flight(), self.ops.now()
+            if left == 0:
+                self._fire(Event.DRAINED, f"no request in flight after {now - self.since:.1f}s")
+                return
+            if now >= deadline:
+                self._fire(Event.DRAINED, f"proxy.drain_timeout of {timeout:g}s passed with {left} request(s) "
+                                          "still in flight; stopping cuts them off")
+                return
+            wake, result = await self._race(self.ops.sleep(min(DRAIN_POLL, deadline - now)), None)
             if self._interrupted(wake, result):
                 return
 
@@ -488,14 +617,14 @@ class Instance:
                 f"; removed {len(report.shm_removed)} /dev/shm files" if report.shm_removed else "",
             )
             if self.failure is None:
-                self.last_exit = f"stopped on request ({describe_exit(report.exit_status)})"
+                self.last_exit = f"{self.intent_why or 'stopped on request'} ({describe_exit(report.exit_status)})"
         self.child = None
         self.started_at = None
         self._forget_exit()
-        intent, self.intent = self.intent, None
+        (intent, why), self.intent, self.intent_why = (self.intent, self.intent_why), None, None
         event = AFTER_STOP.get(intent) if intent is not None else None
         if event is not None:
-            self._fire(event, "stopped on request" if event is Event.HALTED else "restart requested")
+            self._fire(event, why or ("stopped on request" if event is Event.HALTED else "restart requested"))
         else:
             now = self.ops.now()
             decision = self.policy.on_failure(now, self._ready_since)

@@ -108,6 +108,13 @@ class Notifier:
         usec = seconds * 1_000_000
         self.send(f"EXTEND_TIMEOUT_USEC={MAX_USEC if usec >= MAX_USEC else int(usec)}")
 
+    def reloading(self, status: str | None = None) -> None:
+        """RELOADING=1: systemd shows the unit as reloading until the next READY=1."""
+        lines = ["RELOADING=1"]
+        if status is not None:
+            lines.append(_status_line(status))
+        self.send(*lines)
+
     def stopping(self, status: str | None = None) -> None:
         lines = ["STOPPING=1"]
         if status is not None:

@@ -6,18 +6,23 @@ object and of trio's `deliver_cancel` parameter. `SystemOperations` is the real 
 a /health GET, the monotonic clock); the unit tests pass fakes on a virtual clock, so every
 transition and race runs in-process in milliseconds.
 
-Five operations, and no more: a new lifecycle feature (warm-up, drain, reload) is a new state or
-intent in the driver built from these, not a new hook here.
+Seven operations, and no more: the five the lifecycle started with (spawn, stop_tree, probe, now,
+sleep) and the two measurements a feature could not be built without — `warm_up` (the warm-up
+request of `warming`) and `tree_rss` (the memory watchdog's reading). Draining needs none (the
+proxy's in-flight count is handed to the instance), reload and rolling restart none (they are
+intents). A new lifecycle feature is a new state or intent in the driver built from these, not a
+new hook here.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from vsup.supervisor.health import HealthResult, probe_health
-from vsup.supervisor.processes import Child, StopReport, spawn, stop_tree
+from vsup.supervisor.processes import Child, StopReport, spawn, stop_tree, tree_rss
+from vsup.supervisor.warmup import warm_up
 
 if TYPE_CHECKING:
     import aiohttp
@@ -56,6 +61,14 @@ class Operations(Protocol):
         """One readiness/health probe of the instance at `url`, bounded by `timeout`; an answer
         that is not the instance's own (a vsup proxy's) is a failure."""
 
+    async def warm_up(self, url: str, body: dict[str, Any], timeout: float) -> HealthResult:
+        """The warm-up request (vsup/supervisor/warmup.py) to the instance at `url`, bounded by
+        `timeout`: ok, or why not."""
+
+    async def tree_rss(self, process: Process) -> int | None:
+        """Resident memory of the process's whole tree (API server, EngineCore, Worker) in bytes;
+        None when it cannot be read (the tree is gone)."""
+
 
 class SystemOperations:
     """The real world: child processes, /health over HTTP, time.monotonic."""
@@ -78,3 +91,13 @@ class SystemOperations:
 
     async def probe(self, url: str, timeout: float) -> HealthResult:
         return await probe_health(self.session, url, timeout, expect_instance=True)
+
+    async def warm_up(self, url: str, body: dict[str, Any], timeout: float) -> HealthResult:
+        return await warm_up(self.session, url, body, timeout)
+
+    async def tree_rss(self, process: Process) -> int | None:
+        assert isinstance(process, Child), process
+        # reading /proc for every process on the machine takes a while: not on the proxy's loop
+        found, rss = await asyncio.to_thread(tree_rss, process.pid, process.token, dict(process.seen))
+        process.seen.update(found)  # a later stop_tree knows these members too
+        return rss if found else None

@@ -90,6 +90,9 @@ class _OutputProtocol(asyncio.SubprocessProtocol):
                 logger.exception("[%s] writing instance output failed; output is dropped", self.log.name)
 
 
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+
+
 @dataclass
 class Child:
     """One started instance process (the API server; its tree hangs below it)."""
@@ -250,6 +253,21 @@ def tree_pids(child: Child, *, shm_dir: str | Path = shm.SHM_DIR) -> list[int]:
     tree = _look(child)
     child.shm_seen |= shm.files_in_use(tree, shm_dir)
     return sorted(tree)
+
+
+def tree_rss(leader: int, token: str, known: dict[int, int]) -> tuple[dict[int, int], int]:
+    """(pid -> start time of the tree's live processes, the sum of their resident memory in bytes).
+    Pages the processes share (vLLM's shared memory) count once per process that maps them: an
+    upper bound. Touches nothing but /proc, so it may run in a thread."""
+    tree = proctree.find_tree(leader, token=token or None, known=known)
+    total = 0
+    for pid in tree:
+        try:
+            with open(f"/proc/{pid}/statm", "rb") as f:
+                total += int(f.read().split()[1]) * PAGE_SIZE  # the second field: resident pages
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+    return {pid: st.start for pid, st in tree.items()}, total
 
 
 @dataclass

@@ -19,6 +19,7 @@ _MODULES: dict[str, str] = {
     "status": "status_command",
     "top": "top_command",
     "restart": "restart_command",
+    "reload": "reload_command",
     "proxy": "proxy_command",
     "tune": "tune_command",
     "export": "export_command",

@@ -1,12 +1,15 @@
-"""The checks `vsup plan` and `vsup run` share, so that a configuration one accepts the other does
-not reject: the model path, the plan, the instances' ports against the proxy's, and every
-instance's launch line (vllm.args, vllm.env, vllm.command/venv)."""
+"""The checks `vsup plan`, `vsup run` and `vsup reload` share, so that a configuration one accepts
+the others do not reject: the model path, the plan, the instances' (and their spare) ports against
+the proxy's, the memory watchdog's limit, and every instance's launch line (vllm.args, vllm.env,
+vllm.command/venv)."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Mapping
 
-from vsup.supervisor.config import VsupConfig, check_instance_ports, check_model_path
+from vsup.supervisor.config import VsupConfig, check_instance_ports, check_model_path, check_rss_limit
+from vsup.supervisor.errors import VsupError
 from vsup.supervisor.launch import build_command
 from vsup.supervisor.planning import plan_from_config
 from vsup.topology.model import Machine
@@ -26,6 +29,20 @@ def checked_plan(cfg: VsupConfig, fsroot: str, environ: Mapping[str, str], *, ru
         check_model_path(cfg, flags.get("model"))
     machine, plan = plan_from_config(cfg, fsroot, flags=planned)
     check_instance_ports(cfg, len(plan.instances), flags.get("vllm.base_port"))
+    check_rss_limit(cfg, [instance.weights_bytes for instance in plan.instances])
     for instance in plan.instances:
         build_command(instance, cfg, environ)
     return machine, plan
+
+
+def check_programs(argv: list[str], prefix_len: int) -> None:
+    """The launcher and the server command must exist before anything starts (else: crash loop).
+    `prefix_len`: the launcher's words (0: launcher none, the server command comes first)."""
+    checks = [(0, "placement.launcher")] if prefix_len else []
+    for position, what in [*checks, (prefix_len, "vllm.command")]:
+        if position >= len(argv):
+            continue
+        program = argv[position]
+        if shutil.which(program) is None:
+            raise VsupError(f"{what}: {program!r} is not an executable program (not found on PATH or not executable); "
+                            "install it or give its full path")

@@ -29,7 +29,7 @@ def parse_target(value: str) -> int | str:
 
 @click.command("restart")
 @click.argument("target")
-@click.option("--rolling", is_flag=True, help="One at a time; the next only after the previous is ready again.")
+@click.option("--rolling", is_flag=True, help="One at a time, each drained, restarted and warmed up; the next only after the previous is ready again.")
 @click.option("--no-wait", is_flag=True, help="Return once the restart has begun instead of when it is done.")
 @config_option
 @socket_option
@@ -40,7 +40,8 @@ def restart_command(target: str, rolling: bool, no_wait: bool, config_path: str 
 
     Waits until the restarted instances are ready again; exit code 1 if one is not (e.g. failed
     again). Without --rolling, `all` restarts every instance at once: the endpoint answers 503 until
-    one is ready again. With --rolling the others keep serving.
+    one is ready again. With --rolling (the path `vsup reload` takes) the others keep serving and no
+    request in flight is cut.
     """
     body = {"target": parse_target(target), "rolling": rolling, "wait": not no_wait}
     path = socket_for(config_path, socket_path)

@@ -6,7 +6,6 @@ import errno
 import json
 import logging
 import os
-import shutil
 import socket
 import sys
 import time
@@ -48,17 +47,6 @@ def setup_logging(level: str, fmt: str) -> None:
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
 
 
-def check_programs(argv: list[str], prefix_len: int) -> None:
-    """The launcher and the server command must exist before anything starts (else: crash loop)."""
-    for position, what in ((0, "placement.launcher"), (prefix_len, "vllm.command")):
-        if position >= len(argv):
-            continue
-        program = argv[position]
-        if shutil.which(program) is None:
-            raise VsupError(f"{what}: {program!r} is not an executable program (not found on PATH or not executable); "
-                            "install it or give its full path")
-
-
 def check_port_free(host: str, port: int, what: str) -> None:
     if port == 0:
         return
@@ -85,7 +73,7 @@ def check_port_free(host: str, port: int, what: str) -> None:
 def run_command(config_path: str, log_level: str | None, log_format: str, fsroot: str) -> None:
     """Start the planned instances and the proxy; keep them healthy until SIGTERM/SIGINT."""
     # the supervisor's modules (aiohttp, the proxy, psutil) load only when vsup really runs
-    from vsup.supervisor.commands.preflight import checked_plan
+    from vsup.supervisor.commands.preflight import check_programs, checked_plan
     from vsup.supervisor.launch import build_command
     from vsup.supervisor.leftovers import sweep as sweep_leftovers
     from vsup.supervisor.proxy.runloop import run
@@ -104,5 +92,6 @@ def run_command(config_path: str, log_level: str | None, log_format: str, fsroot
         check_port_free("127.0.0.1", inst.port, f"vllm.base_port (instance {inst.index})")
     logging.getLogger("vsup").info("planned %d instance(s) in %.2fs; config %s", len(plan.instances),
                                    time.monotonic() - began, config_path)
-    code = run(Supervisor(config, plan, config_path=os.path.abspath(config_path)).run())
+    code = run(Supervisor(config, plan, config_path=os.path.abspath(config_path), fsroot=fsroot,
+                          log_level_given=log_level is not None).run())
     sys.exit(code)

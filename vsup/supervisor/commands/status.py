@@ -8,7 +8,7 @@ import json
 import click
 
 from vsup.supervisor.config import load_config
-from vsup.supervisor.control import request, resolve_socket
+from vsup.supervisor.control import find_socket, request
 from vsup.supervisor.observe import fmt
 from vsup.supervisor.observe.fmt import duration
 from vsup.topology.cpulist import format_list
@@ -23,7 +23,7 @@ socket_option = click.option("--socket", "socket_path", type=click.Path(dir_okay
 
 def socket_for(config_path: str | None, socket_path: str | None):
     config = load_config(config_path, require_model=False) if config_path else None
-    return resolve_socket(socket_path, config)
+    return find_socket(socket_path, config)
 
 
 def placement_word(entry: dict) -> str:
@@ -72,4 +72,8 @@ def status_command(config_path: str | None, socket_path: str | None, output_form
                f"{vsup['ready']}/{total} instances ready, {vsup['in_flight']} in flight"
                + (", STOPPING" if vsup.get("stopping") else ""))
     for line in render_instances(data["instances"]):
+        click.echo(line)
+    from .rollout_view import render_changing, render_rollout  # (it uses this module's helpers)
+
+    for line in [*render_changing(data.get("changing") or []), *render_rollout(data.get("rollout"), steps=False)]:
         click.echo(line)

@@ -124,12 +124,30 @@ class ProxyServer:
         if self._client is not None:
             self._client.set_reusable(backend.url, ready)
 
+    def reconfigure(self, config: ProxyConfig, api_key: str | None) -> None:
+        """Apply changed settings at once (`vsup reload`): timeouts, retries, drain timeout, policy
+        and its affinity settings, API key (also the /status page's). Requests already in flight
+        keep the timeouts they were armed with. host, port, max_connections and max_body_bytes are
+        built into the listening socket and the pools: a reload refuses to change them."""
+        self.config = config
+        self._auth = BearerAuth(api_key if api_key is not None else config.api_key)
+        if config.policy != self._balancer.name:
+            self._balancer = make_balancer(config.policy, config)
+            self.metrics.policy, self.metrics.policy_decisions = self._balancer.name, self._balancer.decisions
+        elif hasattr(self._balancer, "prefix_chars"):  # prefix_affinity: same policy, its counts kept
+            self._balancer.prefix_chars = config.affinity_prefix_chars
+            self._balancer.max_imbalance = config.affinity_max_imbalance
+        if self._forwarder is not None:
+            self._forwarder.config = config
+            self._forwarder.balancer = self._balancer
+            self._forwarder.drop_authorization = self._auth.enabled
+
     def add_page(self, path: str, handler: PageHandler) -> None:
-        """Answer GET `path` here with `handler(request, auth)` (vsup run's /status page)."""
-        auth = self._auth
+        """Answer GET `path` here with `handler(request, auth)` (vsup run's /status page); the auth
+        is the one in force when the request comes (a reload may change the key)."""
 
         async def page(request: web.BaseRequest) -> web.StreamResponse:
-            return await handler(request, auth)
+            return await handler(request, self._auth)
 
         self._own[path] = page
 

@@ -1,0 +1,63 @@
+"""A reload's or rolling restart's record (`rollout` in the status JSON) as text lines, for
+`vsup status` and `vsup reload`."""
+
+from __future__ import annotations
+
+from .status import duration
+
+MARK = {"done": "done", "failed": "FAILED", "running": "running", "pending": "pending", "skipped": "not done"}
+
+
+def render_rollout(record: dict | None, *, steps: bool = True) -> list[str]:
+    """The head line, then one line per step (all of them while it runs or when it failed,
+    else only when `steps`)."""
+    if not record:
+        return []
+    when = f"{duration(record['took'])}"
+    state = record["state"]
+    if state == "running":
+        head = f"{record['kind']} ({record['trigger']}) running for {when}: step {record['step']} of {len(record['steps'])}"
+    else:
+        head = f"last {record['kind']} ({record['trigger']}): {state.upper() if state in ('failed', 'rejected') else state}"
+        head += f" after {when}"
+    counts = _counts(record)
+    if counts and state != "rejected":
+        head += f"; {counts}"
+    lines = [head]
+    if record.get("error"):
+        lines.append(f"  error: {record['error']}")
+    if steps or state in ("running", "failed"):
+        for step in record["steps"]:
+            line = f"  instance {step['index']}: {step['action']} ({step['why']})"
+            if step.get("how"):
+                line += f", {step['how']}"
+            line += f": {MARK.get(step['state'], step['state'])}"
+            new = step.get("new")
+            if step["state"] == "running" and new:
+                line += f" — {new['name']} on port {new['port']} is {new['state']}"
+            elif step.get("detail") and step["state"] != "failed":
+                line += f" — {step['detail']}"
+            lines.append(line)
+    if record.get("applied"):
+        lines.append(f"  applied at once: {', '.join(record['applied'])}")
+    return lines
+
+
+def render_changing(entries: list[dict]) -> list[str]:
+    """Instances outside the fleet for a moment: a replacement starting beside the instance it
+    replaces, or a replaced one draining."""
+    return [f"  instance {e['index']} ({e['name']}, port {e['port']}, pid {e['pid'] or '-'}): {e['state']}"
+            + (" (being replaced)" if e["state"] in ("draining", "stopping") else " (its replacement)")
+            for e in entries]
+
+
+def _counts(record: dict) -> str:
+    done = [s for s in record["steps"] if s["state"] == "done"]
+    parts = []
+    for action, word in (("replace", "replaced"), ("add", "added"), ("remove", "removed")):
+        n = sum(s["action"] == action for s in done)
+        if n:
+            parts.append(f"{n} {word}")
+    if record["kind"] == "reload":
+        parts.append(f"{len(record['unchanged'])} unchanged")
+    return ", ".join(parts)

@@ -1,0 +1,366 @@
+"""Changing a running fleet one instance at a time: `vsup reload` (SIGHUP, `systemctl reload`) and
+`vsup restart all --rolling`.
+
+A reload compares what each instance runs with what the re-read, re-planned configuration would
+run (`Launch`: argv, env, CPUs, memory nodes). Unchanged instances keep running; the others become
+`Step`s, carried out one at a time, in index order:
+
+- replace, **beside**: when the new instance's CPUs are used by no running instance (and the
+  memory of both fits the plan's budgets), it starts on its other port (`base_port + i` or
+  `spare_base_port + i`, whichever the old one does not use), is warmed up and joins the rotation;
+  then the old one is drained and stopped. The number of ready instances never drops.
+- replace, **in place**: otherwise the old one is drained and stopped first (its cores are needed),
+  then the new one starts on the same port. One instance fewer is ready meanwhile.
+- add: a new index starts (warm-up included) and joins the rotation; remove: drained and stopped.
+
+A step whose new instance does not become ready (its first start fails) ends the rollout: what
+was done stays done, the rest is not touched, and the record says why. A rolling restart is a
+rollout whose steps replace every instance with itself (in place: a drain, a restart, a warm-up).
+
+The pure parts (`launch_changes`, `surge_room`, `fixed_changes`, `live_changes`) are tested
+without processes; `Rollout` runs the steps against a `Fleet` (the supervisor).
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import socket
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from vsup.supervisor.config import VsupConfig
+from vsup.supervisor.lifecycle import Instance, State
+from vsup.topology.cpulist import format_list
+from vsup.topology.plan_model import InstancePlan, Plan, format_gib
+
+logger = logging.getLogger("vsup.rollout")
+
+# Keys a running vsup cannot change: a reload that changes one is refused, naming it.
+FIXED_KEYS = {
+    "proxy.host": "the proxy listens there",
+    "proxy.port": "the proxy listens there",
+    "proxy.max_connections": "the proxy's upstream pools are built with it",
+    "proxy.max_body_bytes": "the proxy's request parser is built with it",
+    "control.socket": "vsup listens there",
+    "log.dir": "the instances' log files are open",
+    "log.max_bytes": "the instances' log files are open",
+    "log.backups": "the instances' log files are open",
+    "log.echo": "the instances' log files are open",
+}
+# Sections whose changes reach the instances through the plan and their command lines.
+LAUNCH_SECTIONS = ("model", "served_model_name", "instances", "placement", "vllm")
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What an instance runs: a change in any of these replaces it."""
+
+    argv: tuple[str, ...]
+    env: tuple[tuple[str, str], ...]
+    cpus: tuple[int, ...]
+    nodes: tuple[int, ...]
+
+    @classmethod
+    def of(cls, argv: Sequence[str], env: Mapping[str, str], plan: InstancePlan) -> Launch:
+        return cls(tuple(argv), tuple(sorted(env.items())), tuple(plan.cpus), tuple(plan.nodes))
+
+
+def launch_changes(old: Launch, new: Launch) -> list[str]:
+    """What differs, in words ([] when nothing does)."""
+    changes = []
+    if old.cpus != new.cpus:
+        changes.append(f"CPUs {format_list(old.cpus) or '-'} -> {format_list(new.cpus) or '-'}")
+    if old.nodes != new.nodes:
+        changes.append(f"memory nodes {format_list(old.nodes) or '-'} -> {format_list(new.nodes) or '-'}")
+    if old.argv != new.argv:
+        removed, added = [], []
+        for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(a=old.argv, b=new.argv, autojunk=False).get_opcodes():
+            if tag != "equal":
+                removed += old.argv[i1:i2]
+                added += new.argv[j1:j2]
+        words = ([f"-{' '.join(removed)}"] if removed else []) + ([f"+{' '.join(added)}"] if added else [])
+        changes.append(_clip(f"command line {' '.join(words)}"))
+    if old.env != new.env:
+        before, after = dict(old.env), dict(new.env)
+        names = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+        changes.append(_clip(f"environment {', '.join(names)}"))
+    return changes
+
+
+def surge_room(new: InstancePlan, live: Iterable[InstancePlan], plan: Plan) -> tuple[bool, str]:
+    """Can `new` run beside every instance in `live` for a while? Its CPUs must be free (two
+    OpenMP teams on one core would slow both), and the memory of all of them must fit the plan's
+    node budgets and the cgroup limit. (True, why) or (False, why not)."""
+    live = list(live)
+    busy = set().union(*(set(p.cpus) for p in live)) if live else set()
+    clash = busy & set(new.cpus)
+    if clash:
+        return False, f"its CPUs {format_list(clash)} are in use"
+    demand: dict[int, int] = defaultdict(int)
+    for p in [*live, new]:
+        for node in p.nodes:
+            demand[node] += p.memory_bytes // len(p.nodes)
+    budgets = {m.node: m.budget_bytes for m in plan.memory}
+    for node in new.nodes:
+        budget = budgets.get(node, 0)
+        if budget and demand[node] > budget:
+            return False, (f"node {node}'s memory budget {format_gib(budget)} does not hold both "
+                           f"({format_gib(demand[node])})")
+    if plan.memory_limit is not None:
+        total = sum(p.memory_bytes for p in [*live, new])
+        if total > plan.memory_limit.budget_bytes:
+            return False, f"the cgroup memory budget {format_gib(plan.memory_limit.budget_bytes)} does not hold both"
+    return True, f"its CPUs {format_list(new.cpus)} are free"
+
+
+def _flat(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, Mapping) and key not in ("env",):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _differing(old: VsupConfig, new: VsupConfig) -> dict[str, tuple[Any, Any]]:
+    a, b = _flat(old.model_dump(mode="json")), _flat(new.model_dump(mode="json"))
+    return {key: (a.get(key), b.get(key)) for key in sorted(a.keys() | b.keys()) if a.get(key) != b.get(key)}
+
+
+def fixed_changes(old: VsupConfig, new: VsupConfig) -> list[str]:
+    """Changes a running vsup cannot apply, one phrase each."""
+    return [f"{key} ({_short(a)} -> {_short(b)}): {FIXED_KEYS[key]}"
+            for key, (a, b) in _differing(old, new).items() if key in FIXED_KEYS]
+
+
+def live_changes(old: VsupConfig, new: VsupConfig) -> list[str]:
+    """Changed keys that apply without touching an instance's process (proxy, health, restart,
+    stop, start, notify, log.level)."""
+    return [key for key in _differing(old, new)
+            if key not in FIXED_KEYS and not key.startswith(tuple(f"{s}." for s in LAUNCH_SECTIONS))
+            and key not in LAUNCH_SECTIONS]
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def _short(value: Any) -> str:
+    return _clip(repr(value) if isinstance(value, str) else str(value), 40)
+
+
+def _clip(text: str, limit: int = 120) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+# ---- the record `vsup status` shows ----------------------------------------------------------------
+
+@dataclass
+class Step:
+    index: int
+    action: str  # replace | add | remove
+    why: str  # what changed
+    plan: InstancePlan | None = field(default=None, repr=False)  # the new plan (None: remove)
+    how: str = ""  # beside / in place, and why
+    state: str = "pending"  # pending | running | done | failed | skipped
+    detail: str = ""
+    new: Instance | None = field(default=None, repr=False)  # the instance this step started
+
+    def to_json(self) -> dict[str, Any]:
+        entry: dict[str, Any] = {"index": self.index, "action": self.action, "why": self.why, "how": self.how,
+                                 "state": self.state, "detail": self.detail}
+        if self.new is not None:
+            entry["new"] = {"name": self.new.name, "port": self.new.port, "pid": self.new.pid, "state": self.new.state.value}
+        return entry
+
+
+@dataclass
+class Record:
+    kind: str  # reload | rolling restart
+    trigger: str  # what asked for it: "vsup reload", "SIGHUP", "vsup restart --rolling"
+    started_at: float
+    state: str = "running"  # running | done | failed | rejected | interrupted
+    finished_at: float | None = None
+    error: str | None = None
+    steps: list[Step] = field(default_factory=list)
+    unchanged: list[int] = field(default_factory=list)
+    applied: list[str] = field(default_factory=list)  # settings applied live
+
+    def finish(self, state: str, now: float, error: str | None = None) -> None:
+        self.state, self.finished_at, self.error = state, now, error
+        for step in self.steps:
+            if step.state == "pending":
+                step.state = "skipped"
+
+    def summary(self) -> str:
+        counts: dict[str, int] = defaultdict(int)
+        for step in self.steps:
+            if step.state == "done":
+                counts[step.action] += 1
+        done = ", ".join(f"{n} {'replaced' if a == 'replace' else a + 'ed' if a == 'add' else 'removed'}"
+                         for a, n in counts.items()) or "no instance changed"
+        return f"{done}, {len(self.unchanged)} unchanged"
+
+    def to_json(self, started: float, now: float) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "trigger": self.trigger,
+            "state": self.state,
+            "started": round(self.started_at - started, 3),
+            "took": round((self.finished_at or now) - self.started_at, 3),
+            "error": self.error,
+            "step": sum(s.state in ("done", "failed", "running") for s in self.steps),
+            "steps": [s.to_json() for s in self.steps],
+            "unchanged": list(self.unchanged),
+            "applied": list(self.applied),
+        }
+
+
+# ---- carrying the steps out --------------------------------------------------------------------------
+
+class Fleet(Protocol):
+    """What a rollout needs of the running vsup (the Supervisor)."""
+
+    instances: list[Instance]  # the fleet by index: what the proxy's rotation and `vsup status` follow
+    plan: Plan  # the plan in force (the new one, during a reload)
+
+    def plan_of(self, inst: Instance) -> InstancePlan: ...
+
+    def live_plans(self) -> list[InstancePlan]:
+        """The plans of every instance that has (or is about to have) processes."""
+
+    def launch(self, plan: InstancePlan, port: int) -> tuple[list[str], dict[str, str]]:
+        """argv and env of `plan` on `port`."""
+
+    def spare_port(self, index: int) -> int: ...
+
+    def create(self, plan: InstancePlan, port: int) -> Instance:
+        """A new instance (not started), its driver running, its backend known to the proxy."""
+
+    def adopt(self, inst: Instance, plan: InstancePlan) -> None:
+        """`inst` now runs `plan` (a replacement in place)."""
+
+    def swap(self, index: int, inst: Instance | None) -> None:
+        """Put `inst` at `index` of the fleet (None: drop the last index)."""
+
+    def forget(self, inst: Instance) -> None:
+        """A stopped instance leaves: its driver, backend and log go."""
+
+
+class Rollout:
+    def __init__(self, fleet: Fleet, record: Record) -> None:
+        self.fleet = fleet
+        self.record = record
+
+    async def run(self) -> bool:
+        """Carry out every step, one at a time; False (and the record says why) at the first that
+        fails. Cancelling (vsup stopping) leaves the instances to the shutdown."""
+        for step in self.record.steps:
+            step.state = "running"
+            logger.info("%s: step %d/%d: %s instance %d (%s)", self.record.kind, self.record.steps.index(step) + 1,
+                        len(self.record.steps), step.action, step.index, step.why)
+            ok = await getattr(self, f"_{step.action}")(step)
+            step.state = "done" if ok else "failed"
+            if not ok:
+                logger.warning("%s stopped at instance %d: %s", self.record.kind, step.index, step.detail)
+                return False
+        return True
+
+    async def _replace(self, step: Step) -> bool:
+        fleet = self.fleet
+        old = fleet.instances[step.index]
+        plan = step.plan
+        assert plan is not None
+        slots = (plan.port, fleet.spare_port(step.index))
+        beside, why = surge_room(plan, fleet.live_plans(), fleet.plan)
+        other = slots[1] if old.port == slots[0] else slots[0]
+        if beside and not port_is_free(other):
+            beside, why = False, f"its other port {other} is taken"
+        if beside:
+            step.how = f"beside, on port {other}: {why}"
+            new = fleet.create(plan, other)
+            step.new = new
+            new.start()
+            if not await self._ready(new):
+                await new.stop()
+                fleet.forget(new)
+                step.detail = (f"the new instance {new.name} did not become ready ({new.last_exit}); it was stopped, "
+                               f"and instance {old.name} keeps running its old command")
+                return False
+            fleet.swap(step.index, new)
+            await old.retire(f"replaced by {new.name} on port {new.port} ({self.record.kind})")
+            fleet.forget(old)
+            step.detail = f"{new.name} ready on port {new.port}; the old one drained and stopped"
+            return True
+        port = old.port if old.port in slots else plan.port
+        step.how = f"in place, on port {port}: {why}"
+        if port == old.port:
+            argv, env = fleet.launch(plan, port)
+            old.relaunch(argv, env)
+            fleet.adopt(old, plan)
+            step.new = old
+            state = await old.recycle(f"{self.record.kind}: {step.why}")
+            if state is not State.READY:
+                step.detail = self._not_ready(old)
+                return False
+            step.detail = f"ready again as pid {old.pid}"
+            return True
+        await old.retire(f"{self.record.kind}: replaced on port {port}")
+        fleet.forget(old)
+        new = fleet.create(plan, port)
+        fleet.swap(step.index, new)
+        step.new = new
+        new.start()
+        if not await self._ready(new):
+            step.detail = self._not_ready(new)
+            return False
+        step.detail = f"ready on port {port}"
+        return True
+
+    async def _add(self, step: Step) -> bool:
+        plan = step.plan
+        assert plan is not None
+        port = plan.port if port_is_free(plan.port) else self.fleet.spare_port(step.index)
+        step.how = f"on port {port}"
+        new = self.fleet.create(plan, port)
+        self.fleet.swap(step.index, new)
+        step.new = new
+        new.start()
+        if not await self._ready(new):
+            step.detail = self._not_ready(new)
+            return False
+        step.detail = f"ready on port {port}"
+        return True
+
+    async def _remove(self, step: Step) -> bool:
+        old = self.fleet.instances[step.index]
+        await old.retire(f"{self.record.kind}: removed ({step.why})")
+        self.fleet.swap(step.index, None)
+        self.fleet.forget(old)
+        step.detail = "drained and stopped"
+        return True
+
+    @staticmethod
+    async def _ready(inst: Instance) -> bool:
+        """Wait until a new instance is ready, or its first run failed, or it was halted."""
+        halts = inst.halts
+        await inst.wait_for(lambda: inst.state is State.READY or inst.halts > halts
+                            or (inst.failures > 0 and inst.state is not State.STOPPING))
+        return inst.state is State.READY
+
+    @staticmethod
+    def _not_ready(inst: Instance) -> str:
+        if inst.state is State.STOPPED:
+            return f"instance {inst.name} was stopped before it was ready"
+        return (f"instance {inst.name} did not become ready ({inst.last_exit}); it is {inst.state.value} "
+                "and keeps trying under the restart policy")
