@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import difflib
 import logging
-import socket
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ from typing import Any, Protocol
 
 from vsup.supervisor.config import VsupConfig
 from vsup.supervisor.lifecycle import Instance, State
+from vsup.supervisor.ports import port_is_free
 from vsup.topology.cpulist import format_list
 from vsup.topology.plan_model import InstancePlan, Plan, format_gib
 
@@ -143,16 +143,6 @@ def live_changes(old: VsupConfig, new: VsupConfig) -> list[str]:
     return [key for key in _differing(old, new)
             if key not in FIXED_KEYS and not key.startswith(tuple(f"{s}." for s in LAUNCH_SECTIONS))
             and key not in LAUNCH_SECTIONS]
-
-
-def port_is_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
 
 
 def _short(value: Any) -> str:

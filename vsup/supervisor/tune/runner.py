@@ -27,6 +27,7 @@ import psutil
 
 from vsup.supervisor import control
 from vsup.supervisor.errors import VsupError
+from vsup.supervisor.ports import port_is_free
 from vsup.supervisor.shm import files_in_use, remove_unused
 
 FAILED_STATES = ("backoff", "failed")
@@ -42,19 +43,9 @@ def free_port_run(count: int) -> int:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             base = probe.getsockname()[1]
-        if base + count < 65536 and all(_free(base + i) for i in range(count)):
+        if base + count < 65536 and all(port_is_free(base + i) for i in range(count)):
             return base
     raise VsupError(f"no {count} consecutive free ports on 127.0.0.1")
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
 
 
 class CandidateRun:
