@@ -307,21 +307,17 @@ class Rollout:
             return True
         await old.retire(f"{self.record.kind}: replaced on port {port}")
         fleet.forget(old)
-        new = fleet.create(plan, port)
-        fleet.swap(step.index, new)
-        step.new = new
-        new.start()
-        if not await self._ready(new):
-            step.detail = self._not_ready(new)
-            return False
-        step.detail = f"ready on port {port}"
-        return True
+        return await self._start_in_slot(step, plan, port)
 
     async def _add(self, step: Step) -> bool:
         plan = step.plan
         assert plan is not None
         port = plan.port if port_is_free(plan.port) else self.fleet.spare_port(step.index)
         step.how = f"on port {port}"
+        return await self._start_in_slot(step, plan, port)
+
+    async def _start_in_slot(self, step: Step, plan: InstancePlan, port: int) -> bool:
+        """A new instance in the step's slot of the fleet, started on `port`; True once it is ready."""
         new = self.fleet.create(plan, port)
         self.fleet.swap(step.index, new)
         step.new = new

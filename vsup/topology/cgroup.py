@@ -90,8 +90,8 @@ def read_mounts(fs: FsRoot) -> list[Mount]:
     return mounts
 
 
-def _process_paths(fs: FsRoot) -> tuple[str | None, str | None]:
-    """(v1 cpuset path, v2 path) of this process, from proc/self/cgroup or proc/self/cpuset."""
+def controller_paths(fs: FsRoot, controller: str) -> tuple[str | None, str | None]:
+    """(v1 path of `controller`'s hierarchy, v2 path) of this process, from proc/self/cgroup."""
     v1 = v2 = None
     for line in (fs.read("proc/self/cgroup") or "").splitlines():
         hierarchy, _, rest = line.partition(":")
@@ -100,8 +100,14 @@ def _process_paths(fs: FsRoot) -> tuple[str | None, str | None]:
             continue
         if hierarchy == "0" and controllers == "":
             v2 = path
-        elif "cpuset" in controllers.split(","):
+        elif controller in controllers.split(","):
             v1 = path
+    return v1, v2
+
+
+def _process_paths(fs: FsRoot) -> tuple[str | None, str | None]:
+    """(v1 cpuset path, v2 path) of this process, from proc/self/cgroup or proc/self/cpuset."""
+    v1, v2 = controller_paths(fs, "cpuset")
     legacy = fs.read_nonblank("proc/self/cpuset")
     return v1 or legacy, v2 or legacy
 

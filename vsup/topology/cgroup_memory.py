@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
-from vsup.topology.cgroup import Mount, _relative, read_mounts
+from vsup.topology.cgroup import Mount, _relative, controller_paths, read_mounts
 from vsup.topology.errors import TopologyError
 from vsup.topology.fsroot import FsRoot
 
@@ -31,21 +31,6 @@ UNLIMITED = 1 << 60
 class MemoryLimit:
     bytes: int | None = None  # None: no limit found
     file: str | None = None  # the file that set it (for `vsup topology` sources)
-
-
-def _memory_paths(fs: FsRoot) -> tuple[str | None, str | None]:
-    """(v1 memory-controller path, v2 path) of this process, from proc/self/cgroup."""
-    v1 = v2 = None
-    for line in (fs.read("proc/self/cgroup") or "").splitlines():
-        hierarchy, _, rest = line.partition(":")
-        controllers, _, path = rest.partition(":")
-        if not path:
-            continue
-        if hierarchy == "0" and controllers == "":
-            v2 = path
-        elif "memory" in controllers.split(","):
-            v1 = path
-    return v1, v2
 
 
 def _limit_value(fs: FsRoot, rel: str) -> int | None:
@@ -76,7 +61,7 @@ def _smallest_up(fs: FsRoot, mount: Mount, path: str, name: str) -> MemoryLimit:
 
 def read_memory_limit(fs: FsRoot) -> MemoryLimit:
     mounts = read_mounts(fs)
-    v1_path, v2_path = _memory_paths(fs)
+    v1_path, v2_path = controller_paths(fs, "memory")
     v1 = [m for m in mounts if m.fstype == "cgroup" and "memory" in m.options]
     if v1 and v1_path:
         limit = _smallest_up(fs, v1[0], v1_path, V1_FILE)
