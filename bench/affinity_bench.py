@@ -62,7 +62,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vllm_bench import VSUP, Layout, add_model_options, free_port, free_ports, resolve_model  # noqa: E402
+from vllm_bench import VSUP, Layout, add_model_options, free_port, free_ports, resolve_model, stream_once  # noqa: E402
 
 POLICIES = ("round_robin", "least_outstanding", "prefix_affinity")
 WORKLOADS = ("shared", "distinct")
@@ -192,33 +192,6 @@ def percentile(values: list[float], q: float) -> float:
     if len(values) == 1:
         return values[0]
     return statistics.quantiles(values, n=100, method="inclusive")[int(round(q * 100)) - 1]
-
-
-async def stream_once(session: aiohttp.ClientSession, url: str, path: str, body: dict) -> tuple[float, int]:
-    """(seconds to the first streamed event with choices, completion tokens) of one request."""
-    began = time.monotonic()
-    first = None
-    tokens = 0
-    async with session.post(url + path, json=body) as response:
-        if response.status != 200:
-            raise RuntimeError(f"HTTP {response.status}: {(await response.text())[:200]}")
-        async for raw in response.content:
-            line = raw.strip()
-            if not line.startswith(b"data: "):
-                continue
-            data = line[6:]
-            if data == b"[DONE]":
-                break
-            event = json.loads(data)
-            if "error" in event:
-                raise RuntimeError(f"stream error: {event['error']}")
-            if first is None and event.get("choices"):
-                first = time.monotonic() - began
-            if event.get("usage"):
-                tokens = event["usage"]["completion_tokens"]
-    if first is None or tokens != body["max_tokens"]:
-        raise RuntimeError(f"incomplete stream: first event {first}, {tokens}/{body['max_tokens']} tokens")
-    return first, tokens
 
 
 async def run_phase(phase: Phase, proxy_url: str, requests: list[Request], args) -> None:

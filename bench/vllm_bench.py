@@ -110,14 +110,12 @@ class Result:
         return statistics.quantiles(self.ttfts, n=100, method="inclusive")[int(q * 100) - 1]
 
 
-async def one_stream(session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int) -> tuple[float, int]:
-    """(time to first token, completion tokens) of one streamed completion."""
-    payload = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0,
-               "ignore_eos": True, "stream_options": {"include_usage": True}}
+async def stream_once(session: aiohttp.ClientSession, url: str, path: str, body: dict) -> tuple[float, int]:
+    """(seconds to the first streamed event with choices, completion tokens) of one request."""
     began = time.monotonic()
     first = None
     tokens = 0
-    async with session.post(f"{url}/v1/completions", json=payload) as response:
+    async with session.post(url + path, json=body) as response:
         if response.status != 200:
             raise RuntimeError(f"HTTP {response.status}: {(await response.text())[:200]}")
         async for raw in response.content:
@@ -134,9 +132,16 @@ async def one_stream(session: aiohttp.ClientSession, url: str, prompt: str, max_
                 first = time.monotonic() - began
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
-    if first is None or tokens != max_tokens:
-        raise RuntimeError(f"incomplete stream: first token {first}, {tokens}/{max_tokens} tokens")
+    if first is None or tokens != body["max_tokens"]:
+        raise RuntimeError(f"incomplete stream: first event {first}, {tokens}/{body['max_tokens']} tokens")
     return first, tokens
+
+
+async def one_stream(session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int) -> tuple[float, int]:
+    """(time to first token, completion tokens) of one streamed completion."""
+    payload = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0,
+               "ignore_eos": True, "stream_options": {"include_usage": True}}
+    return await stream_once(session, url, "/v1/completions", payload)
 
 
 async def load(url: str, streams: int, max_tokens: int, duration: float, result: Result) -> None:
