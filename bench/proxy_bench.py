@@ -35,7 +35,7 @@ them like distinct conversations); --system-chars N puts a system prompt of N ch
 of each (longer than proxy.affinity_prefix_chars: they all share it, the policy's costliest key).
 
 --scrape S adds two rows: the same ProxyServer as `vsup run` has, in a process of its own, once
-without and once with vsup run's metrics collection (vsup/supervisor/observe/) every S seconds:
+without and once with vsup run's metrics collection (vsup/observe/) every S seconds:
 each upstream's /metrics (vLLM's families, made by the fake vLLM's prometheus_client code) and its
 process tree's CPU, RSS/PSS and numa_maps, while the client also GETs the proxy's /metrics every S
 seconds as Prometheus would. Their difference is what the collection costs the request path.
@@ -134,11 +134,11 @@ def run_proxy(port: int, upstreams: list[str], pids: list[int], interval: float)
     sys.path.insert(0, str(REPO))
     import aiohttp
 
-    from vsup.supervisor.backends import Backend, BackendPool
-    from vsup.supervisor.config import ProxyConfig
-    from vsup.supervisor.observe.collector import Collector, Target
-    from vsup.supervisor.proxy import ProxyServer
-    from vsup.supervisor.proxy.runloop import run
+    from vsup.proxy.backends import Backend, BackendPool
+    from vsup.config.schema import ProxyConfig
+    from vsup.observe.collector import Collector, Target
+    from vsup.proxy import ProxyServer
+    from vsup.proxy.runloop import run
 
     async def main() -> None:
         pool = BackendPool(Backend(str(i), url) for i, url in enumerate(upstreams))
@@ -410,7 +410,7 @@ async def bench(args) -> None:
             env = dict(os.environ, PYTHONPATH=str(source))
             policy_args = [] if policy == "round_robin" else ["--policy", policy]  # a baseline tree may predate --policy
             proxy = subprocess.Popen(
-                [sys.executable, "-c", "from vsup.supervisor.cli import main; main()", "proxy", "--port", str(proxy_port), *policy_args, *[a for u in direct for a in ("--upstream", u)]],
+                [sys.executable, "-c", "from vsup.cli.main import main; main()", "proxy", "--port", str(proxy_port), *policy_args, *[a for u in direct for a in ("--upstream", u)]],
                 env=env, start_new_session=True, stderr=subprocess.DEVNULL,
             )
             procs.append(proxy)
@@ -522,7 +522,7 @@ def main() -> None:
     args.policies = [p.strip() for p in args.policy.split(",") if p.strip()]
     from typing import get_args
 
-    from vsup.supervisor.config import ProxyConfig
+    from vsup.config.schema import ProxyConfig
 
     known = get_args(ProxyConfig.model_fields["policy"].annotation)
     if not args.policies or any(p not in known for p in args.policies) or len(set(args.policies)) != len(args.policies):

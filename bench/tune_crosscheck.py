@@ -20,12 +20,12 @@ from pathlib import Path
 
 import yaml
 
-from vsup.supervisor.config import load_config
-from vsup.supervisor.planning import plan_from_config
-from vsup.supervisor.tune import configs, load
-from vsup.supervisor.tune.objective import format_seconds
-from vsup.supervisor.tune.runner import CandidateRun, free_port_run
-from vsup.supervisor.tune.workload import synthetic
+from vsup.config.schema import load_config
+from vsup.config.planning import plan_from_config
+from vsup.tune import configs, load
+from vsup.tune.objective import format_seconds
+from vsup.tune.runner import CandidateRun, free_port_run
+from vsup.tune.workload import synthetic
 
 VSUP = [sys.executable, "-m", "vsup"]
 

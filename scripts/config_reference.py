@@ -1,5 +1,5 @@
-"""Write the configuration reference where it is checked in, from vsup/supervisor/config.py:
-vsup/supervisor/data/vsup.yaml (configs/vsup.yaml links to it; the wheel ships it) and the README's
+"""Write the configuration reference where it is checked in, from vsup/config/schema.py:
+vsup/config/data/vsup.yaml (configs/vsup.yaml links to it; the wheel ships it) and the README's
 "Configuration reference" block. Run it after changing a key, a default or a description:
 
     .venv/bin/python scripts/config_reference.py
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vsup.supervisor.config_example import example_yaml, with_readme_reference
+from vsup.config.example import example_yaml, with_readme_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -21,7 +21,7 @@ import itertools
 import signal
 from collections.abc import Callable
 
-from vsup.supervisor.errors import VsupError
+from vsup.errors import VsupError
 from vsup.supervisor.health import HealthResult
 from vsup.supervisor.processes import StopReport
 

@@ -10,9 +10,9 @@ from collections.abc import Iterable
 import aiohttp
 import openai
 
-from vsup.supervisor.backends import Backend, BackendPool
-from vsup.supervisor.config import ProxyConfig
-from vsup.supervisor.proxy import ProxyServer
+from vsup.proxy.backends import Backend, BackendPool
+from vsup.config.schema import ProxyConfig
+from vsup.proxy import ProxyServer
 from tests.fakevllm.fixtures import FakeVllm, start_fake
 
 # The fake's EngineCore/Worker stand-ins and shm files are irrelevant to the proxy: skip them.

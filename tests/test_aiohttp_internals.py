@@ -14,10 +14,10 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from vsup.supervisor.errors import VsupError
-from vsup.supervisor.proxy import aiohttp_internals
-from vsup.supervisor.proxy.clients import ClientPolicy
-from vsup.supervisor.proxy.metrics import ProxyMetrics
+from vsup.errors import VsupError
+from vsup.proxy import aiohttp_internals
+from vsup.proxy.clients import ClientPolicy
+from vsup.proxy.metrics import ProxyMetrics
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from vsup.supervisor import control
-from vsup.supervisor.config import VsupConfig
+from vsup.config.schema import VsupConfig
 from vsup.supervisor.control import ControlServer, request
-from vsup.supervisor.errors import VsupError
+from vsup.errors import VsupError
 
 pytestmark = pytest.mark.timeout(30)
 

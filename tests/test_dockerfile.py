@@ -11,8 +11,8 @@ from pathlib import Path
 from dockerfile_parse import DockerfileParser
 
 from vsup import __version__
-from vsup.supervisor.export import kubernetes
-from vsup.supervisor.export.pod import CONFIG_DIR, CONFIG_FILE
+from vsup.export import kubernetes
+from vsup.export.pod import CONFIG_DIR, CONFIG_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_ENV = (ROOT / "scripts" / "vllm-env").read_text()

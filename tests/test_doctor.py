@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from vsup.supervisor import doctor as d
-from vsup.supervisor.cli import main
+from vsup.doctor import checks as d
+from vsup.cli.main import main
 from tests.sysfs_builder import build_sysfs
 from vsup.topology.fsroot import FsRoot
 from vsup.topology.model import Isa
@@ -396,7 +396,7 @@ def test_memory_bandwidth_that_cannot_be_measured_is_skipped_not_failed():
 
 
 def test_the_triad_measures_a_real_bandwidth_on_one_pinned_cpu():
-    from vsup.supervisor.tune.roofline import measure_bandwidth
+    from vsup.tune.roofline import measure_bandwidth
 
     cpu = min(os.sched_getaffinity(0))
     measured = measure_bandwidth({0: [cpu]}, seconds=0.2)

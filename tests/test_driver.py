@@ -10,7 +10,7 @@ import signal
 import pytest
 
 from tests.lifecycle_fakes import FakeOps
-from vsup.supervisor.config import VsupConfig
+from vsup.config.schema import VsupConfig
 from vsup.supervisor.lifecycle import (
     AFTER_STOP,
     ON_INTENT,

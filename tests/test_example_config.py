@@ -1,4 +1,4 @@
-"""configs/vsup.yaml documents every key of vsup/supervisor/config.py, with its default value: it is
+"""configs/vsup.yaml documents every key of vsup/config/schema.py, with its default value: it is
 `vsup config --example`, rendered from the model's descriptions, checked in."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from vsup.supervisor.config import VsupConfig, load_config
-from vsup.supervisor.config_example import example_yaml
+from vsup.config.schema import VsupConfig, load_config
+from vsup.config.example import example_yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "configs" / "vsup.yaml"
@@ -73,7 +73,7 @@ def test_the_example_loads_and_holds_the_defaults_but_turns_the_memory_watchdog_
 def test_the_checked_in_example_is_the_generated_one():
     assert EXAMPLE.resolve() == ROOT / "vsup" / "supervisor" / "data" / "vsup.yaml"
     assert EXAMPLE.read_text() == example_yaml(), (
-        "configs/vsup.yaml differs from the descriptions in vsup/supervisor/config.py: "
+        "configs/vsup.yaml differs from the descriptions in vsup/config/schema.py: "
         "run `.venv/bin/python scripts/config_reference.py`")
 
 

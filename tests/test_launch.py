@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from vsup.supervisor.config import parse_config
-from vsup.supervisor.errors import ConfigError
+from vsup.config.schema import parse_config
+from vsup.errors import ConfigError
 from vsup.supervisor.launch import build_command, child_environment
 from tests.machines import GiB, make_machine
 from vsup.topology.plan_model import PlanSettings

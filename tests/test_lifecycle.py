@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vsup.supervisor.backoff import RestartPolicy
-from vsup.supervisor.config import RestartConfig
+from vsup.config.schema import RestartConfig
 from vsup.supervisor.lifecycle import RUNNING, TRANSITIONS, Event, InvalidTransition, State, describe_exit, next_state
 
 

@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from tests.lifecycle_fakes import FakeOps
-from vsup.supervisor.config import VsupConfig
+from vsup.config.schema import VsupConfig
 from vsup.supervisor.lifecycle import Event, Instance, Intent, State
 from vsup.supervisor.memwatch import MemoryWatchdog, may_drain
 

@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from vsup.supervisor.notify import Notifier
+from vsup.systemd.notify import Notifier
 
 
 @pytest.fixture(params=["path", "abstract"])

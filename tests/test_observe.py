@@ -18,14 +18,14 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
-from vsup.supervisor.commands.status import render_instances
-from vsup.supervisor.commands.top import view
-from vsup.supervisor.observe import fmt, numa, procstats, scrape
-from vsup.supervisor.observe.collector import Collector, Target
-from vsup.supervisor.observe.families import instance_families
-from vsup.supervisor.observe.page import render_page, status_page
-from vsup.supervisor.observe.rates import CounterWindow, increase
-from vsup.supervisor.proxy.auth import BearerAuth
+from vsup.cli.status import render_instances
+from vsup.cli.top import view
+from vsup.observe import fmt, numa, procstats, scrape
+from vsup.observe.collector import Collector, Target
+from vsup.observe.families import instance_families
+from vsup.observe.page import render_page, status_page
+from vsup.observe.rates import CounterWindow, increase
+from vsup.proxy.auth import BearerAuth
 from tests.fakevllm.fixtures import fake_vllm  # noqa: F401 (fixture)
 from tests.proxy_support import metrics_text, ready_pool, running_proxy, start_fakes, url
 

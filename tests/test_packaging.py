@@ -41,7 +41,7 @@ def test_the_wheel_installs_one_import_name(built):
     outside = [path for path in record if not path.startswith(("vsup/", f"{dist_info}/"))]
     assert outside == [], f"the wheel installs files outside the vsup package: {outside}"
     # the packaged data the commands read at run time
-    for data in ("vsup/supervisor/data/vsup.yaml", "vsup/supervisor/data/vsup.service.in", "vsup/__main__.py"):
+    for data in ("vsup/config/data/vsup.yaml", "vsup/systemd/data/vsup.service.in", "vsup/__main__.py"):
         assert data in record
     # the license texts: ours and hwloc's (its test dumps ship in tests/data, not in the wheel)
     assert f"{dist_info}/licenses/LICENSE" in record

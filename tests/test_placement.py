@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from vsup.supervisor.errors import VsupError
+from vsup.errors import VsupError
 from vsup.supervisor.placement import ThreadPlacement, parse_mem_policy, placement_drift, read_placement
 
 REPO = Path(__file__).resolve().parents[1]
@@ -160,7 +160,7 @@ def _run_pin(cpus: str) -> subprocess.CompletedProcess:
     code = (
         "import os, threading, time\n"
         "from vsup.supervisor.placement import pin_self\n"
-        "from vsup.supervisor.errors import VsupError\n"
+        "from vsup.errors import VsupError\n"
         "t = threading.Thread(target=time.sleep, args=(3,), daemon=True); t.start()\n"
         f"try:\n    pin_self({{{cpus}}})\nexcept VsupError as e:\n    print('error:', e); raise SystemExit(0)\n"
         "print(sorted({tuple(sorted(os.sched_getaffinity(int(tid)))) for tid in os.listdir('/proc/self/task')}))\n"

@@ -463,7 +463,7 @@ def test_omp_threads_above_the_cpus_is_a_plan_error_naming_the_limit():
 
     with pytest.raises(PlanError, match=r"--omp-threads 5: instance 0 has only 4 OpenMP CPU\(s\); use at most 4") as info:
         plan(make_machine(cores_per_node=8), PlanSettings(instances=2, reserve_cores=0, omp_threads=5))
-    # a SettingError, so vsup.supervisor.planning can name placement.omp_threads and its line instead
+    # a SettingError, so vsup.config.planning can name placement.omp_threads and its line instead
     assert isinstance(info.value, SettingError) and info.value.setting == "omp_threads"
 
 

@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from vsup.supervisor import proctree
-from vsup.supervisor.errors import VsupError
+from vsup.errors import VsupError
 from vsup.supervisor.logs import InstanceLog
 from vsup.supervisor.processes import reap_orphans, spawn, stop_tree, sweep_stale_shm, tree_pids
 

@@ -11,10 +11,10 @@ import aiohttp
 import openai
 import pytest
 
-from vsup.supervisor.backends import Backend, BackendPool
-from vsup.supervisor.proxy.balancer import LeastOutstanding, RoundRobin, make_balancer
-from vsup.supervisor.proxy.errors import error_body
-from vsup.supervisor.proxy.forward import parse_json, request_headers, response_headers
+from vsup.proxy.backends import Backend, BackendPool
+from vsup.proxy.balancer import LeastOutstanding, RoundRobin, make_balancer
+from vsup.proxy.errors import error_body
+from vsup.proxy.forward import parse_json, request_headers, response_headers
 from tests.fakevllm.fixtures import free_port, start_fake
 from tests.proxy_support import (
     LEAN, MESSAGES, client, metric_value, metrics_text, ready_pool, running_proxy, served_by, start_fakes, url, wait_for,
@@ -358,7 +358,7 @@ async def test_every_instance_unreachable_is_503_on_the_first_request():
 async def test_an_ejection_runs_out_without_a_health_check(monkeypatch):
     # A refused connect that was no death (the owner never says otherwise): the instance is tried
     # again after EJECT_SECONDS, and found alive.
-    monkeypatch.setattr("vsup.supervisor.proxy.forward.EJECT_SECONDS", 0.5)
+    monkeypatch.setattr("vsup.proxy.forward.EJECT_SECONDS", 0.5)
     port = free_port()
     pool = BackendPool([Backend("late", f"http://127.0.0.1:{port}")])
     pool.set_state("late", "ready", True)
@@ -391,9 +391,9 @@ async def test_metrics_show_states_and_in_flight(fakes):
 
 
 async def test_port_in_use_is_one_line_error(fakes):
-    from vsup.supervisor.config import ProxyConfig
-    from vsup.supervisor.errors import VsupError
-    from vsup.supervisor.proxy import ProxyServer
+    from vsup.config.schema import ProxyConfig
+    from vsup.errors import VsupError
+    from vsup.proxy import ProxyServer
 
     async with running_proxy(ready_pool(fakes)) as proxy:
         second = ProxyServer(ProxyConfig(port=proxy.port), ready_pool(fakes))

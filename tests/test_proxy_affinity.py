@@ -15,11 +15,11 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from vsup.supervisor.backends import Backend
-from vsup.supervisor.config import ProxyConfig
-from vsup.supervisor.proxy.affinity import PrefixAffinity, prefix_text, routing_key
-from vsup.supervisor.proxy.balancer import make_balancer
-from vsup.supervisor.proxy.forward import parse_json
+from vsup.proxy.backends import Backend
+from vsup.config.schema import ProxyConfig
+from vsup.proxy.affinity import PrefixAffinity, prefix_text, routing_key
+from vsup.proxy.balancer import make_balancer
+from vsup.proxy.forward import parse_json
 from tests.proxy_support import client, metric_value, metrics_text, ready_pool, running_proxy, start_fakes, url
 
 LIMIT = 2048
@@ -437,9 +437,9 @@ def test_vsup_run_with_prefix_affinity_and_the_instances_cache_hits_in_its_metri
 def test_reconfigure_applies_affinity_settings_and_policy():
     """`vsup reload`: a changed affinity setting reaches the running balancer (counts kept), and a
     switch to prefix_affinity builds it with the new config's settings, not the defaults."""
-    from vsup.supervisor.backends import BackendPool
-    from vsup.supervisor.config import ProxyConfig
-    from vsup.supervisor.proxy.server import ProxyServer
+    from vsup.proxy.backends import BackendPool
+    from vsup.config.schema import ProxyConfig
+    from vsup.proxy.server import ProxyServer
 
     proxy = ProxyServer(ProxyConfig(policy="prefix_affinity"), BackendPool())
     before = proxy._balancer

@@ -19,7 +19,7 @@ from tests.fakevllm.fixtures import free_port, start_fake
 from tests.proxy_support import LEAN, start_fakes
 
 REPO = Path(__file__).resolve().parents[1]
-VSUP = [sys.executable, "-c", "from vsup.supervisor.cli import main; main()"]
+VSUP = [sys.executable, "-c", "from vsup.cli.main import main; main()"]
 
 
 def vsup(*args: str, **kw) -> subprocess.CompletedProcess:

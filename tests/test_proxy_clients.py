@@ -30,7 +30,7 @@ def fake():
 @pytest.fixture
 def quick_clients(monkeypatch):
     """A 0.5 s client timeout instead of 60 s."""
-    monkeypatch.setattr("vsup.supervisor.proxy.clients.CLIENT_TIMEOUT", 0.5)
+    monkeypatch.setattr("vsup.proxy.clients.CLIENT_TIMEOUT", 0.5)
 
 
 async def exchange(port: int, *pieces: bytes, pause: float = 0.05, timeout: float = 10.0) -> bytes:
@@ -187,7 +187,7 @@ async def test_a_half_sent_body_does_not_delay_a_drain(fake):
 
 
 async def test_client_connections_are_bounded(fake, monkeypatch):
-    monkeypatch.setattr("vsup.supervisor.proxy.clients.MAX_CLIENT_CONNECTIONS", 3)
+    monkeypatch.setattr("vsup.proxy.clients.MAX_CLIENT_CONNECTIONS", 3)
     async with running_proxy(ready_pool([fake])) as proxy, contextlib.AsyncExitStack() as stack:
         held = []
         for _ in range(3):

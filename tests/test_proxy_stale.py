@@ -22,7 +22,7 @@ from tests.proxy_support import (
     MESSAGES, client, metric_value, metrics_text, ready_pool, running_proxy, served_by, start_fakes, wait_for,
 )
 from tests.raw_http import RawServer, read_request, reset
-from vsup.supervisor.backends import Backend
+from vsup.proxy.backends import Backend
 
 # Held long enough that requests sent together each need a connection of their own.
 SLOW = {"fake": {"first_token_delay": 0.5}}
@@ -32,7 +32,7 @@ SLOW = {"fake": {"first_token_delay": 0.5}}
 def long_upstream_keepalive(monkeypatch):
     # The proxy drops idle connections after 4 s; on a loaded box the warm-up and the kill could be
     # further apart than that, and these tests need the idle connections to still be there.
-    monkeypatch.setattr("vsup.supervisor.proxy.server.UPSTREAM_KEEPALIVE", 60.0)
+    monkeypatch.setattr("vsup.proxy.server.UPSTREAM_KEEPALIVE", 60.0)
 
 
 def requests_waiting_at(port: int) -> int:

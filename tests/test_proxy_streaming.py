@@ -16,7 +16,7 @@ import pytest
 
 from tests.proxy_support import client, metric_value, metrics_text, ready_pool, running_proxy, start_fakes, url, wait_for
 from tests.raw_http import RawServer, chunk, read_request
-from vsup.supervisor.backends import Backend, BackendPool
+from vsup.proxy.backends import Backend, BackendPool
 
 MESSAGES = [{"role": "user", "content": "stream please"}]
 CHAT = {"model": "fake-model", "messages": MESSAGES}

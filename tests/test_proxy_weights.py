@@ -8,9 +8,9 @@ from collections import Counter
 
 import pytest
 
-from vsup.supervisor.backends import Backend
-from vsup.supervisor.proxy.balancer import LeastOutstanding, RoundRobin
-from vsup.supervisor.proxy.healthcheck import parse_ready
+from vsup.proxy.backends import Backend
+from vsup.proxy.balancer import LeastOutstanding, RoundRobin
+from vsup.proxy.healthcheck import parse_ready
 
 A, B, C = (Backend(name, f"http://{name}:8000") for name in ("a", "b", "c"))
 

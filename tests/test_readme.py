@@ -6,9 +6,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from vsup.supervisor.commands import command_names
-from vsup.supervisor.config import parse_config
-from vsup.supervisor.config_example import example_yaml, with_readme_reference
+from vsup.cli import command_names
+from vsup.config.schema import parse_config
+from vsup.config.example import example_yaml, with_readme_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()

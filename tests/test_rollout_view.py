@@ -1,8 +1,8 @@
-"""`vsup status` / `vsup reload` text for a rollout's record (vsup/supervisor/commands/rollout_view.py)."""
+"""`vsup status` / `vsup reload` text for a rollout's record (vsup/cli/rollout_view.py)."""
 
 from __future__ import annotations
 
-from vsup.supervisor.commands.rollout_view import render_changing, render_rollout
+from vsup.cli.rollout_view import render_changing, render_rollout
 
 STEP = {"index": 0, "action": "replace", "why": "command line +--dtype bfloat16", "how": "in place, on port 8100: its CPUs 0 are in use",
         "state": "done", "detail": "ready again as pid 4301"}

@@ -16,13 +16,13 @@ from tests.lifecycle_fakes import FakeOps, VirtualClock
 from tests.machines import make_machine
 from tests.sysfs_builder import build_sysfs
 from vsup.supervisor import proctree
-from vsup.supervisor.commands.preflight import checked_plan
-from vsup.supervisor.config import VsupConfig, load_config
-from vsup.supervisor.errors import VsupError
+from vsup.supervisor.preflight import checked_plan
+from vsup.config.schema import VsupConfig, load_config
+from vsup.errors import VsupError
 from vsup.supervisor.lifecycle import Event, Intent, State
-from vsup.supervisor.notify import Notifier
-from vsup.supervisor.planning import settings_from_config
-from vsup.supervisor.proxy import ProxyServer
+from vsup.systemd.notify import Notifier
+from vsup.config.planning import settings_from_config
+from vsup.proxy import ProxyServer
 from vsup.supervisor.supervisor import Supervisor
 from vsup.topology.planner import plan
 

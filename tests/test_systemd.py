@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from vsup.supervisor.cli import main
-from vsup.supervisor.config import parse_config
-from vsup.supervisor.systemd_install import example_config_text, install
-from vsup.supervisor.systemd_unit import UnitSettings, render_unit, timeouts_for
+from vsup.cli.main import main
+from vsup.config.schema import parse_config
+from vsup.systemd.install import example_config_text, install
+from vsup.systemd.unit import UnitSettings, render_unit, timeouts_for
 
 REPO = Path(__file__).resolve().parent.parent
 MAX_EXPOSURE = 5.0
@@ -49,7 +49,7 @@ def unit_file(tmp_path: Path, text: str) -> Path:
 def test_repository_unit_is_the_default_rendering():
     committed = (REPO / "systemd" / "vsup.service").read_text()
     assert committed == render_unit(UnitSettings()), (
-        "systemd/vsup.service is out of date: regenerate it with\n  python -c 'from vsup.supervisor.systemd_unit import *; "
+        "systemd/vsup.service is out of date: regenerate it with\n  python -c 'from vsup.systemd.unit import *; "
         "print(render_unit(UnitSettings()), end=\"\")' > systemd/vsup.service"
     )
 

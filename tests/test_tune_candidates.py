@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from tests.machines import GiB, make_machine
-from vsup.supervisor.tune.candidates import (
+from vsup.tune.candidates import (
     KV_MAX, Candidate, Space, default_instances_per_node, layouts, preload_sets, tweak_dimensions,
 )
 from vsup.topology.plan_model import PlanSettings

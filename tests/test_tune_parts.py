@@ -10,14 +10,14 @@ import yaml
 
 from tests.fakevllm.fixtures import fake_vllm  # noqa: F401 (fixture)
 from tests.machines import GiB, make_machine
-from vsup.supervisor.config import parse_config
-from vsup.supervisor.errors import VsupError
-from vsup.supervisor.tune import configs, load
-from vsup.supervisor.tune.candidates import KV_MAX, Candidate
-from vsup.supervisor.tune.metrics import LevelMetrics, RequestRecord, level_metrics
-from vsup.supervisor.tune.report import pareto
-from vsup.supervisor.tune.roofline import ModelFacts, decode_roofline, model_facts
-from vsup.supervisor.tune.workload import load_jsonl, synthetic
+from vsup.config.schema import parse_config
+from vsup.errors import VsupError
+from vsup.tune import configs, load
+from vsup.tune.candidates import KV_MAX, Candidate
+from vsup.tune.metrics import LevelMetrics, RequestRecord, level_metrics
+from vsup.tune.report import pareto
+from vsup.tune.roofline import ModelFacts, decode_roofline, model_facts
+from vsup.tune.workload import load_jsonl, synthetic
 from vsup.topology.plan_model import PlanSettings
 from vsup.topology.planner import plan
 

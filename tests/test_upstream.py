@@ -1,4 +1,4 @@
-"""The proxy's upstream HTTP/1.1 client (vsup/supervisor/proxy/upstream.py) on its own, against
+"""The proxy's upstream HTTP/1.1 client (vsup/proxy/upstream.py) on its own, against
 raw socket servers that misbehave: split and malformed answers, bodies longer or shorter than
 announced, interim and bodiless answers, resets at every phase, back-pressure both ways, a pool
 waiter cancelled while it waits, connections closed between requests."""
@@ -13,8 +13,8 @@ import pytest
 
 from tests.fakevllm.fixtures import free_port
 from tests.raw_http import RawServer, chunk, read_request, reset, send_in_pieces
-from vsup.supervisor.proxy import upstream as upstream_module
-from vsup.supervisor.proxy.upstream import ConnectFailed, StaleConnection, UpstreamBroken, UpstreamClient
+from vsup.proxy import upstream as upstream_module
+from vsup.proxy.upstream import ConnectFailed, StaleConnection, UpstreamBroken, UpstreamClient
 
 JSON = b"Content-Type: application/json\r\n"
 CL_ANSWER = b"HTTP/1.1 200 OK\r\nContent-Length: 11\r\nX-Answer: yes\r\n\r\nhello world"

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from vsup.supervisor.config import load_config, parse_config
-from vsup.supervisor.errors import VsupError
+from vsup.config.schema import load_config, parse_config
+from vsup.errors import VsupError
 from vsup.supervisor.vllm_command import API_SERVER_MODULE, find_install, resolve_vllm_command
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,7 +104,7 @@ def test_demo_config_loads_and_plans_two_pinned_instances():
     assert config.model.startswith("/")  # ~ expanded
     assert config.vllm.venv is None, "the demo runs the vsup installed into vLLM's venv: vLLM is found beside it"
     # the plan's own argv: the kv cache below 1 GiB goes to --kv-cache-memory-bytes
-    from vsup.supervisor.planning import plan_from_config
+    from vsup.config.planning import plan_from_config
 
     _machine, plan = plan_from_config(config.model_copy(update={"placement": config.placement.model_copy(update={"model_size_gib": 0.01})}))
     assert len(plan.instances) == 2

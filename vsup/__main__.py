@@ -1,6 +1,6 @@
 """`python -m vsup` is the `vsup` command."""
 
-from vsup.supervisor.cli import main
+from vsup.cli.main import main
 
 if __name__ == "__main__":
     main()

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from tenacity import RetryCallState, wait_exponential, wait_random
 
-from vsup.supervisor.config import RestartConfig
+from vsup.config.schema import RestartConfig
 
 
 @dataclass(frozen=True)

@@ -40,8 +40,8 @@ from typing import Any, Protocol
 import aiohttp
 from aiohttp import web
 
-from vsup.supervisor.config import VsupConfig
-from vsup.supervisor.errors import VsupError
+from vsup.config.schema import VsupConfig
+from vsup.errors import VsupError
 from vsup.supervisor.rundir import ensure_private, private_dir, systemd_dir
 
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from vsup.supervisor.config import VsupConfig, quote, where
-from vsup.supervisor.errors import ConfigError
+from vsup.config.schema import VsupConfig, quote, where
+from vsup.errors import ConfigError
 from vsup.supervisor.vllm_command import API_SERVER_MODULE, resolve_vllm_command
 from vsup.topology.plan_model import InstancePlan
 

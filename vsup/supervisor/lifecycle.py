@@ -51,8 +51,8 @@ from enum import Enum, IntEnum, StrEnum
 from typing import TYPE_CHECKING, Any
 
 from vsup.supervisor.backoff import RestartPolicy
-from vsup.supervisor.config import VsupConfig
-from vsup.supervisor.errors import VsupError
+from vsup.config.schema import VsupConfig
+from vsup.errors import VsupError
 from vsup.supervisor.warmup import warmup_body
 
 if TYPE_CHECKING:

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import BinaryIO
 
-from vsup.supervisor.errors import VsupError
+from vsup.errors import VsupError
 
 MAX_LINE = 64 * 1024
 REOPEN_AFTER = 10.0  # seconds before retrying a log file that failed to open or write

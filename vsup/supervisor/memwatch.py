@@ -18,7 +18,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from vsup.supervisor.config import VsupConfig
+from vsup.config.schema import VsupConfig
 from vsup.supervisor.lifecycle import Instance, Intent, State
 from vsup.supervisor.operations import Operations
 from vsup.topology.plan_model import format_gib

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from vsup.supervisor.errors import VsupError
+from vsup.errors import VsupError
 from vsup.topology.cpulist import format_list, parse_list
 
 # Longest first: "prefer (many)" and "weighted interleave" contain spaces and other names.

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vsup.supervisor import proctree, shm
-from vsup.supervisor.errors import VsupError
+from vsup.errors import VsupError
 from vsup.supervisor.logs import InstanceLog, LineSplitter
 from vsup.supervisor.proctree import become_subreaper  # noqa: F401 (re-exported)
 from vsup.supervisor.shm import sweep_stale_shm  # noqa: F401 (re-exported)

@@ -30,7 +30,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from vsup.supervisor.config import VsupConfig
+from vsup.config.schema import VsupConfig
 from vsup.supervisor.lifecycle import Instance, State
 from vsup.supervisor.ports import port_is_free
 from vsup.topology.cpulist import format_list

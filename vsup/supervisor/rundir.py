@@ -12,7 +12,7 @@ import stat
 from collections.abc import Mapping
 from pathlib import Path
 
-from vsup.supervisor.errors import VsupError
+from vsup.errors import VsupError
 
 
 def private_dir(environ: Mapping[str, str] = os.environ) -> Path:

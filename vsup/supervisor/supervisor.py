@@ -42,23 +42,23 @@ from typing import Any
 import aiohttp
 
 from vsup.supervisor import leftovers
-from vsup.supervisor.backends import Backend, BackendPool
-from vsup.supervisor.config import VsupConfig, load_config, spare_base_port
+from vsup.proxy.backends import Backend, BackendPool
+from vsup.config.schema import VsupConfig, load_config, spare_base_port
 from vsup.supervisor.control import ControlServer, control_socket_path
-from vsup.supervisor.errors import VsupError
+from vsup.errors import VsupError
 from vsup.supervisor.launch import build_command
 from vsup.supervisor.lifecycle import Instance, State, Transition
 from vsup.supervisor.logs import InstanceLog
 from vsup.supervisor.memwatch import MemoryWatchdog
-from vsup.supervisor.notify import Notifier
-from vsup.supervisor.observe.collector import Collector, Target
-from vsup.supervisor.observe.page import status_page
+from vsup.systemd.notify import Notifier
+from vsup.observe.collector import Collector, Target
+from vsup.observe.page import status_page
 from vsup.supervisor.operations import Operations, SystemOperations
 from vsup.supervisor import rollout
 from vsup.supervisor.backoff import RestartPolicy
 from vsup.supervisor.placement import pin_self, placement_drift, read_placement
 from vsup.supervisor.processes import Child, become_subreaper, reap_orphans, sweep_stale_shm, tree_pids
-from vsup.supervisor.proxy import ProxyServer
+from vsup.proxy import ProxyServer
 from vsup.supervisor.rundir import prepare_runtime_dir
 from vsup.topology.cpulist import format_list
 from vsup.topology.errors import PlanError, TopologyError
@@ -625,7 +625,7 @@ class Supervisor:
     def _read_config(self) -> tuple[VsupConfig, Plan]:
         """The re-read configuration and its plan, checked as `vsup run` checks them (runs in a
         thread: it reads sysfs, the model's files, and may run numactl)."""
-        from vsup.supervisor.commands.preflight import check_programs, checked_plan
+        from vsup.supervisor.preflight import check_programs, checked_plan
 
         config = load_config(self.config_path)
         _machine, plan = checked_plan(config, self.fsroot, self.environ, runs_here=True)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from vsup.supervisor.errors import VsupError
+from vsup.errors import VsupError
 
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 

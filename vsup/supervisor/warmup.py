@@ -15,7 +15,7 @@ from typing import Any
 
 import aiohttp
 
-from vsup.supervisor.config import VsupConfig
+from vsup.config.schema import VsupConfig
 from vsup.supervisor.health import HealthResult, failure_detail
 
 ROUTE = "/v1/completions"

@@ -13,7 +13,7 @@ class PlanError(ValueError):
 
 class SettingError(PlanError):
     """A PlanError about the value of one PlanSettings field. The planner does not know where the
-    value came from, so its text names the `vsup plan` flag; vsup.supervisor.planning names the
+    value came from, so its text names the `vsup plan` flag; vsup.config.planning names the
     config key and its file:line instead when the value came from a config file."""
 
     def __init__(self, setting: str, flag: str, value: str | None, detail: str):

@@ -1,7 +1,7 @@
 """What the planner takes and what it returns, as immutable data.
 
-`PlanSettings` mirrors the `placement` section of the YAML config (vsup/supervisor/config.py), in bytes
-and plain values; `vsup.supervisor.planning` converts one into the other. A `Plan` holds everything that
+`PlanSettings` mirrors the `placement` section of the YAML config (vsup/config/schema.py), in bytes
+and plain values; `vsup.config.planning` converts one into the other. A `Plan` holds everything that
 must agree for each instance: its CPUs, the subset its OpenMP threads are bound to, its memory
 node(s), the environment vLLM reads and the numactl/taskset prefix that wraps the whole command.
 """
@@ -23,7 +23,7 @@ def format_gib(value: float | int | None) -> str:
 
 
 # The `vsup plan` flag of each PlanSettings field: what the planner's errors call a setting
-# (vsup.supervisor.planning names the config key and its line instead when the value came from a file).
+# (vsup.config.planning names the config key and its line instead when the value came from a file).
 FLAGS = {
     "instances": "--instances", "base_port": "--base-port", "model_size_bytes": "--model-size-gib",
     "kvcache_gib": "--kvcache-gib", "reserve_cores": "--reserve-cores", "housekeeping_core": "--housekeeping-core", "smt": "--smt",

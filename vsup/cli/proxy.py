@@ -1,0 +1,104 @@
+"""`vsup proxy`: the proxy alone, in front of OpenAI-compatible servers started elsewhere.
+
+Each --upstream is health-checked on GET /health (the `health` section of --config: interval,
+timeout, failures) and is in rotation only while healthy; an upstream that is another vsup is
+checked on GET /ready instead and weighted by the instances ready behind it (0: out of rotation). SIGTERM/SIGINT drain: stop accepting,
+let in-flight requests finish for proxy.drain_timeout, then abort the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from typing import get_args
+from urllib.parse import urlsplit
+
+import click
+
+from vsup.proxy.backends import Backend, BackendPool
+from vsup.config.schema import HealthConfig, ProxyConfig, load_config
+from vsup.errors import VsupError
+
+log = logging.getLogger("vsup.proxy")
+
+
+def parse_upstream(url: str) -> str:
+    """A base URL `http://HOST:PORT` (optionally with a trailing slash) -> normalised. Plain http
+    only: the proxy's upstream client speaks no TLS (instances listen on loopback or a private net)."""
+    hint = "expected a base URL like http://127.0.0.1:8100 (scheme, host and port; no path)"
+    try:
+        parts = urlsplit(url.strip())
+        port = parts.port
+    except ValueError as exc:
+        raise VsupError(f"--upstream {url!r}: {exc}; {hint}") from None
+    if parts.scheme != "http" or not parts.hostname:
+        raise VsupError(f"--upstream {url!r}: {hint}")
+    if port is None:
+        raise VsupError(f"--upstream {url!r}: no port; {hint}")
+    if parts.path not in ("", "/") or parts.query or parts.fragment or parts.username or parts.password:
+        raise VsupError(f"--upstream {url!r}: {hint} (the proxy appends /v1/... itself)")
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+def build_pool(urls: tuple[str, ...]) -> BackendPool:
+    pool = BackendPool()
+    for raw in urls:
+        url = parse_upstream(raw)
+        if url in {b.url for b in pool.all()}:
+            raise VsupError(f"--upstream {raw!r} is given twice")
+        pool.add(Backend(name=url, url=url))
+    return pool
+
+
+async def serve(proxy_config: ProxyConfig, health: HealthConfig, pool: BackendPool, api_key: str | None) -> None:
+    from vsup.proxy import ProxyServer
+    from vsup.proxy.healthcheck import HealthChecker
+
+    server = ProxyServer(proxy_config, pool, api_key=api_key)
+    checker = HealthChecker(pool, interval=health.interval, timeout=health.timeout, failures=health.failures,
+                            on_weight=server.set_weight)
+    await server.start()
+    await checker.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    click.echo(f"vsup proxy: listening on http://{proxy_config.host}:{server.port} for {len(pool.all())} upstream(s)", err=True)
+    try:
+        await stop.wait()
+        click.echo(f"vsup proxy: draining ({server.total_in_flight()} in flight, up to {proxy_config.drain_timeout:g} s)", err=True)
+        await server.drain_and_stop(proxy_config.drain_timeout)
+    finally:
+        await checker.stop()
+        await server.drain_and_stop(0)  # no-op after a drain; closes after an error
+
+
+@click.command("proxy")
+@click.option("--upstream", "upstreams", multiple=True, required=True, metavar="URL",
+              help="An OpenAI-compatible server, e.g. http://127.0.0.1:8100 (repeat for each).")
+@click.option("--host", default=None, help="Listen address [default: proxy.host, 127.0.0.1].")
+@click.option("--port", type=click.IntRange(0, 65535), default=None, help="Listen port [default: proxy.port, 8000].")
+@click.option("--api-key", envvar="VSUP_API_KEY", default=None,
+              help="Bearer token clients must send (env VSUP_API_KEY) [default: proxy.api_key, none].")
+@click.option("--policy", type=click.Choice(get_args(ProxyConfig.model_fields["policy"].annotation)), default=None,
+              help="How to pick an instance; prefix_affinity: by the prompt's prefix or session, for vLLM's "
+                   "prefix cache (docs/proxy.md) [default: proxy.policy, round_robin].")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
+              help="YAML file whose `proxy` and `health` sections are used (`model` may be absent).")
+def proxy_command(upstreams, host, port, api_key, policy, config_path) -> None:
+    """The proxy alone, in front of servers started elsewhere (health-checked on /health; other
+    vsups on /ready, weighted by their ready instances)."""
+    pool = build_pool(upstreams)
+    if config_path is not None:
+        config = load_config(config_path, require_model=False)
+        proxy_config, health = config.proxy, config.health
+    else:
+        proxy_config, health = ProxyConfig(), HealthConfig()
+    overrides = {k: v for k, v in {"host": host, "port": port, "policy": policy}.items() if v is not None}
+    if overrides:
+        proxy_config = proxy_config.model_copy(update=overrides)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from vsup.proxy.runloop import run
+
+    run(serve(proxy_config, health, pool, api_key or proxy_config.api_key))

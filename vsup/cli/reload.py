@@ -1,0 +1,51 @@
+"""`vsup reload`: the running vsup re-reads its configuration and applies the difference."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+
+import click
+
+from vsup.supervisor.control import find_socket, request
+from vsup.errors import ConfigError
+
+from .options import format_option
+from .rollout_view import render_rollout
+from .status import config_option, socket_for, socket_option
+
+
+@click.command("reload")
+@click.option("--no-wait", is_flag=True, help="Return once the file is checked and the reload has begun.")
+@config_option
+@socket_option
+@format_option("text", "json")
+def reload_command(no_wait: bool, config_path: str | None, socket_path: str | None, output_format: str) -> None:
+    """Re-read the running vsup's configuration file and apply what changed, without going dark.
+
+    vsup re-reads the file it was started with and checks it as `vsup run` does; an invalid file
+    or an impossible plan is refused with the error (exit 2) and nothing changes. Proxy, health,
+    restart and stop settings apply at once; instances whose command line, environment, CPUs or
+    memory binding changed are replaced one at a time (warmed up before they serve, the old one
+    drained). Waits until it is done; exit code 1 if an instance did not come up. Same as SIGHUP
+    and `systemctl reload vsup`. --config only helps find the running vsup's control socket.
+    """
+    try:
+        path = socket_for(config_path, socket_path)
+    except ConfigError:
+        # the file is only read here to find the socket: the running vsup re-reads it, refuses it
+        # with the same error, and records the refusal for `vsup status`
+        path = find_socket(socket_path, None)
+    data = asyncio.run(request(path, "POST", "/reload", {"wait": not no_wait}))
+    record = data["rollout"]
+    if output_format == "json":
+        click.echo(json.dumps(record, indent=2))
+    else:
+        if no_wait and record["state"] == "running":
+            click.echo(f"reload begun: {len(record['steps'])} instance(s) to change; `vsup status` shows its progress")
+        for line in render_rollout(record):
+            click.echo(line)
+    if record["state"] == "failed":
+        click.echo(f"vsup: error: the reload stopped: {record['error']}", err=True)
+        sys.exit(1)

@@ -1,0 +1,79 @@
+"""`vsup status`: what a running vsup says about its instances."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import click
+
+from vsup.config.schema import load_config
+from vsup.supervisor.control import find_socket, request
+from vsup.observe import fmt
+from vsup.observe.fmt import duration
+from vsup.topology.cpulist import format_list
+
+from .options import format_option
+
+config_option = click.option("--config", "-c", "config_path", type=click.Path(dir_okay=False, exists=True),
+                             help="The running vsup's YAML (to find its control socket).")
+socket_option = click.option("--socket", "socket_path", type=click.Path(dir_okay=False), envvar="VSUP_CONTROL_SOCKET",
+                             help="The control socket (env VSUP_CONTROL_SOCKET); default: derived from --config or the defaults.")
+
+
+def socket_for(config_path: str | None, socket_path: str | None):
+    config = load_config(config_path, require_model=False) if config_path else None
+    return find_socket(socket_path, config)
+
+
+def placement_word(entry: dict) -> str:
+    ok = entry.get("placement_ok")
+    return "-" if ok is None else ("ok" if ok else "DRIFT")
+
+
+def render_instances(instances: list[dict]) -> list[str]:
+    """One line per instance; the observed figures (tokens/s ... node-local memory) come from the
+    background collection and read "-" when it is off or has not run yet."""
+    header = ("IDX", "STATE", "PID", "PORT", "CPUS", "NODES", "UPTIME", "RESTARTS", "IN-FLIGHT", "PLACEMENT",
+              *fmt.FIGURE_HEADERS, "LAST EXIT")
+    rows = [header]
+    for e in instances:
+        state = e["state"]
+        if state == "backoff" and e.get("next_start_in") is not None:
+            state += f" ({e['next_start_in']:.0f}s)"
+        rows.append((
+            str(e["index"]), state, str(e["pid"] or "-"), str(e["port"]), format_list(e["cpus"]) or "-",
+            format_list(e["nodes"]) or "-", duration(e.get("uptime")), str(e["restarts"]), str(e.get("in_flight", 0)),
+            placement_word(e), *fmt.figures(e).values(), e.get("last_exit") or "-",
+        ))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header) - 1)]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[-1] for row in rows]
+    for e in instances:
+        for drift in e.get("placement_drift", []):
+            lines.append(f"  instance {e['index']} placement drift: {drift}")
+    return lines
+
+
+@click.command("status")
+@config_option
+@socket_option
+@format_option("text", "json")
+def status_command(config_path: str | None, socket_path: str | None, output_format: str) -> None:
+    """Show each instance of the running vsup: state, pid, port, CPUs, uptime, restarts, placement,
+    tokens/s (last minute), requests running/waiting, KV-cache use, CPU %, RSS, node-local memory, last exit."""
+    path = socket_for(config_path, socket_path)
+    data = asyncio.run(request(path, "GET", "/status", timeout=10))
+    if output_format == "json":
+        click.echo(json.dumps(data, indent=2))
+        return
+    vsup = data["vsup"]
+    total = len(data["instances"])
+    click.echo(f"vsup pid {vsup['pid']}, up {duration(vsup['uptime'])}, proxy {vsup['proxy']}, "
+               f"{vsup['ready']}/{total} instances ready, {vsup['in_flight']} in flight"
+               + (", STOPPING" if vsup.get("stopping") else ""))
+    for line in render_instances(data["instances"]):
+        click.echo(line)
+    from .rollout_view import render_changing, render_rollout  # (it uses this module's helpers)
+
+    for line in [*render_changing(data.get("changing") or []), *render_rollout(data.get("rollout"), steps=False)]:
+        click.echo(line)

@@ -1,0 +1,142 @@
+"""`vsup top`: a live table of the running vsup's instances, refreshed in place (q or Ctrl-C quits).
+
+It polls the control socket's status (the same JSON as `vsup status --format json`) every
+--interval seconds and redraws one rich Table on the terminal's alternate screen, so the shell
+comes back as it was. Keys are read in cbreak mode (no Enter needed; Ctrl-C still interrupts);
+the terminal's settings are restored however the view ends. Plain colours and box lines that
+rich turns into ASCII on a non-UTF-8 terminal: readable over SSH.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import select
+import sys
+import termios
+import time
+import tty
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import click
+from rich import box
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from vsup.supervisor.control import request
+from vsup.errors import VsupError
+from vsup.observe import fmt
+from vsup.observe.fmt import duration
+from vsup.topology.cpulist import format_list
+
+from .status import config_option, placement_word, socket_for, socket_option
+
+STATE_STYLES = {"ready": "bold green", "starting": "yellow", "backoff": "yellow", "stopping": "yellow",
+                "unhealthy": "bold red", "failed": "bold red", "stopped": "dim"}
+QUIT_KEYS = ("q", "Q")
+
+
+def header(status: Mapping[str, Any], error: str | None, interval: float) -> Text:
+    v = status.get("vsup") or {}
+    instances = status.get("instances", ())
+    text = Text()
+    text.append(f"vsup {v.get('proxy', '?')}", style="bold")
+    text.append(f"  pid {v.get('pid')}  up {duration(v.get('uptime'))}  ")
+    ready = v.get("ready", 0)
+    text.append(f"{ready}/{len(instances)} ready", style="green" if ready == len(instances) else "bold red")
+    text.append(f"  {v.get('in_flight', 0)} in flight")
+    total = sum((e.get("metrics") or {}).get("generation_tokens_per_s") or 0.0 for e in instances)
+    text.append(f"  {total:.1f} tok/s")
+    if v.get("stopping"):
+        text.append("  STOPPING", style="bold red")
+    text.append("\n")
+    if error:
+        text.append(f"not answering: {error}", style="bold red")
+    else:
+        every = v.get("metrics_interval")
+        text.append(f"figures every {every:g}s" if every else "figures off (metrics.interval 0)", style="dim")
+    text.append(f"   refresh {interval:g}s   q quits", style="dim")
+    return text
+
+
+def table(status: Mapping[str, Any]) -> Table:
+    t = Table(box=box.SIMPLE_HEAD, pad_edge=False, expand=False)
+    for name, justify in (("#", "right"), ("STATE", "left"), ("PID", "right"), ("CPUS", "left"), ("NODE", "left"),
+                          ("UP", "right"), ("RST", "right"), ("INFL", "right"), ("TOK/S", "right"), ("RUN", "right"),
+                          ("WAIT", "right"), ("KV", "right"), ("CPU%", "right"), ("RSS", "right"), ("LOCAL", "right"),
+                          ("PLACE", "left"), ("LAST EXIT", "left")):
+        t.add_column(name, justify=justify, no_wrap=name != "LAST EXIT", overflow="ellipsis")
+    for e in status.get("instances", ()):
+        f = fmt.figures(e)
+        state = str(e.get("state"))
+        if state == "backoff" and e.get("next_start_in") is not None:
+            state += f" {e['next_start_in']:.0f}s"
+        placement = placement_word(e)
+        t.add_row(
+            str(e.get("index")), Text(state, style=STATE_STYLES.get(str(e.get("state")), "")), str(e.get("pid") or "-"),
+            format_list(e.get("cpus", ())) or "-", format_list(e.get("nodes", ())) or "-", duration(e.get("uptime")),
+            str(e.get("restarts", 0)), str(e.get("in_flight", 0)), f["tok/s"], f["run"], f["wait"], f["kv"], f["cpu%"],
+            f["rss"], f["local"], Text(placement, style="bold red" if placement == "DRIFT" else ""),
+            e.get("last_exit") or "",
+        )
+    return t
+
+
+def view(status: Mapping[str, Any], error: str | None, interval: float) -> RenderableType:
+    return Group(header(status, error, interval), table(status))
+
+
+@contextlib.contextmanager
+def keys(stream) -> Iterator[Callable[[float], str | None]]:
+    """read(timeout) -> the keys typed meanwhile, or None; the terminal is put back on exit."""
+    fd = stream.fileno() if stream is not None and stream.isatty() else None
+    if fd is None:
+        yield lambda timeout: time.sleep(timeout)
+        return
+    saved = termios.tcgetattr(fd)
+    try:
+        tty.setcbreak(fd)
+
+        def read(timeout: float) -> str | None:
+            ready, _, _ = select.select([fd], [], [], timeout)
+            return os.read(fd, 64).decode(errors="replace") if ready else None
+
+        yield read
+    finally:
+        termios.tcsetattr(fd, termios.TCSADRAIN, saved)
+
+
+def fetch(path) -> dict:
+    return asyncio.run(request(path, "GET", "/status", timeout=5))
+
+
+@click.command("top")
+@config_option
+@socket_option
+@click.option("--interval", "-n", type=click.FloatRange(min=0.2), default=2.0, show_default=True,
+              help="Seconds between refreshes (any key refreshes at once).")
+def top_command(config_path: str | None, socket_path: str | None, interval: float) -> None:
+    """Live view of the running vsup's instances: state, tokens/s, requests running/waiting,
+    KV cache, CPU %, RSS, node-local memory. q or Ctrl-C quits."""
+    path = socket_for(config_path, socket_path)
+    status = fetch(path)  # not running: one line and exit 2, before the screen is touched
+    error = None
+    console = Console()
+    try:
+        with keys(sys.stdin) as read, Live(view(status, error, interval), console=console, screen=True,
+                                           auto_refresh=False, redirect_stdout=False, redirect_stderr=False) as live:
+            while True:
+                typed = read(interval)
+                if typed and any(key in typed for key in QUIT_KEYS):
+                    return
+                try:
+                    status, error = fetch(path), None
+                except VsupError as exc:  # vsup stopped or restarts: say so, keep the last figures
+                    error = str(exc)
+                live.update(view(status, error, interval), refresh=True)
+    except KeyboardInterrupt:
+        return

@@ -1,0 +1,107 @@
+"""The commented example configuration, rendered from the config model (pure).
+
+Every key of vsup/config/schema.py appears with its default (or, for a required key, its
+example) and its `description` as the comment; a section's comment is the description of its
+field in `VsupConfig` (or in its section, for a section inside one, like `health.warmup`). A key
+that is off by default but worth turning on (`restart.max_rss`) shows its example, and its
+default after the comment. Byte counts (keys ending in `bytes`) get their size in KiB/MiB/GiB added.
+`vsup config --example` prints this text; vsup/config/data/vsup.yaml (configs/vsup.yaml) and
+the README's configuration reference are this text checked in (scripts/config-reference writes
+both; tests/test_example_config.py and tests/test_readme.py keep them identical).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
+
+from vsup.config.schema import VsupConfig
+
+HEADER = (
+    "# vsup configuration: every key, with its default and what it does.",
+    "# `vsup run --config configs/vsup.yaml`. Only `model` is required; delete what you do not change.",
+    "# Unknown keys are errors (a typo never falls back to a default silently).",
+    "# `vsup config --example` prints this file; it is generated from vsup/config/schema.py.",
+)
+COMMENT_COLUMN = 34  # where the `#` of each key's comment goes (0-based), as a hand-aligned file has it
+# The README's copy sits between these two lines.
+README_BEGIN = "<!-- BEGIN `vsup config --example` (scripts/config_reference.py writes it; edit vsup/config/schema.py) -->"
+README_END = "<!-- END `vsup config --example` -->"
+
+
+def example_yaml() -> str:
+    lines = [*HEADER, ""]
+    sections = []
+    for name, field in VsupConfig.model_fields.items():
+        if _section_model(field) is None:
+            lines.append(_key_line(name, field, ""))
+        else:
+            sections.append((name, field))
+    for name, field in sections:
+        lines.append("")
+        lines.extend(_section_lines(name, field, ""))
+    return "\n".join(lines) + "\n"
+
+
+def _section_lines(name: str, field: FieldInfo, indent: str) -> list[str]:
+    lines = [_commented(f"{indent}{name}:", field.description)]
+    for key, subfield in _section_model(field).model_fields.items():
+        if _section_model(subfield) is None:
+            lines.append(_key_line(key, subfield, indent + "  "))
+        else:
+            lines.extend(_section_lines(key, subfield, indent + "  "))
+    return lines
+
+
+def _section_model(field: FieldInfo) -> type[BaseModel] | None:
+    annotation = field.annotation
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+
+
+def _key_line(name: str, field: FieldInfo, indent: str) -> str:
+    if not field.description:
+        raise ValueError(f"{name}: every config key needs a description (it is the key's documentation)")
+    if field.is_required():
+        value, comment = field.examples[0], f"REQUIRED: {field.description}"
+    elif field.examples:
+        default = field.get_default(call_default_factory=True)
+        value, comment = field.examples[0], f"{field.description} (this example turns it on; the default is {_scalar(default)})"
+    else:
+        value, comment = field.get_default(call_default_factory=True), field.description
+        if name.endswith("bytes") and isinstance(value, int):
+            comment += f" ({_size(value)})"
+    return _commented(f"{indent}{name}: {_scalar(value)}", comment)
+
+
+def _commented(text: str, comment: str | None) -> str:
+    if not comment:
+        return text
+    return f"{text.ljust(COMMENT_COLUMN)}# {comment}" if len(text) < COMMENT_COLUMN else f"{text}  # {comment}"
+
+
+def _scalar(value: Any) -> str:
+    """A default as YAML writes it on one line: null, true, 1.5, auto, [], {}."""
+    if isinstance(value, Path):
+        value = str(value)
+    text = yaml.safe_dump(value, default_flow_style=True, width=1 << 20)
+    return text.removesuffix("\n").removesuffix("\n...").strip()
+
+
+def _size(count: int) -> str:
+    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if count >= size and count % size == 0:
+            return f"{count // size} {unit}"
+    return f"{count} bytes"
+
+
+def with_readme_reference(readme: str) -> str:
+    """The README text with the example between README_BEGIN and README_END replaced by today's."""
+    begin, end = readme.find(README_BEGIN), readme.find(README_END)
+    if begin < 0 or end < begin:
+        raise ValueError(f"README.md has no {README_BEGIN!r} ... {README_END!r} block")
+    block = f"{README_BEGIN}\n```yaml\n{example_yaml()}```\n"
+    return readme[:begin] + block + readme[end:]

@@ -1,0 +1,1 @@
+"""`vsup doctor`: this machine and its vLLM install against what vLLM CPU needs."""

@@ -1,0 +1,133 @@
+"""An sbatch script for vsup, from a machine's plan. Pure: plan and config in, script text out.
+
+On every host of the job, one `srun` step per NUMA node runs `vsup run` with that node's
+instances, bound by an explicit CPU mask from the plan (`--cpu-bind=mask_cpu:` — the CPUs of the
+node's instances; Slurm refuses `--hint=nomultithread` next to an explicit binding, and vsup
+already runs one OpenMP thread per core) and `--mem-bind=local`; vsup inside plans within that
+mask. One more step on the first host runs the front proxy (`vsup proxy`), on the core the plan
+reserved, in front of every per-node vsup of every host, weighted by their ready instances: the
+two-level layout (clients -> front proxy -> per-node vsup -> instances).
+
+Each step's configuration is written by the script itself (a heredoc), so the script is the only
+file to submit; its instance logs go to node-local /tmp/vsup-<job id>/node<N>.
+"""
+
+from __future__ import annotations
+
+import shlex
+
+from vsup.config.schema import VsupConfig, parse_config
+from vsup.errors import VsupError
+from vsup.export import yamltext
+from vsup.export.pod import instances_per_node, share_config
+from vsup.topology.cpulist import format_list
+from vsup.topology.model import Machine
+from vsup.topology.plan_model import Plan, format_gib
+
+JOB_ID = "${SLURM_JOB_ID}"  # expanded by the script when it writes the step configurations
+
+
+def cpu_mask(cpus) -> str:
+    """A CPU set as Slurm's mask_cpu takes it: one hex number."""
+    return hex(sum(1 << cpu for cpu in cpus))
+
+
+def _heredoc(path: str, text: str) -> str:
+    """`cat > path` of `text`, in an unquoted heredoc (so ${SLURM_JOB_ID} expands): the text's own
+    backslashes, dollars and backticks are escaped and stay literal."""
+    escaped = text.replace("\\", "\\\\").replace("$", "\\$").replace("`", "\\`").replace("\\${SLURM_JOB_ID}", JOB_ID)
+    return f"cat > {path} <<VSUP_EOF\n{escaped}VSUP_EOF\n"
+
+
+def export_slurm(machine: Machine, host_plan: Plan, cfg: VsupConfig, *, hosts: int, job_name: str) -> str:
+    nodes, per_node = instances_per_node(host_plan)
+    if cfg.proxy.port == 0:
+        raise VsupError("proxy.port: 0 picks a free port at start, but the per-node vsups need fixed ones; give a port, e.g. 8000")
+    if cfg.proxy.port + len(nodes) > 65535:
+        raise VsupError(f"proxy.port {cfg.proxy.port}: the per-node vsups listen on the {len(nodes)} ports after it, past 65535")
+    kv = host_plan.instances[0].kvcache_bytes
+    weights = host_plan.instances[0].weights_bytes
+    lines = ["#!/bin/bash"]
+    lines += [f"# {line}".rstrip() for line in _summary(machine, host_plan, cfg, nodes, per_node, hosts).splitlines()]
+    lines += [
+        f"#SBATCH --job-name={job_name}",
+        f"#SBATCH --nodes={hosts}",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --exclusive",
+        "#SBATCH --mem=0",
+        "set -euo pipefail",
+        "",
+        'VSUP="${VSUP:-vsup}"  # vsup as installed on the hosts (best: in the venv of vLLM\'s CPU build)',
+        'CONF="${VSUP_CONF_DIR:-$PWD/vsup-$SLURM_JOB_ID}"  # on a filesystem every host sees',
+        'mkdir -p "$CONF"',
+        "",
+    ]
+    step_ports = []
+    for position, node_id in enumerate(nodes):
+        insts = [i for i in host_plan.instances if i.cpu_nodes == (node_id,)]
+        port = cfg.proxy.port + 1 + position
+        step_ports.append(port)
+        config = share_config(cfg, per_node, weights, kv, {
+            "placement": {"reserve_cores": 0},  # the step's mask holds its instances' CPUs only
+            "vllm": {"base_port": insts[0].port},
+            "proxy": {"port": port},
+            "log": {"dir": f"/tmp/vsup-{JOB_ID}/node{node_id}"},
+        })
+        for section, key in (("control", "socket"),):
+            config.get(section, {}).pop(key, None)
+        text = yamltext.comment(f"vsup for NUMA node {node_id} of every host: {per_node} instance(s), proxy on port {port}") + yamltext.dump(config)
+        parse_config(text.replace(JOB_ID, "1"), f"the step configuration of node {node_id}")
+        cpus = sorted(cpu for i in insts for cpu in i.cpus)
+        lines.append(f"# NUMA node {node_id}: CPUs {format_list(cpus)}, instances {', '.join(str(i.index) for i in insts)} of the plan")
+        lines.append(_heredoc(f'"$CONF/node{node_id}.yaml"', text).rstrip("\n"))
+        lines.append(
+            f"srun --nodes={hosts} --ntasks-per-node=1 --overlap --cpu-bind=verbose,mask_cpu:{cpu_mask(cpus)} --mem-bind=verbose,local \\\n"
+            f'     --job-name=vsup-node{node_id} "$VSUP" run --config "$CONF/node{node_id}.yaml" &'
+        )
+        lines.append("")
+
+    # No key on the front: with auth off it passes the client's Authorization on, and the per-node
+    # vsups check it (a front with the key would strip it and every request would get their 401).
+    front_proxy = {k: v for k, v in cfg.proxy.model_dump(mode="json", exclude_defaults=True).items() if k != "api_key"}
+    front = {"proxy": {**front_proxy, "host": "0.0.0.0"}, "health": cfg.health.model_dump(mode="json", exclude_defaults=True)}
+    front = {section: values for section, values in front.items() if values}
+    front_text = yamltext.comment("the front proxy: every per-node vsup of every host behind one endpoint") + yamltext.dump(front)
+    parse_config(front_text, "the front proxy's configuration", require_model=False)
+    reserved = host_plan.reserved_cpus
+    bind = f"verbose,mask_cpu:{cpu_mask(reserved)}" if reserved else "none"
+    lines += [
+        "# The front proxy, on the first host (on the core the plan reserved), weighting each per-node vsup",
+        "# by the instances its /ready reports (0: out of rotation).",
+        _heredoc('"$CONF/front.yaml"', front_text).rstrip("\n"),
+        'mapfile -t hosts < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
+        "upstreams=()",
+        'for host in "${hosts[@]}"; do',
+        f"    for port in {' '.join(map(str, step_ports))}; do upstreams+=(--upstream \"http://$host:$port\"); done",
+        "done",
+        'first=${hosts[0]}',
+        f'srun --nodes=1 --ntasks=1 --nodelist="$first" --overlap --cpu-bind={bind} --job-name=vsup-front \\',
+        '     "$VSUP" proxy --config "$CONF/front.yaml" "${upstreams[@]}" &',
+        f'echo "vsup: clients connect to http://$first:{cfg.proxy.port}" >&2',
+        "",
+        "# scancel (or the time limit) sends SIGTERM to every step: each vsup drains and stops its instances,",
+        f"# which takes up to proxy.drain_timeout + stop.timeout = {cfg.proxy.drain_timeout + cfg.stop.timeout:g} s",
+        "# (keep the cluster's KillWait above that).",
+        "wait",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _summary(machine: Machine, host_plan: Plan, cfg: VsupConfig, nodes: tuple[int, ...], per_node: int, hosts: int) -> str:
+    inst = host_plan.instances[0]
+    lines = [
+        "vsup on Slurm, written by `vsup export slurm` from the plan of one node type:",
+        f"  {len(machine.cpu_nodes)} NUMA node(s) with CPUs, {len(machine.cores)} cores; "
+        f"{len(host_plan.instances)} instance(s), {per_node} per node on nodes {format_list(nodes)}",
+        f"  each instance: {len(inst.omp_cpus)} OpenMP thread(s), KV cache {format_gib(inst.kvcache_bytes)}"
+        + (f", weights {format_gib(inst.weights_bytes)}" if inst.weights_bytes else ""),
+        f"  per host: one step per NUMA node ({len(nodes)}), proxies on ports "
+        f"{cfg.proxy.port + 1}-{cfg.proxy.port + len(nodes)}; the front proxy on port {cfg.proxy.port} of the first host",
+        f"Hosts: {hosts}. Submit: sbatch {shlex.quote('vsup.sbatch')}",
+    ]
+    lines += [f"warning: {w}" for w in host_plan.warnings]
+    return "\n".join(lines)

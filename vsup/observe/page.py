@@ -1,0 +1,129 @@
+"""The proxy's read-only /status page: vsup's status JSON as one auto-refreshing HTML page.
+
+`render_page(status, refresh)` is pure (the template is package data, vsup/supervisor/data/
+status.html, filled with string.Template; every value is HTML-escaped). `status_page` makes the
+proxy's handler: behind the API key when one is set (Bearer, or the key as the Basic-auth
+password a browser asks for), never cached.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Callable, Mapping
+from functools import cache
+from importlib import resources
+from string import Template
+from typing import Any
+
+from aiohttp import web
+
+from vsup.observe import fmt
+from vsup.observe.fmt import duration
+from vsup.topology.cpulist import format_list
+
+TRANSITIONS_SHOWN = 20
+MIN_REFRESH = 2  # seconds
+DEFAULT_REFRESH = 5  # when metrics collection is off
+
+INSTANCE_COLUMNS = ("#", "State", "PID", "Port", "CPUs", "Nodes", "Uptime", "Restarts", "In flight", "Placement",
+                    "Tok/s", "Running", "Waiting", "KV cache", "CPU %", "RSS", "PSS", "Node-local mem", "Last exit")
+
+
+@cache
+def _template() -> Template:
+    return Template(resources.files("vsup.observe").joinpath("data/status.html").read_text(encoding="utf-8"))
+
+
+def _cell(text: Any, cls: str = "") -> str:
+    attr = f' class="{cls}"' if cls else ""
+    return f"<td{attr}>{html.escape(str(text))}</td>"
+
+
+def _state(state: str, extra: str = "") -> str:
+    return f'<td><span class="state {html.escape(state)}">{html.escape(state + extra)}</span></td>'
+
+
+def instance_row(e: Mapping[str, Any]) -> str:
+    m = e.get("metrics") or {}
+    f = fmt.figures(e)
+    placement = {None: "-", True: "ok", False: "DRIFT"}[e.get("placement_ok")]
+    backoff = f" ({e['next_start_in']:.0f}s)" if e.get("state") == "backoff" and e.get("next_start_in") is not None else ""
+    cells = [
+        _cell(e.get("index")), _state(str(e.get("state")), backoff), _cell(e.get("pid") or "-", "num"),
+        _cell(e.get("port"), "num"), _cell(format_list(e.get("cpus", ())) or "-"), _cell(format_list(e.get("nodes", ())) or "-"),
+        _cell(duration(e.get("uptime")), "num"), _cell(e.get("restarts", 0), "num"), _cell(e.get("in_flight", 0), "num"),
+        f'<td><span class="state {placement}">{placement}</span></td>' if placement == "DRIFT" else _cell(placement),
+        _cell(f["tok/s"], "num"), _cell(f["run"], "num"), _cell(f["wait"], "num"), _cell(f["kv"], "num"),
+        _cell(f["cpu%"], "num"), _cell(f["rss"], "num"), _cell(fmt.size(m.get("pss_bytes")), "num"),
+        _cell(_local(m), "num"), _cell(e.get("last_exit") or "-", "wrap"),
+    ]
+    return "<tr>" + "".join(cells) + "</tr>"
+
+
+def _local(m: Mapping[str, Any]) -> str:
+    ratio = m.get("numa_local_ratio")
+    if ratio is None:
+        return "-"
+    return f"{fmt.percent(ratio)} ({fmt.size(m.get('numa_remote_bytes'))} remote)"
+
+
+def transition_rows(status: Mapping[str, Any], limit: int = TRANSITIONS_SHOWN) -> list[str]:
+    """The newest `limit` transitions of all instances, newest first."""
+    uptime = (status.get("vsup") or {}).get("uptime") or 0.0
+    every = [(t.get("at", 0.0), e.get("index"), t) for e in status.get("instances", ()) for t in e.get("transitions", ())]
+    every.sort(key=lambda item: item[0], reverse=True)
+    rows = []
+    for at, index, t in every[:limit]:
+        rows.append("<tr>" + _cell(f"{duration(max(0.0, uptime - at))} ago", "num") + _cell(index) + _cell(t.get("from"))
+                    + _state(str(t.get("to"))) + _cell(t.get("event")) + _cell(t.get("reason") or "", "wrap") + "</tr>")
+    return rows or ['<tr><td colspan="6" class="muted">none yet</td></tr>']
+
+
+def summary(status: Mapping[str, Any]) -> str:
+    v = status.get("vsup") or {}
+    instances = status.get("instances", ())
+    parts = [f"pid {v.get('pid')}", f"up {duration(v.get('uptime'))}",
+             f"{v.get('ready', 0)}/{len(instances)} instances ready", f"{v.get('in_flight', 0)} in flight"]
+    interval = v.get("metrics_interval")
+    ages = [m["age"] for e in instances if (m := e.get("metrics")) and m.get("age") is not None]
+    if interval:
+        parts.append(f"figures every {interval:g}s" + (f", last {min(ages):.0f}s ago" if ages else ", none yet"))
+    else:
+        parts.append("figures off (metrics.interval 0)")
+    if v.get("stopping"):
+        parts.append("STOPPING")
+    return html.escape(" · ".join(parts))
+
+
+def render_page(status: Mapping[str, Any], refresh: int) -> str:
+    v = status.get("vsup") or {}
+    instances = list(status.get("instances", ()))
+    return _template().substitute(
+        refresh=refresh,
+        proxy=html.escape(str(v.get("proxy", ""))),
+        ready=v.get("ready", 0),
+        total=len(instances),
+        summary=summary(status),
+        instance_head="".join(f"<th>{html.escape(c)}</th>" for c in INSTANCE_COLUMNS),
+        instance_rows="\n".join(instance_row(e) for e in instances)
+        or f'<tr><td colspan="{len(INSTANCE_COLUMNS)}" class="muted">no instances</td></tr>',
+        transition_rows="\n".join(transition_rows(status)),
+    )
+
+
+def refresh_seconds(interval: float) -> int:
+    return max(MIN_REFRESH, round(interval)) if interval > 0 else DEFAULT_REFRESH
+
+
+def status_page(status: Callable[[], Mapping[str, Any]], interval: float):
+    """The proxy's handler for GET /status (ProxyServer.add_page)."""
+    refresh = refresh_seconds(interval)
+
+    async def handler(request: web.BaseRequest, auth) -> web.Response:
+        if not auth.allows_browser(request):
+            return web.Response(status=401, text="401: this vsup's /status needs the API key (as the password)\n",
+                                headers={"WWW-Authenticate": 'Basic realm="vsup", charset="UTF-8"'})
+        body = render_page(status(), refresh)
+        return web.Response(text=body, content_type="text/html", charset="utf-8", headers={"Cache-Control": "no-store"})
+
+    return handler

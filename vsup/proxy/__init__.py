@@ -1,0 +1,12 @@
+"""The proxy: one OpenAI-compatible endpoint in front of the ready instances.
+
+server.py (ProxyServer: app, own endpoints, start/drain), forward.py (one request to one instance),
+balancer.py (round_robin, least_outstanding), affinity.py (prefix_affinity), models.py (merged
+/v1/models), auth.py (Bearer key), errors.py (OpenAI-shaped errors), metrics.py (vsup_* Prometheus
+metrics), healthcheck.py (active /health checks for standalone `vsup proxy`), runloop.py (uvloop
+when available).
+"""
+
+from vsup.proxy.server import ProxyServer
+
+__all__ = ["ProxyServer"]

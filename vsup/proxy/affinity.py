@@ -1,0 +1,234 @@
+"""prefix_affinity: requests that share a prefix go to the instance that already holds it.
+
+vLLM's prefix cache (on by default) skips the prefill of every leading KV block (128 tokens on its
+CPU backend, 16 on GPUs) that an instance has computed before, but only on that instance; on CPU
+that prefill is most of a long prompt's time to first token. This policy picks the instance from what a request starts with, so
+requests that share a system prompt, a document or a conversation's opening meet the same cache:
+
+  key       an explicit session first: the X-Session-ID header, else the body's OpenAI `user`;
+            otherwise the request's prefix (`prefix_text`): for chat, the leading messages up to
+            and including the first user message, for completions the prompt, at most
+            `prefix_chars` characters, with the model name. No key (not a JSON object, no
+            messages or prompt): the least loaded instance, as least_outstanding.
+  instance  rendezvous (highest random weight) hashing over the ready instances not yet tried:
+            each scores a hash of (key, instance name) and the highest wins, so an instance that
+            leaves moves only its own keys and one that joins takes only the keys it now wins. With
+            weights (a front proxy over vsups) the score is -weight / ln(u), u the hash mapped to
+            (0, 1): each upstream wins keys in proportion to its weight, still moving only its own.
+  escape    when the winner has more than `max_imbalance` requests in flight (per unit of weight)
+            beyond the least loaded candidate, that one gets the request instead (the highest
+            scored among equally loaded ones, so a hot key's overflow keeps going the same way).
+
+Why a bounded prefix of characters, not tokens or a radix tree (docs/proxy.md compares vllm-router
+and SGLang): the proxy has no tokenizer, and it keeps no per-prompt state. Requests that agree on
+their first `prefix_chars` characters (2048 by default, roughly 400-600 tokens: 3-4 of the CPU
+backend's 128-token blocks) share an instance; a prefix shared for less than that (a one-line
+system prompt) saves little prefill (nothing under one block) and must not pull every
+conversation onto one instance: the distinct rest of the key spreads them. The first user message is part of a chat key because it stays the
+same for every later turn of that conversation, whose whole history is then cached where it went.
+
+Cheap on purpose: the forwarder has parsed the body already (it validates every JSON body), so
+the key costs a few dict lookups, a bounded string join and one 8-byte BLAKE2b (stable across
+processes and restarts, unlike hash(): two front proxies, or a restarted one, route alike); each
+candidate then costs one 64-bit mix.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Mapping
+from hashlib import blake2b
+from typing import NamedTuple
+
+from vsup.proxy.backends import Backend
+from vsup.proxy.balancer import LeastOutstanding
+
+SESSION_HEADER = "X-Session-ID"
+# A token id stands for about four characters of text (the key of a prompt given as token ids).
+CHARS_PER_TOKEN = 4
+
+_MASK = (1 << 64) - 1
+_SEPARATOR = "\x1e"  # between messages; role and text are joined by \x1f, content parts by \x1d
+
+
+class Key(NamedTuple):
+    digest: int  # 64-bit hash of the key
+    kind: str  # "session" or "affinity": the decision counted when the key's winner is taken
+
+
+def _digest(text: str) -> int:
+    # surrogatepass: JSON may carry lone surrogates ("\\ud800"), which plain UTF-8 refuses
+    return int.from_bytes(blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")
+
+
+def _content_text(content: object, budget: int) -> str:
+    """A message's content as text: a string, or the parts of a list (text parts' text, an image
+    or audio part's URL or data: their first characters tell two images apart), up to `budget`."""
+    if isinstance(content, str):
+        return content[:budget]
+    if not isinstance(content, list):
+        return ""
+    pieces: list[str] = []
+    size = 0
+    for part in content:
+        if size >= budget:
+            break
+        if isinstance(part, str):
+            piece = part
+        elif isinstance(part, dict):
+            piece = _part_text(part)
+        else:
+            continue
+        piece = piece[: budget - size]
+        pieces.append(piece)
+        size += len(piece) + 1
+    return "\x1d".join(pieces)
+
+
+def _part_text(part: dict) -> str:
+    text = part.get("text")
+    if isinstance(text, str):
+        return text
+    kind = part.get("type")
+    kind = kind if isinstance(kind, str) else ""
+    payload = part.get(kind) if kind else None  # {"type": "image_url", "image_url": {"url": ...}}
+    if isinstance(payload, dict):
+        payload = payload.get("url", payload.get("data", payload.get("file_data")))
+    return kind + ":" + payload if isinstance(payload, str) else kind
+
+
+def _messages_text(messages: list, limit: int) -> str:
+    """The leading messages up to and including the first user message, as role + text, at most
+    `limit` characters."""
+    pieces: list[str] = []
+    size = 0
+    for message in messages:
+        if not isinstance(message, dict):
+            break
+        role = message.get("role")
+        role = role if isinstance(role, str) else ""
+        piece = role + "\x1f" + _content_text(message.get("content"), limit - size) + _SEPARATOR
+        pieces.append(piece)
+        size += len(piece)
+        if role == "user" or size >= limit:
+            break
+    return "".join(pieces)[:limit]
+
+
+def _prompt_text(prompt: object, limit: int) -> str:
+    """A completion prompt's first `limit` characters: a string, the first of a batch of strings,
+    or token ids (limit / CHARS_PER_TOKEN of them, the first list of a batch)."""
+    if isinstance(prompt, str):
+        return prompt[:limit]
+    if not isinstance(prompt, list) or not prompt:
+        return ""
+    first = prompt[0]
+    if isinstance(first, str):
+        return first[:limit]
+    tokens = first if isinstance(first, list) else prompt
+    ids = tokens[: max(1, limit // CHARS_PER_TOKEN)]
+    if not all(type(t) is int for t in ids):
+        return ""
+    return "\x1ftokens:" + ",".join(map(str, ids))
+
+
+def prefix_text(document: Mapping, limit: int) -> str:
+    """What a request starts with, at most `limit` characters ("" when it has no prompt): chat
+    `messages`, completion `prompt`, or the Responses API's `instructions` and `input`."""
+    messages = document.get("messages")
+    if isinstance(messages, list):
+        return _messages_text(messages, limit)
+    prompt = document.get("prompt")
+    if prompt is not None:
+        return _prompt_text(prompt, limit)
+    instructions = document.get("instructions")
+    text = instructions[:limit] + _SEPARATOR if isinstance(instructions, str) and instructions else ""
+    given = document.get("input")
+    if isinstance(given, str):
+        text += given
+    elif isinstance(given, list) and len(text) < limit:
+        text += _messages_text(given, limit - len(text)) if given and isinstance(given[0], dict) else _prompt_text(given, limit - len(text))
+    return text[:limit]
+
+
+def routing_key(document: object, headers: Mapping[str, str] | None, prefix_chars: int) -> Key | None:
+    """A request's routing key: its session (header, then `user`), else its prefix; None when it
+    has neither."""
+    session = headers.get(SESSION_HEADER) if headers is not None else None
+    if session:
+        return Key(_digest("session\x00" + session), "session")
+    if not isinstance(document, dict):
+        return None
+    user = document.get("user")
+    if isinstance(user, str) and user:
+        return Key(_digest("user\x00" + user), "session")
+    text = prefix_text(document, prefix_chars)
+    if not text:
+        return None
+    model = document.get("model")
+    return Key(_digest((model if isinstance(model, str) else "") + "\x00" + text), "affinity")
+
+
+class PrefixAffinity(LeastOutstanding):
+    """Rendezvous hashing of the request's prefix or session over the ready instances, with an
+    escape to the least loaded one when the chosen instance is clearly busier; no key: the least
+    loaded (LeastOutstanding, whose weights and rotation this shares)."""
+
+    name = "prefix_affinity"
+
+    def __init__(self, prefix_chars: int = 2048, max_imbalance: int = 4) -> None:
+        super().__init__()
+        self.prefix_chars = prefix_chars
+        self.max_imbalance = max_imbalance
+        self._seeds: dict[str, int] = {}  # instance name -> its 64-bit hash (names are few and stable)
+
+    def key(self, document: dict | None, headers: Mapping[str, str] | None) -> Key | None:
+        return routing_key(document, headers, self.prefix_chars)
+
+    def _count(self, decision: str) -> None:
+        self.decisions[decision] = self.decisions.get(decision, 0) + 1
+
+    def _seed(self, name: str) -> int:
+        seed = self._seeds[name] = _digest("instance\x00" + name)
+        return seed
+
+    def choose(self, ready: tuple[Backend, ...], in_flight: Mapping[str, int], tried: Collection[str] = (), key: Key | None = None) -> Backend | None:
+        if key is None:
+            backend = super().choose(ready, in_flight, tried)
+            if backend is not None:
+                self._count("no_prefix")
+            return backend
+        digest = key.digest
+        weights = self._weights
+        seeds = self._seeds
+        best: Backend | None = None
+        best_score = best_load = 0.0
+        least: Backend | None = None
+        least_score = least_load = 0.0
+        for backend in ready:
+            name = backend.name
+            if name in tried:
+                continue
+            # the instance's score u in (0, 1): splitmix64's finalizer of key ^ instance, its top
+            # 53 bits (never 0 or 1); inlined, as it runs per instance and per request
+            x = digest ^ (seeds.get(name) or self._seed(name))
+            x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+            x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+            score = (((x ^ (x >> 31)) >> 11) + 0.5) / 9007199254740992.0
+            if weights:  # -weight / ln(u); with all weights 1 it orders the instances as u does
+                weight = weights.get(name, 1)
+                score = -weight / math.log(score)
+                load = in_flight.get(name, 0) / weight
+            else:
+                load = in_flight.get(name, 0)
+            if best is None or score > best_score:
+                best, best_score, best_load = backend, score, load
+            if least is None or load < least_load or (load == least_load and score > least_score):
+                least, least_score, least_load = backend, score, load
+        if best is None:
+            return None
+        if best_load - least_load > self.max_imbalance:
+            self._count("escaped")
+            return least
+        self._count(key.kind)
+        return best

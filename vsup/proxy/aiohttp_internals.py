@@ -1,0 +1,269 @@
+"""The aiohttp internals the proxy relies on, named in one place and checked at start-up.
+
+- `web.BaseRequest` is built positionally by our request factory (server.py): the low-level
+  `web.Server` gives the factory (message, payload, protocol, writer, task) and we add the loop.
+- Streamed bodies are written straight to `request.transport`, framed by hand when
+  `request.writer.chunked` says the response is chunked (BodySink, below; fed by upstream.py's
+  relay), and ended with `StreamResponse.write_eof()`, whose last chunk must match that framing.
+- A complete non-streamed answer is returned to aiohttp as a RawResponse (below): aiohttp only
+  calls `prepare(request)` and `write_eof()` on what a handler returns and reads its
+  `keep_alive`, so the status line, headers and body go out in one write, without building a
+  web.Response, its header multidict and aiohttp's payload writer (~15 µs per request).
+- The connection handler (`web_protocol.RequestHandler`) is subclassed (make_server, below) to
+  bound and count connections, close one that sends no complete request in time, answer what
+  its parser rejects in our own words (`handle_error`, which aiohttp calls with the parser's
+  exception and logs with a traceback), and fail the body of the request in progress when the
+  parser rejects bytes that arrive after its headers (aiohttp queues that error behind the
+  request instead, and the handler would wait for the rest of the body forever).
+
+None is public API, so the range of aiohttp versions vsup is tested with is pinned in
+pyproject.toml (SUPPORTED below is the same range) and `check()` refuses to start the proxy
+outside it, or when the shapes above changed, with one line saying what to install.
+tests/test_aiohttp_internals.py exercises each on the wire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from http import HTTPStatus
+
+import aiohttp
+from aiohttp import http_exceptions, http_writer, web, web_protocol
+
+from vsup.errors import VsupError
+
+SUPPORTED = ((3, 9), (3, 15))  # >= first, < second: keep equal to the pin in pyproject.toml
+REQUIREMENT = f"aiohttp>={SUPPORTED[0][0]}.{SUPPORTED[0][1]},<{SUPPORTED[1][0]}.{SUPPORTED[1][1]}"
+REQUEST_PARAMETERS = ("message", "payload", "protocol", "payload_writer", "task", "loop")
+HANDLE_ERROR_PARAMETERS = ("self", "request", "status", "exc", "message")
+# What the RequestHandler subclass below reads or overrides.
+HANDLER_ATTRIBUTES = (
+    "connection_made", "connection_lost", "data_received", "handle_error", "force_close",
+    "_request_count", "_current_request", "_messages", "_manager", "_loop", "_force_close", "_keepalive_handle",
+)
+# The parser's complaints (a malformed request, a bad chunk size, a body shorter than announced).
+BadRequest = http_exceptions.HttpProcessingError
+
+
+def version_tuple(version: str) -> tuple[int, int]:
+    major, minor = (version.split(".") + ["0"])[:2]
+    digits = "".join(ch for ch in minor if ch.isdigit()) or "0"
+    return int(major), int(digits)
+
+
+def problems(version: str = aiohttp.__version__) -> list[str]:
+    """What does not match the internals vsup was written against (empty: all is well)."""
+    found = []
+    low, high = SUPPORTED
+    if not low <= version_tuple(version) < high:
+        found.append(f"aiohttp {version} is outside the tested range {REQUIREMENT}")
+    parameters = tuple(inspect.signature(web.BaseRequest.__init__).parameters)[1:1 + len(REQUEST_PARAMETERS)]
+    if parameters != REQUEST_PARAMETERS:
+        found.append(f"web.BaseRequest takes {parameters}, not {REQUEST_PARAMETERS}")
+    writer = http_writer.StreamWriter  # `chunked`: a class attribute since 3.10, set in __init__ before
+    if not (hasattr(writer, "chunked") or "chunked" in writer.__init__.__code__.co_names):
+        found.append("aiohttp's StreamWriter has no `chunked` attribute")
+    handler = web_protocol.RequestHandler
+    for name in HANDLER_ATTRIBUTES:
+        if name not in getattr(handler, "__slots__", ()) and not hasattr(handler, name):
+            found.append(f"aiohttp's RequestHandler has no `{name}`")
+    if tuple(inspect.signature(handler.handle_error).parameters) != HANDLE_ERROR_PARAMETERS:
+        found.append(f"RequestHandler.handle_error takes {tuple(inspect.signature(handler.handle_error).parameters)}")
+    if not hasattr(web_protocol, "_ErrInfo"):
+        found.append("aiohttp.web_protocol has no `_ErrInfo`")
+    return found
+
+
+def check() -> None:
+    """Raise VsupError naming what to install when the installed aiohttp is not one vsup knows."""
+    found = problems()
+    if found:
+        raise VsupError(
+            "the proxy relies on aiohttp internals and cannot run with this aiohttp: "
+            + "; ".join(found) + f". Install a tested one: pip install '{REQUIREMENT}'"
+        )
+
+
+# Pause relaying from an instance while the client's socket has this much unsent.
+CLIENT_HIGH_WATER = 256 * 1024
+
+
+class BodySink:
+    """The body of a prepared StreamResponse, written straight to the client's transport: from the
+    upstream socket's data callback, with no task switch and no `await` per piece (what
+    StreamResponse.write would cost on every streamed token). Framed as HTTP/1.1 chunks when
+    aiohttp chose chunked encoding for the response (`request.writer.chunked`), so that
+    `StreamResponse.write_eof()` ends it correctly."""
+
+    __slots__ = ("_transport", "_chunked", "drain")
+
+    def __init__(self, transport, chunked: bool, drain) -> None:
+        self._transport = transport
+        self._chunked = chunked
+        self.drain = drain  # waits until the client's buffer is below aiohttp's low-water mark
+
+    @classmethod
+    def of(cls, request: web.BaseRequest) -> "BodySink | None":
+        """The sink of a request whose response is prepared; None when the client already left."""
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            return None
+        writer = request.writer
+        return cls(transport, writer.chunked, writer.drain)
+
+    def write(self, data: bytes) -> bool:
+        """Send one piece; True when the client reads slower than we write (the caller should
+        stop reading upstream until `await drain()`). A client already gone is a no-op: its
+        handler is being cancelled."""
+        transport = self._transport
+        if transport.is_closing():
+            return False
+        transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data)
+        return transport.get_write_buffer_size() > CLIENT_HIGH_WATER
+
+
+_REASONS = {status.value: status.phrase.encode("latin-1") for status in HTTPStatus}
+
+
+class RawResponse:
+    """A complete answer with a body, sent to the client as one write (see the module's docstring).
+    Only for HTTP/1.1 requests other than HEAD and for statuses that carry a body (`fits`);
+    `header_lines` are `Name: value\\r\\n` lines without Content-Length or Connection."""
+
+    __slots__ = ("status", "keep_alive", "_data")
+
+    def __init__(self, status: int, header_lines: bytes, body: bytes, keep_alive: bool) -> None:
+        self.status = status
+        self.keep_alive = keep_alive
+        self._data = b"HTTP/1.1 %d %b\r\n%bContent-Length: %d\r\n%b\r\n%b" % (
+            status, _REASONS.get(status, b"Unknown"), header_lines, len(body),
+            b"" if keep_alive else b"Connection: close\r\n", body,
+        )
+
+    @staticmethod
+    def fits(request: web.BaseRequest, status: int) -> bool:
+        return request.version == HTTP_11 and request.method != "HEAD" and status >= 200 and status not in (204, 304)
+
+    async def prepare(self, request: web.BaseRequest) -> None:
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError("the client is gone")  # aiohttp counts it as a disconnect
+        transport.write(self._data)
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        return None
+
+
+HTTP_11 = aiohttp.HttpVersion11
+
+
+def make_request_factory(loop, max_body_bytes: int):
+    """The request factory for `web.Server`: a plain BaseRequest with our body size limit."""
+
+    def make_request(message, payload, protocol, writer, task) -> web.BaseRequest:
+        return web.BaseRequest(message, payload, protocol, writer, task, loop, client_max_size=max_body_bytes)
+
+    return make_request
+
+
+async def send_and_close(request: web.BaseRequest, response: web.StreamResponse) -> web.StreamResponse:
+    """Send `response` now and close the connection after it, leaving the rest of the request
+    body unread (aiohttp would otherwise go on reading it for up to its lingering_time, keeping
+    a stalled client's connection open). Returns the response, for the handler to return."""
+    response.force_close()
+    try:
+        await response.prepare(request)
+        await response.write_eof()
+    except ConnectionResetError:
+        pass  # the client is gone anyway
+    protocol = request.protocol
+    if protocol is not None:
+        protocol.force_close()  # the transport flushes what was written, then closes
+    return response
+
+
+class _Handler(web_protocol.RequestHandler):
+    """aiohttp's connection handler, with the proxy's ClientPolicy (clients.py) wired in."""
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        policy = self._manager.policy
+        refusal = policy.opened()
+        self._vsup_counted = refusal is None
+        self._vsup_timer = None
+        if refusal is not None:
+            transport.write(refusal)
+            self.force_close()  # flushes the refusal, then closes
+            return
+        # Ours, not aiohttp's (which, from 3.10 on, also arms its keepalive timer here): the first
+        # request's deadline is counted and logged (ClientPolicy.no_request_in_time).
+        if self._keepalive_handle is not None:
+            self._keepalive_handle.cancel()
+            self._keepalive_handle = None
+        self._vsup_timer = self._loop.call_later(policy.timeout, self._vsup_first_request_late)
+
+    def _vsup_first_request_late(self) -> None:
+        # After the first request, aiohttp's own keepalive_timeout closes a connection that
+        # leaves the proxy waiting for the next request's headers.
+        if self._request_count == 0 and not self._force_close and self.transport is not None:
+            self._manager.policy.no_request_in_time(self.transport.get_extra_info("peername"))
+            self.force_close()
+
+    def connection_lost(self, exc) -> None:
+        if self._vsup_timer is not None:
+            self._vsup_timer.cancel()
+        if self._vsup_counted:
+            self._vsup_counted = False
+            self._manager.policy.closed()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._current_request is None:  # no handler running (a small request arrives whole)
+            _base_data_received(self, data)
+            return
+        count = self._request_count
+        _base_data_received(self, data)
+        if self._request_count != count and self._current_request is not None:
+            # A message was parsed while a request is being handled: if it is the parser's
+            # complaint about that request's body, fail the body now (see the module's docstring).
+            message = self._messages[-1][0] if self._messages else None
+            payload = self._current_request.content
+            if isinstance(message, web_protocol._ErrInfo) and not payload.is_eof():
+                payload.set_exception(message.exc)
+                payload.feed_eof()  # nothing more to read: aiohttp must not linger reading it either
+
+    def handle_error(self, request, status=500, exc=None, message=None):
+        if request.writer.output_size > 0:  # as aiohttp: the answer has begun, nothing to replace it
+            raise ConnectionError("the response has started: the connection is broken")
+        policy = self._manager.policy
+        peer = request.remote
+        if isinstance(exc, BadRequest) or (status == 400 and exc is None):
+            response = policy.malformed(status, exc, peer)
+        else:
+            response = policy.crashed(status, exc, peer)
+        response.force_close()
+        return response
+
+
+_base_data_received = web_protocol.RequestHandler.data_received
+
+
+class _Server(web.Server):
+    def __init__(self, handler, *, policy, **kwargs) -> None:
+        super().__init__(handler, **kwargs)
+        self.policy = policy
+
+    def __call__(self) -> _Handler:
+        return _Handler(self, loop=self._loop, **self._kwargs)
+
+
+def make_server(handler, *, policy, max_body_bytes: int, **kwargs) -> web.Server:
+    """aiohttp's low-level Server running `handler` on our request factory, with `policy` (a
+    clients.ClientPolicy) deciding connection limits and what malformed requests get. A client
+    connection idle between requests closes after policy.timeout (aiohttp's keepalive_timeout)."""
+    loop = asyncio.get_running_loop()
+    return _Server(
+        handler, policy=policy, request_factory=make_request_factory(loop, max_body_bytes),
+        keepalive_timeout=policy.timeout, **kwargs,
+    )

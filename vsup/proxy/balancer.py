@@ -1,0 +1,112 @@
+"""Which ready instance gets the next request.
+
+Every policy takes the pool's ready tuple (stable order), the requests in flight per instance, a
+set of instances already tried for this request (retries go to *another* instance) and the
+request's routing key (`key()`: None here; prefix_affinity, in affinity.py, reads the request's
+prefix or session); they return None when nothing is left.
+
+Weights (`set_weight`, 1 by default) give an upstream a larger share: standalone `vsup proxy` in
+front of other vsups weights each by the instances ready behind it (healthcheck.py), so a host
+with 4 ready instances gets twice the requests of one with 2.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterator, Mapping
+from typing import Any, get_args
+
+from vsup.proxy.backends import Backend
+from vsup.config.schema import ProxyConfig
+
+
+class _Rotation:
+    """The ready instances not yet tried, starting one further along at each request."""
+
+    def __init__(self) -> None:
+        self._counter = 0
+        self._weights: dict[str, int] = {}  # only weights other than 1
+        self._credit: dict[str, int] = {}
+        self.decisions: dict[str, int] = {}  # routing decisions by kind (content-aware policies; /metrics)
+
+    def key(self, document: dict | None, headers: Mapping[str, str]) -> Any:
+        """What this policy routes a request by, computed once per request: nothing here."""
+        return None
+
+    def set_weight(self, name: str, weight: int) -> None:
+        if weight < 1:
+            raise ValueError(f"weight of {name}: {weight}; must be at least 1 (take it out of rotation instead)")
+        if weight == 1:
+            self._weights.pop(name, None)
+        else:
+            self._weights[name] = weight
+
+    def weight(self, name: str) -> int:
+        return self._weights.get(name, 1)
+
+    def _weighted(self, ready: tuple[Backend, ...], tried: Collection[str]) -> Iterator[Backend]:
+        """nginx's smooth weighted round robin: each ready backend earns its weight, the richest
+        untried one goes first and pays the sum. Over Σ weights requests each gets exactly its
+        weight, spread out (a a b a a b) rather than in runs; the rest follow as retry candidates."""
+        credit = {b.name: self._credit.get(b.name, 0) + self.weight(b.name) for b in ready}
+        total = sum(self.weight(b.name) for b in ready)
+        order = sorted((b for b in ready if b.name not in tried), key=lambda b: -credit[b.name])
+        if order:
+            credit[order[0].name] -= total
+            self._credit = credit  # backends that left the rotation lose their credit
+        yield from order
+
+    def _candidates(self, ready: tuple[Backend, ...], tried: Collection[str]) -> Iterator[Backend]:
+        if self._weights:
+            yield from self._weighted(ready, tried)
+            return
+        n = len(ready)
+        if n == 0:
+            return
+        start = self._counter
+        self._counter = start + 1
+        for offset in range(n):
+            backend = ready[(start + offset) % n]
+            if backend.name not in tried:
+                yield backend
+
+
+class RoundRobin(_Rotation):
+    """Each ready instance in turn. With a stable ready set, N requests over k instances give each
+    instance N/k (±1); when the set changes, the rotation simply continues over the new set."""
+
+    name = "round_robin"
+
+    def choose(self, ready: tuple[Backend, ...], in_flight: Mapping[str, int], tried: Collection[str] = (), key: Any = None) -> Backend | None:
+        if tried or not ready or self._weights:
+            return next(self._candidates(ready, tried), None)
+        start = self._counter  # the common case, inlined: a first try, no weights
+        self._counter = start + 1
+        return ready[start % len(ready)]
+
+
+class LeastOutstanding(_Rotation):
+    """The instance with the fewest requests in flight through this proxy (per unit of weight); ties
+    rotate (min keeps the first of equals), so an idle system still spreads requests instead of
+    sending them all to the first instance."""
+
+    name = "least_outstanding"
+
+    def choose(self, ready: tuple[Backend, ...], in_flight: Mapping[str, int], tried: Collection[str] = (), key: Any = None) -> Backend | None:
+        return min(self._candidates(ready, tried), key=lambda b: in_flight.get(b.name, 0) / self.weight(b.name), default=None)
+
+
+POLICIES: tuple[str, ...] = get_args(ProxyConfig.model_fields["policy"].annotation)  # config.py lists them
+
+
+def make_balancer(policy: str, config: ProxyConfig | None = None) -> _Rotation:
+    """The balancer for `policy`; prefix_affinity takes its settings from `config` (defaults without)."""
+    if policy == RoundRobin.name:
+        return RoundRobin()
+    if policy == LeastOutstanding.name:
+        return LeastOutstanding()
+    if policy == "prefix_affinity":
+        from vsup.proxy.affinity import PrefixAffinity  # builds on LeastOutstanding
+
+        config = config or ProxyConfig()
+        return PrefixAffinity(config.affinity_prefix_chars, config.affinity_max_imbalance)
+    raise ValueError(f"unknown proxy policy {policy!r}: use one of {', '.join(POLICIES)}")

@@ -1,0 +1,602 @@
+"""Forwarding one client request to one instance, byte for byte.
+
+The life of a request, and what can end it:
+  body         the rest of a body that did not come with the headers; a client silent
+               for CLIENT_TIMEOUT, or still here when a drain starts         -> 408/503
+  queued       body size-checked, JSON-validated; an instance chosen         -> 400/413/503
+  first_byte   sent upstream, waiting for the status line and the first body byte
+               connect error, stale keep-alive connection, 503 from the instance, or a
+               connection broken by an instance shown gone within GONE_GRACE (out of the
+               rotation, or its port refuses connections) -> the next instance (only here:
+               nothing has reached the client yet, so a retry cannot duplicate a generation);
+               an unreachable instance is ejected; none left               -> 503
+               first_byte_timeout                                            -> 504
+  streaming    SSE relayed chunk by chunk as it arrives; idle_timeout between chunks, no overall
+               cap; the instance dying                                       -> error event, clean end
+  response     a non-streaming body (Content-Length) read whole, then sent   -> 502 if it breaks
+A client disconnect in any phase cancels the handler (aiohttp's handler_cancellation) and closing
+the upstream response closes its connection, so vLLM sees the disconnect and frees the slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+
+from aiohttp import web
+from multidict import CIMultiDict
+
+from vsup.proxy.backends import Backend, BackendPool
+from vsup.config.schema import ProxyConfig
+from vsup.proxy import errors
+from vsup.proxy.aiohttp_internals import BadRequest, BodySink, RawResponse, send_and_close
+from vsup.proxy.clients import ClientPolicy
+from vsup.proxy.errors import RETRY_AFTER_SECONDS
+from vsup.proxy.metrics import ProxyMetrics, route_label
+from vsup.proxy.upstream import ConnectFailed, StaleConnection, UpstreamBroken, UpstreamClient, UpstreamResponse
+
+log = logging.getLogger("vsup.proxy")
+
+# RFC 9110 §7.6.1 hop-by-hop headers, plus the ones the proxy sets itself for the next hop.
+HOP_BY_HOP = frozenset(
+    {"connection", "keep-alive", "proxy-connection", "te", "trailer", "trailers", "transfer-encoding", "upgrade"}
+)
+_DROP_REQUEST = frozenset(h.encode() for h in HOP_BY_HOP | {"host", "content-length", "expect"})
+_DROP_RESPONSE = frozenset(h.encode() for h in HOP_BY_HOP | {"content-length"})
+_PROXY_PREFIX = b"proxy-"
+
+# How long a connection broken before its first byte waits for the supervisor to report the
+# instance's exit (milliseconds in practice; generous for a loaded machine).
+GONE_GRACE = 1.0
+# Meanwhile, how often the instance's port is tried (refused: the process is gone).
+GONE_PROBE_PERIOD = 0.1
+# Passive ejection: an instance the proxy could not reach (connect refused, reset or timed out;
+# a connection broken before any byte with nothing listening any more) leaves the rotation for
+# at most this long; its owner's next "ready" (health check, restart) brings it back sooner.
+# nginx's fail_timeout default. Would be proxy.eject_seconds if it ever needs tuning.
+EJECT_SECONDS = 10.0
+# Retry reasons that mean "this instance cannot be reached" (and so was ejected).
+_UNREACHABLE = frozenset({"connect", "gone"})
+# Longest period of the timeout watchdog (shorter when a configured timeout is very short).
+WATCHDOG_TICK = 0.1
+
+
+def _connection_tokens(value: bytes) -> frozenset[bytes]:
+    return frozenset(token.strip().lower() for token in value.split(b",") if token.strip())
+
+
+# Per header name *as sent* (clients repeat the same spelling on every request), what to do with
+# it: one dict lookup per header instead of lower() + set tests + tuple building. Bounded: an odd
+# client inventing names cannot grow it without limit.
+_KEEP, _DROP, _AUTHORIZATION, _CONNECTION = 0, 1, 2, 3
+_NAME_CACHE_SIZE = 1024
+_request_names: dict[bytes, int] = {}
+
+
+def _request_name_kind(key: bytes) -> int:
+    low = key.lower()
+    if low == b"connection":
+        kind = _CONNECTION
+    elif low == b"authorization":
+        kind = _AUTHORIZATION
+    elif low in _DROP_REQUEST or low.startswith(_PROXY_PREFIX):
+        kind = _DROP
+    else:
+        kind = _KEEP
+    if len(_request_names) >= _NAME_CACHE_SIZE:
+        _request_names.clear()
+    _request_names[key] = kind
+    return kind
+
+
+def request_headers(raw_headers: tuple[tuple[bytes, bytes], ...], drop_authorization: bool) -> bytes:
+    """The client's header lines, as it sent them, minus hop-by-hop ones (and its Authorization
+    when the proxy checked it: the instances listen on loopback without a key)."""
+    parts: list[bytes] = []
+    named = None
+    names = _request_names
+    for key, value in raw_headers:
+        kind = names.get(key)
+        if kind is None:
+            kind = _request_name_kind(key)
+        if kind == _KEEP or (kind == _AUTHORIZATION and not drop_authorization):
+            parts += (key, b": ", value, b"\r\n")
+        elif kind == _CONNECTION:
+            # Headers the client names in Connection are hop-by-hop too; "keep-alive"/"close"
+            # (what clients send) name nothing that is still kept.
+            tokens = _connection_tokens(value) - _DROP_REQUEST
+            if tokens:
+                named = tokens | (named or frozenset())
+    if named:  # rare: a second pass without the headers Connection named
+        parts = []
+        for key, value in raw_headers:
+            kind = names.get(key)
+            if kind is None:
+                kind = _request_name_kind(key)
+            if (kind == _KEEP or (kind == _AUTHORIZATION and not drop_authorization)) and key.lower() not in named:
+                parts += (key, b": ", value, b"\r\n")
+    return b"".join(parts)
+
+
+# Per response header name: whether to forward it, and whether it is one the forwarder looks at.
+_PLAIN, _IS_CONNECTION, _IS_CONTENT_TYPE, _IS_CONTENT_LENGTH = 0, 1, 2, 3
+_response_names: dict[bytes, tuple[bool, int]] = {}
+
+
+def _response_name(key: bytes) -> tuple[bool, int]:
+    low = key.lower()
+    flag = {b"connection": _IS_CONNECTION, b"content-type": _IS_CONTENT_TYPE, b"content-length": _IS_CONTENT_LENGTH}.get(low, _PLAIN)
+    entry = (not (low in _DROP_RESPONSE or low.startswith(_PROXY_PREFIX)), flag)
+    if len(_response_names) >= _NAME_CACHE_SIZE:
+        _response_names.clear()
+    _response_names[key] = entry
+    return entry
+
+
+def response_head(raw_headers: list[tuple[bytes, bytes]]) -> tuple[list[tuple[bytes, bytes]], bytes, bool]:
+    """One pass over the instance's headers: those to forward (hop-by-hop ones dropped, as sent),
+    its Content-Type, and whether it sent a Content-Length."""
+    out: list[tuple[bytes, bytes]] = []
+    content_type = b""
+    has_length = False
+    named = None
+    names = _response_names
+    for pair in raw_headers:
+        entry = names.get(pair[0])
+        if entry is None:
+            entry = _response_name(pair[0])
+        keep, flag = entry
+        if flag:
+            if flag == _IS_CONTENT_TYPE:
+                content_type = pair[1]
+            elif flag == _IS_CONTENT_LENGTH:
+                has_length = True
+            else:
+                tokens = _connection_tokens(pair[1]) - _DROP_RESPONSE
+                if tokens:
+                    named = tokens | (named or frozenset())
+        if keep:
+            out.append(pair)
+    if named:
+        out = [(name, value) for name, value in out if name.lower() not in named]
+    return out, content_type, has_length
+
+
+def header_lines(pairs: list[tuple[bytes, bytes]]) -> bytes:
+    return b"".join([b"%b: %b\r\n" % pair for pair in pairs])
+
+
+def str_headers(pairs: list[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
+    return [(name.decode("latin-1"), value.decode("utf-8", "replace")) for name, value in pairs]
+
+
+def response_headers(raw_headers: list[tuple[bytes, bytes]]) -> CIMultiDict[str]:
+    return CIMultiDict(str_headers(response_head(raw_headers)[0]))
+
+
+_json_types: dict[str, bool] = {}
+
+
+def _is_json(content_type: str) -> bool:
+    # application/json, application/json; charset=utf-8, application/vnd.x+json
+    known = _json_types.get(content_type)
+    if known is None:
+        base = content_type.split(";", 1)[0].strip().lower()
+        known = base == "application/json" or base.endswith("+json")
+        if len(_json_types) >= _NAME_CACHE_SIZE:
+            _json_types.clear()
+        _json_types[content_type] = known
+    return known
+
+
+def parse_json(body: bytes):
+    """json.loads(body), minus its encoding detection and whitespace regexes in the common case (a
+    UTF-8 object, as every OpenAI request is); anything else, including every error, goes through
+    json.loads itself, so what is accepted and the error message are exactly json.loads's."""
+    if body[:1] == b"{":
+        try:
+            text = body.decode("utf-8")
+            document, end = _scan_once(text, 0)
+        except (ValueError, UnicodeDecodeError, StopIteration):
+            pass
+        else:
+            if end == len(text) or not text[end:].strip(_JSON_WHITESPACE):
+                return document
+    return json.loads(body)
+
+
+_scan_once = json.JSONDecoder().scan_once
+_JSON_WHITESPACE = " \t\n\r"
+
+
+class Exchange:
+    """One request in flight: its phase and its current time limit. The forwarder's watchdog
+    (one timer for all requests, see Forwarder._sweep) cancels the handler when the instance stays
+    silent past the limit or the proxy drains; per request and per chunk only timestamps are stored."""
+
+    __slots__ = ("task", "limit", "limit_key", "last", "reason", "phase", "stream", "idle_limit", "first_data_at", "sent_at")
+
+    def __init__(self, task: asyncio.Task, now: float) -> None:
+        self.task = task
+        self.limit = math.inf  # no limit while the request body is read
+        self.limit_key = ""
+        self.last = now
+        self.reason: str | None = None  # set when the proxy itself cancels: timeout or drain
+        self.phase = "queued"
+        self.stream = False
+        self.idle_limit = 0.0
+        self.first_data_at: float | None = None
+        self.sent_at = 0.0
+
+    def on_data(self, now: float) -> None:
+        """A piece of the response body arrived (the relay inlines this per chunk)."""
+        self.last = now
+        if self.first_data_at is None:
+            self.first_data(now)
+
+    def first_data(self, now: float) -> None:
+        """From the first body byte on, the limit is the idle timeout."""
+        self.first_data_at = now
+        self.limit = self.idle_limit
+        self.limit_key = "proxy.idle_timeout"
+
+    def arm(self, limit: float, key: str, now: float) -> None:
+        """A new phase with its own limit, counted from now."""
+        self.limit = limit
+        self.limit_key = key
+        self.last = now
+
+    def abort(self, reason: str) -> None:
+        if self.reason is None:
+            self.reason = reason
+            self.task.cancel()
+
+
+class Forwarder:
+    """Sends /v1/* (and /tokenize, /detokenize) to a ready instance and relays the answer."""
+
+    def __init__(
+        self,
+        config: ProxyConfig,
+        pool: BackendPool,
+        balancer,
+        client: UpstreamClient,
+        metrics: ProxyMetrics,
+        clients: ClientPolicy,
+        *,
+        drop_authorization: bool,
+    ) -> None:
+        self.config = config
+        self.pool = pool
+        self.balancer = balancer
+        self.client = client
+        self.metrics = metrics
+        self.clients = clients
+        self.drop_authorization = drop_authorization
+        self.in_flight: dict[str, int] = {}
+        self.active: set[Exchange] = set()
+        self.draining = False
+        self.loop = asyncio.get_running_loop()
+        # The watchdog's period: a limit is enforced within one tick of its deadline.
+        self.tick = max(0.005, min(WATCHDOG_TICK, config.first_byte_timeout / 4, config.idle_timeout / 4, clients.timeout / 4))
+        self._watchdog: asyncio.TimerHandle | None = None
+
+    def _sweep(self) -> None:
+        """One timer for every request in flight (instead of arming and cancelling timers per
+        request, which cost more than the rest of the bookkeeping): cancel the handlers whose
+        instance has been silent past their phase's limit. Runs only while requests are active."""
+        now = self.loop.time()
+        for exchange in self.active:
+            if now - exchange.last >= exchange.limit:
+                exchange.abort("timeout")  # cancel() only schedules: `active` is unchanged here
+        self._watchdog = self.loop.call_at(now + self.tick, self._sweep) if self.active else None
+
+    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        route = route_label(request.path)
+        if self.draining:
+            response = errors.unavailable("the proxy is shutting down; retry on another replica or shortly", RETRY_AFTER_SECONDS)
+            response.force_close()
+            self.metrics.request(route, 503, "")
+            return response
+        loop = self.loop
+        exchange = Exchange(asyncio.current_task(loop), loop.time())  # type: ignore[arg-type]
+        self.active.add(exchange)
+        if self._watchdog is None:
+            self._watchdog = loop.call_at(loop.time() + self.tick, self._sweep)
+        try:
+            response, instance = await self._handle(request, exchange)
+        except asyncio.CancelledError:
+            if exchange.reason is None:
+                self.metrics.disconnect(exchange.phase)
+            raise
+        finally:
+            self.active.discard(exchange)
+        self.metrics.request(route, response.status, instance)
+        return response
+
+    async def _handle(self, request: web.BaseRequest, exchange: Exchange) -> tuple[web.StreamResponse, str]:
+        limit = self.config.max_body_bytes
+        body = b""
+        document = None
+        if request.body_exists:
+            declared = request.content_length
+            if declared is not None and declared > limit:
+                return errors.too_large(declared, limit), ""
+            payload = request.content
+            if payload.is_eof():
+                # The whole body came with the headers (any small JSON request): take it as is,
+                # without a copy loop.
+                body = payload.read_nowait()
+                if len(body) > limit:
+                    return errors.too_large(None, limit), ""
+            else:
+                read = await self._read_body(request, exchange, limit)
+                if isinstance(read, web.Response):
+                    return read, ""
+                body = read
+            if body and _is_json(request.headers.get("Content-Type", "")):
+                try:
+                    document = parse_json(body)
+                except (ValueError, UnicodeDecodeError) as exc:
+                    return errors.bad_request(f"the request body is not valid JSON: {exc}"), ""
+                except RecursionError:
+                    return errors.bad_request("the request body is not valid JSON: it is nested too deeply to parse"), ""
+                if not isinstance(document, dict):
+                    return errors.bad_request(f"the request body must be a JSON object, got {type(document).__name__}"), ""
+                exchange.stream = document.get("stream") is True
+        key = self.balancer.key(document, request.headers)  # prefix_affinity: its prefix or session; else None
+
+        headers = request_headers(request.raw_headers, self.drop_authorization)
+        # The request target exactly as the client sent it (path and query, still percent-encoded).
+        target = request.raw_path.encode("utf-8", "surrogateescape")
+        tried: list[str] = []
+        fallback: web.Response | None = None  # what to answer if every attempt fails
+        reason: str | None = None
+        unreachable: list[str] = []  # why each ejected instance could not be reached
+        backend: Backend | None = None
+        while True:
+            last = backend
+            backend = self.balancer.choose(self.pool.ready(), self.in_flight, tried, key)
+            if backend is None and reason == "stale" and tried.count(last.name) == 1 and self.pool.is_ready(last.name):  # type: ignore[union-attr]
+                # A stale keep-alive connection and no other instance to try: one fresh
+                # connection to the same instance (its idle ones were closed), which either
+                # reaches a live server or is refused.
+                backend = last
+            if backend is None:
+                if reason in _UNREACHABLE:
+                    return errors.no_reachable_instance(unreachable), ""  # 503: none left to try
+                if fallback is not None:
+                    return fallback, tried[-1]
+                return errors.no_ready_instance(), ""
+            tried.append(backend.name)
+            name = backend.name
+            self.in_flight[name] = self.in_flight.get(name, 0) + 1
+            try:
+                outcome = await self._attempt(request, exchange, backend, target, body, headers)
+            finally:
+                left = self.in_flight[name] - 1
+                if left:
+                    self.in_flight[name] = left
+                else:
+                    del self.in_flight[name]
+            if not isinstance(outcome, tuple):  # an answer for the client
+                return outcome, name
+            fallback, reason, why = outcome
+            if reason in _UNREACHABLE:
+                unreachable.append(f"instance {name}: {why}")
+            if reason is None:
+                return fallback, name
+            if len(tried) > self.config.retries:
+                if reason in _UNREACHABLE and not self.pool.ready():
+                    return errors.no_reachable_instance(unreachable), ""
+                return fallback, name
+            self.metrics.retry(reason)
+
+    async def _read_body(self, request: web.BaseRequest, exchange: Exchange, limit: int) -> bytes | web.Response:
+        """A body that did not come whole with the headers, read as it arrives: at most `limit`
+        bytes, and at most CLIENT_TIMEOUT of silence between two pieces (a client that stops
+        half-way must not hold its connection and an in-flight slot forever, nor delay a drain,
+        which aborts requests still in this phase). The answer to send instead when it fails."""
+        exchange.phase = "body"
+        loop = self.loop
+        exchange.arm(self.clients.timeout, "the client's request body", loop.time())
+        payload = request.content
+        parts: list[bytes] = []
+        size = 0
+        try:
+            while piece := await payload.readany():
+                exchange.last = loop.time()
+                size += len(piece)
+                if size > limit:
+                    return errors.too_large(None, limit)
+                parts.append(piece)
+        except BadRequest as exc:  # the parser rejected the body (bad chunk size, ...)
+            response = self.clients.malformed(400, exc, request.remote)
+        except asyncio.CancelledError:
+            if exchange.reason is None:
+                raise  # the client went away
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            if exchange.reason == "timeout":
+                response = self.clients.body_too_slow(request.remote)
+            else:
+                response = errors.unavailable("the proxy is shutting down; send the request again", RETRY_AFTER_SECONDS)
+        else:
+            return b"".join(parts)
+        return await send_and_close(request, response)  # the rest of the body will not be read
+
+    async def _attempt(self, request, exchange: Exchange, backend: Backend, target: bytes, body: bytes, headers: bytes):
+        """One try on one instance: a response for the client, or (fallback, reason, why): what
+        to answer if nothing better comes, why to retry (None: do not) and what went wrong."""
+        exchange.phase = "queued"  # until a connection to the instance is ours
+        loop = self.loop
+        exchange.arm(self.config.first_byte_timeout, "proxy.first_byte_timeout", loop.time())
+        exchange.first_data_at = None
+        upstream: UpstreamResponse | None = None
+        try:
+            try:
+                conn = self.client.idle_connection(backend.url) or await self.client.connect(backend.url)
+                exchange.phase = "first_byte" if exchange.stream else "non_streaming"
+                exchange.sent_at = loop.time()
+                started = time.monotonic()
+                upstream = await self.client.send(conn, request.method, target, headers, body)
+            except ConnectFailed as exc:
+                self.metrics.upstream_error(backend.name, "connect")
+                self._eject(backend, str(exc))
+                return errors.bad_gateway(f"instance {backend.name}: {exc}"), "connect", str(exc)
+            except StaleConnection as exc:
+                # The request met a dead or closing socket, not a live server: as safe to retry as
+                # a refused connect. The other idle connections to that process are likely stale too.
+                self.client.close_idle(backend.url)
+                self.metrics.upstream_error(backend.name, "stale")
+                log.warning("instance %s: %s", backend.name, exc)
+                return errors.bad_gateway(f"instance {backend.name} failed before answering: {exc}"), "stale", str(exc)
+            except UpstreamBroken as exc:
+                self.metrics.upstream_error(backend.name, "broken")
+                failed = errors.bad_gateway(f"instance {backend.name} failed before answering: {exc}")
+                gone = await self._gone(backend, exc)
+                return failed, "gone" if gone else None, f"{exc}; {gone}" if gone else str(exc)
+
+            if upstream.status == 503:
+                # vLLM says it cannot take the request now (e.g. shutting down): try another.
+                try:
+                    content = await upstream.read()
+                except UpstreamBroken:
+                    content = b""
+                self.metrics.upstream_error(backend.name, "503")
+                relayed = web.Response(status=503, body=content, headers=response_headers(upstream.raw_headers))
+                relayed.headers.setdefault("Retry-After", str(RETRY_AFTER_SECONDS))
+                return relayed, "503", "503 from the instance"
+
+            headers, content_type, has_length = response_head(upstream.raw_headers)
+            sse = content_type.startswith(b"text/event-stream")
+            if sse or not has_length:
+                return await self._relay_stream(request, exchange, backend, upstream, str_headers(headers), started, sse)
+            content = upstream.complete_body()
+            if content is not None:  # a small answer, all in with its headers: no await, no task switch
+                elapsed = time.monotonic() - started
+                self.metrics.ttfb(False, elapsed)
+                self.metrics.duration(False, elapsed)
+                return self._answer(request, upstream.status, headers, content)
+            return await self._relay_body(request, exchange, backend, upstream, headers, started)
+        except asyncio.CancelledError:
+            if exchange.reason is None:
+                raise  # the client went away: the finally below drops the upstream connection
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            return self._proxy_abort_response(exchange, backend)
+        finally:
+            if upstream is not None:
+                upstream.close()  # back to the pool after a complete response; otherwise dropped
+
+    async def _gone(self, backend: Backend, exc: UpstreamBroken) -> str | None:
+        """A connection to `backend` broke before any byte: is its process gone? Then nothing
+        from it can reach any client and another instance may answer. A kill -9 tears down the
+        listening socket, resetting the connections queued on it, a moment before the
+        supervisor sees the exit (standalone, no supervisor will say so), and an exiting
+        process closes its sockets one by one: so within GONE_GRACE, either the owner takes it
+        out of the rotation or a connect to its port is refused (then it is ejected). An
+        instance that still accepts connections after that stays a 502: it may be generating
+        (an orphaned EngineCore holding the port keeps it so until the supervisor says).
+        Returns how it was shown gone, or None."""
+        loop = self.loop
+        deadline = loop.time() + GONE_GRACE
+        while True:
+            if not self.pool.is_ready(backend.name):
+                return "it left the rotation"
+            if not await self.client.listening(backend.url):
+                self._eject(backend, f"{exc}, and nothing listens on its port any more")
+                return "nothing listens on its port any more"
+            left = deadline - loop.time()
+            if left <= 0:
+                return None
+            if await self.pool.wait_not_ready(backend.name, min(GONE_PROBE_PERIOD, left)):
+                return "it left the rotation"
+
+    def _eject(self, backend: Backend, why: str) -> None:
+        """Passive health: an instance the proxy cannot reach leaves the rotation now, so the
+        requests after this one do not pay for finding out again."""
+        if self.pool.eject(backend.name, EJECT_SECONDS):
+            self.metrics.ejection(backend.name)
+            log.warning("instance %s: %s: out of the rotation until its next good health check (at most %g s)",
+                        backend.name, why, EJECT_SECONDS)
+        else:
+            log.warning("instance %s: %s", backend.name, why)
+
+    def _proxy_abort_response(self, exchange: Exchange, backend: Backend) -> web.StreamResponse:
+        if exchange.reason == "timeout":
+            return errors.gateway_timeout(self._abort_message(exchange, backend))
+        return errors.unavailable("the proxy is shutting down and the drain deadline passed", RETRY_AFTER_SECONDS)
+
+    async def _relay_body(self, request, exchange: Exchange, backend: Backend, upstream: UpstreamResponse, headers, started: float):
+        exchange.phase = "response"
+        self.metrics.ttfb(False, time.monotonic() - started)
+        exchange.arm(self.config.idle_timeout, "proxy.idle_timeout", self.loop.time())
+        try:
+            content = await upstream.read()
+        except UpstreamBroken as exc:
+            self.metrics.upstream_error(backend.name, "broken")
+            return errors.bad_gateway(f"instance {backend.name} broke off its response: {exc}")
+        self.metrics.duration(False, time.monotonic() - started)
+        return self._answer(request, upstream.status, headers, content)
+
+    @staticmethod
+    def _answer(request, status: int, headers: list[tuple[bytes, bytes]], content: bytes):
+        if RawResponse.fits(request, status):  # every ordinary answer: one write, no web.Response
+            return RawResponse(status, header_lines(headers), content, request.keep_alive)
+        return web.Response(status=status, body=content, headers=str_headers(headers))
+
+    async def _relay_stream(self, request, exchange: Exchange, backend: Backend, upstream: UpstreamResponse, headers, started: float, sse: bool):
+        out = web.StreamResponse(status=upstream.status, headers=headers)
+        if sse:
+            # Nobody between us and the client may buffer or compress the events.
+            out.headers["X-Accel-Buffering"] = "no"
+            out.headers["Cache-Control"] = "no-cache"
+        exchange.phase = "streaming"
+        exchange.idle_limit = self.config.idle_timeout
+        try:
+            await out.prepare(request)
+            sink = BodySink.of(request)
+            if sink is None:  # the client left before its headers went out
+                self.metrics.disconnect("streaming")
+                return out
+            await upstream.relay(sink, exchange)
+            if exchange.first_data_at is not None:
+                self.metrics.ttfb(True, exchange.first_data_at - exchange.sent_at)
+            self.metrics.duration(True, time.monotonic() - started)
+            # A client that leaves after the last piece makes this raise too (it is no error of ours).
+            await out.write_eof()
+        except asyncio.CancelledError:
+            if exchange.reason is None:
+                raise  # the client went away
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            return await self._end_stream(request, out, sse, backend, self._abort_message(exchange, backend))
+        except UpstreamBroken as exc:
+            self.metrics.upstream_error(backend.name, "broken")
+            log.warning("instance %s broke off a stream: %s", backend.name, exc)
+            return await self._end_stream(request, out, sse, backend, f"instance {backend.name} failed mid-stream: {exc}")
+        except ConnectionResetError:  # our write to the client failed: it is gone
+            self.metrics.disconnect("streaming")
+        return out
+
+    def _abort_message(self, exchange: Exchange, backend: Backend) -> str:
+        if exchange.reason == "timeout":
+            self.metrics.upstream_error(backend.name, "timeout")
+            return f"instance {backend.name} sent nothing for {exchange.limit:g} s ({exchange.limit_key})"
+        return "the proxy is shutting down and the drain deadline passed; the generation was aborted"
+
+    async def _end_stream(self, request, out: web.StreamResponse, sse: bool, backend: Backend, message: str) -> web.StreamResponse:
+        """After the first byte the status is gone: an SSE client gets an error event and a clean
+        end; any other body can only be cut, so the client sees a broken transfer, not a short one."""
+        try:
+            if not out.prepared:
+                await out.prepare(request)
+            if sse:
+                await out.write(errors.sse_error_event(message, "upstream_error", "upstream_error"))
+                await out.write_eof()
+            elif request.transport is not None:
+                request.transport.abort()
+        except ConnectionResetError:
+            self.metrics.disconnect("streaming")
+        return out

@@ -1,0 +1,50 @@
+"""GET /v1/models: the union of what the *ready* instances serve, de-duplicated by id.
+
+Asking only ready instances (not "the first configured one") means a client never sees a model
+list from an instance that is down, and never a 5xx while another instance could answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+from aiohttp import web
+
+from vsup.proxy.backends import Backend
+from vsup.proxy import errors
+
+
+async def _models_of(session: aiohttp.ClientSession, backend: Backend, timeout: float) -> list[dict]:
+    # Each instance has its own deadline: one hung instance must not hide the others' models.
+    async with asyncio.timeout(timeout):
+        async with session.get(backend.url + "/v1/models", allow_redirects=False) as response:
+            if response.status != 200:
+                raise ValueError(f"HTTP {response.status}")
+            document = await response.json(content_type=None)
+    data = document.get("data") if isinstance(document, dict) else None
+    if not isinstance(data, list):
+        raise ValueError("no `data` list in the answer")
+    return [entry for entry in data if isinstance(entry, dict) and "id" in entry]
+
+
+async def merged_models(session: aiohttp.ClientSession, ready: tuple[Backend, ...], timeout: float) -> web.Response:
+    if not ready:
+        return errors.no_ready_instance()
+    results = await asyncio.gather(*(_models_of(session, b, timeout) for b in ready), return_exceptions=True)
+    seen: dict[str, dict] = {}
+    failures = []
+    for backend, result in zip(ready, results):
+        if isinstance(result, BaseException):
+            if isinstance(result, asyncio.CancelledError):
+                raise result
+            why = f"no answer within {timeout:g} s" if isinstance(result, TimeoutError) else (str(result) or type(result).__name__)
+            failures.append(f"instance {backend.name}: {why}")
+            continue
+        for entry in result:
+            seen.setdefault(entry["id"], entry)
+    if failures and not seen:
+        return errors.bad_gateway("no ready instance answered /v1/models: " + "; ".join(failures))
+    body = json.dumps({"object": "list", "data": list(seen.values())}).encode()
+    return web.Response(body=body, content_type="application/json")

@@ -1,0 +1,268 @@
+"""ProxyServer: the aiohttp app, its own endpoints, start and drain.
+
+Routes: /v1/* and /tokenize, /detokenize -> an instance (forward.py); GET /v1/models -> merged
+from the ready instances (models.py); /health, /ready, /metrics (and pages added with add_page:
+vsup run's /status) -> answered here; anything else
+-> 404 in the OpenAI error shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+import os
+import logging
+from collections.abc import Awaitable, Callable
+
+import aiohttp
+from aiohttp import web
+
+from vsup.proxy.backends import Backend, BackendPool
+from vsup.config.schema import ProxyConfig
+from vsup.errors import VsupError
+from vsup.supervisor.health import PROXY_HEADER
+from vsup.proxy import aiohttp_internals, errors
+from vsup.proxy.auth import BearerAuth
+from vsup.proxy.balancer import make_balancer
+from vsup.proxy.clients import ClientPolicy
+from vsup.proxy.errors import RETRY_AFTER_SECONDS
+from vsup.proxy.forward import Forwarder
+from vsup.proxy.metrics import CONTENT_TYPE, ProxyMetrics
+from vsup.proxy.models import merged_models
+from vsup.proxy.upstream import UpstreamClient
+
+PageHandler = Callable[[web.BaseRequest, BearerAuth], Awaitable[web.StreamResponse]]
+
+log = logging.getLogger("vsup.proxy")
+
+# Shorter than uvicorn's 5 s keep-alive (vLLM's server): we drop an idle upstream connection
+# before the instance does, so a request never races a connection the instance is closing.
+UPSTREAM_KEEPALIVE = 4.0
+# vLLM endpoints outside /v1 that clients use through the proxy.
+_FORWARDED_OUTSIDE_V1 = frozenset({"/tokenize", "/detokenize"})
+# After the drain deadline, how long aborted streams get to write their error event.
+ABORT_GRACE = 2.0
+
+
+def _has_dot_segment(path: str) -> bool:
+    return any(segment in (".", "..") for segment in path.split("/"))
+
+
+def _shown(raw_path: str, limit: int = 200) -> str:
+    return repr(raw_path if len(raw_path) <= limit else raw_path[:limit] + "...")
+
+
+class ProxyServer:
+    def __init__(self, config: ProxyConfig, pool: BackendPool, *, api_key: str | None = None) -> None:
+        self.config = config
+        self.pool = pool
+        self._auth = BearerAuth(api_key if api_key is not None else config.api_key)
+        self._balancer = make_balancer(config.policy, config)
+        self._forwarder: Forwarder | None = None
+        self._client: UpstreamClient | None = None
+        self._session: aiohttp.ClientSession | None = None  # for /v1/models only
+        self._runner: web.AppRunner | None = None
+        self._clients: ClientPolicy | None = None
+        self._port: int | None = None
+        self.metrics = ProxyMetrics(self.in_flight, pool.states, pool.is_ready)
+        self.metrics.policy, self.metrics.policy_decisions = self._balancer.name, self._balancer.decisions
+        self._own = {"/health": self._health, "/ready": self._ready, "/metrics": self._metrics}
+        # vsup run's collection of the instances' metrics (observe/): its cached text is appended to /metrics
+        self.extra_metrics: Callable[[], bytes] | None = None
+        self._pid = str(os.getpid())
+        pool.subscribe(self._on_backend_change)
+
+    # -- the contract --------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        aiohttp_internals.check()  # before anything listens or starts: one clear line, not a traceback later
+        config = self.config
+        self._client = UpstreamClient(limit=config.max_connections, connect_timeout=config.connect_timeout, keepalive=UPSTREAM_KEEPALIVE)
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, limit_per_host=4, keepalive_timeout=UPSTREAM_KEEPALIVE),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout),
+            cookie_jar=aiohttp.DummyCookieJar(),
+            trust_env=False,
+        )
+        # The client-connection policy (clients.py): a bound on open connections, a timeout on
+        # half-sent requests, OpenAI-shaped answers to malformed ones.
+        self._clients = ClientPolicy(self.metrics)
+        self.metrics.client_connections = lambda: self._clients.open if self._clients else 0
+        self._forwarder = Forwarder(
+            config, self.pool, self._balancer, self._client, self.metrics, self._clients,
+            drop_authorization=self._auth.enabled,
+        )
+        # A low-level aiohttp Server with our own dispatch (below): the Application router and
+        # its middleware chain cost more per request than the routing they would do here.
+        # handler_cancellation: a client that disconnects cancels its handler, which drops the
+        # upstream connection (aiohttp >= 3.9 leaves it off by default). No access log: it costs
+        # more CPU than the forwarding itself; /metrics counts every request.
+        server = aiohttp_internals.make_server(
+            self._dispatch, policy=self._clients, max_body_bytes=config.max_body_bytes,
+            handler_cancellation=True, access_log=None,
+        )
+        self._runner = web.ServerRunner(server, handle_signals=False, shutdown_timeout=1.0)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, config.host, config.port, backlog=1024, reuse_address=True)
+        try:
+            await site.start()
+        except OSError as exc:
+            await self._close()
+            why = "the port is already in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
+            raise VsupError(f"proxy cannot listen on {config.host}:{config.port}: {why} (set proxy.port / --port)") from None
+        self._port = self._runner.addresses[0][1]
+        log.info(
+            "proxy listening on http://%s:%d (%s, %d instance(s) known, auth %s)",
+            config.host, self._port, config.policy, len(self.pool.all()), "on" if self._auth.enabled else "off",
+        )
+
+    def _on_backend_change(self, backend: Backend, state: str, ready: bool) -> None:
+        # An instance out of rotation (exited, restarting, unhealthy) may be a dead process: its
+        # idle keep-alive connections are closed now, so no later request is sent down one.
+        # Requests in flight keep their connections.
+        if self._client is not None:
+            self._client.set_reusable(backend.url, ready)
+
+    def reconfigure(self, config: ProxyConfig, api_key: str | None) -> None:
+        """Apply changed settings at once (`vsup reload`): timeouts, retries, drain timeout, policy
+        and its affinity settings, API key (also the /status page's). Requests already in flight
+        keep the timeouts they were armed with. host, port, max_connections and max_body_bytes are
+        built into the listening socket and the pools: a reload refuses to change them."""
+        self.config = config
+        self._auth = BearerAuth(api_key if api_key is not None else config.api_key)
+        if config.policy != self._balancer.name:
+            self._balancer = make_balancer(config.policy, config)
+            self.metrics.policy, self.metrics.policy_decisions = self._balancer.name, self._balancer.decisions
+        elif hasattr(self._balancer, "prefix_chars"):  # prefix_affinity: same policy, its counts kept
+            self._balancer.prefix_chars = config.affinity_prefix_chars
+            self._balancer.max_imbalance = config.affinity_max_imbalance
+        if self._forwarder is not None:
+            self._forwarder.config = config
+            self._forwarder.balancer = self._balancer
+            self._forwarder.drop_authorization = self._auth.enabled
+
+    def add_page(self, path: str, handler: PageHandler) -> None:
+        """Answer GET `path` here with `handler(request, auth)` (vsup run's /status page); the auth
+        is the one in force when the request comes (a reload may change the key)."""
+
+        async def page(request: web.BaseRequest) -> web.StreamResponse:
+            return await handler(request, self._auth)
+
+        self._own[path] = page
+
+    def set_weight(self, name: str, weight: int) -> None:
+        """The share of requests `name` gets relative to the others (standalone upstreams: the
+        instances ready behind it, see healthcheck.py)."""
+        self._balancer.set_weight(name, weight)
+
+    @property
+    def port(self) -> int:
+        if self._port is None:
+            raise RuntimeError("ProxyServer.start() has not run")
+        return self._port
+
+    def in_flight(self) -> dict[str, int]:
+        return dict(self._forwarder.in_flight) if self._forwarder else {}
+
+    def total_in_flight(self) -> int:
+        """Requests being handled, including those not yet assigned to an instance."""
+        return len(self._forwarder.active) if self._forwarder else 0
+
+    @property
+    def draining(self) -> bool:
+        return self._forwarder is not None and self._forwarder.draining
+
+    async def drain_and_stop(self, timeout: float) -> None:
+        """Stop accepting, /ready -> 503, let in-flight requests finish for up to `timeout` seconds,
+        then abort the rest upstream (streaming clients get an error event) and close."""
+        if self._runner is None or self._forwarder is None:
+            return
+        forwarder = self._forwarder
+        forwarder.draining = True
+        for site in list(self._runner.sites):
+            await site.stop()  # closes the listening socket; open connections stay
+        for exchange in list(forwarder.active):
+            if exchange.phase == "body":
+                exchange.abort("draining")  # still sending its request: nothing started, 503 now
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while forwarder.active and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if forwarder.active:
+            log.warning("drain deadline (%g s) passed: aborting %d request(s)", timeout, len(forwarder.active))
+            for exchange in list(forwarder.active):
+                exchange.abort("draining")
+            grace = loop.time() + ABORT_GRACE
+            while forwarder.active and loop.time() < grace:
+                await asyncio.sleep(0.02)
+        await self._close()
+
+    async def stop(self) -> None:
+        await self.drain_and_stop(0)
+
+    async def _close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    # -- handlers ------------------------------------------------------------------------------
+
+    async def _dispatch(self, request: web.BaseRequest) -> web.StreamResponse:
+        path = request.path
+        if "/." in path and _has_dot_segment(path):
+            # The proxy routes (and checks auth) on the path as sent and forwards it as sent: a
+            # path that an instance would resolve to somewhere else is refused, not guessed at.
+            self.metrics.request("other", 400, "")
+            return errors.bad_request(
+                f"the path {_shown(request.raw_path)} has a '.' or '..' segment: send it without (the proxy does not resolve them)"
+            )
+        if path.startswith("/v1/") or path in _FORWARDED_OUTSIDE_V1:
+            if not self._auth.allows(request):
+                self.metrics.request("auth", 401, "")
+                return errors.unauthorized()
+            if path == "/v1/models" and request.method == "GET":
+                return await self._models()
+            return await self._forwarder.handle(request)  # type: ignore[union-attr]
+        own = self._own.get(path)
+        if own is None:
+            return errors.not_found(path)
+        if request.method not in ("GET", "HEAD"):
+            return errors.error_response(405, f"{path} answers GET only", "invalid_request_error", "method_not_allowed", headers={"Allow": "GET"})
+        response = await own(request)
+        # marks what the proxy answers itself: a health probe that reaches it is not talking to an instance
+        response.headers[PROXY_HEADER] = self._pid
+        return response
+
+    async def _models(self) -> web.StreamResponse:
+        if self.draining:
+            return errors.unavailable("the proxy is shutting down", RETRY_AFTER_SECONDS)
+        response = await merged_models(self._session, self.pool.ready(), self.config.connect_timeout + 5.0)  # type: ignore[arg-type]
+        self.metrics.request("/v1/models", response.status, "")
+        return response
+
+    async def _health(self, request: web.BaseRequest) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def _ready(self, request: web.BaseRequest) -> web.Response:
+        ready = len(self.pool.ready())
+        ok = ready > 0 and not self.draining
+        body = {"ready": ok, "instances_ready": ready, "instances": len(self.pool.all()), "draining": self.draining}
+        return web.Response(status=200 if ok else 503, body=json.dumps(body).encode(), content_type="application/json")
+
+    async def _metrics(self, request: web.BaseRequest) -> web.Response:
+        if not self._auth.allows(request):
+            return errors.unauthorized()
+        body = self.metrics.render()
+        if self.extra_metrics is not None:
+            body += self.extra_metrics()
+        response = web.Response(body=body)
+        response.headers["Content-Type"] = CONTENT_TYPE
+        return response
+

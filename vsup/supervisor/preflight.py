@@ -1,0 +1,48 @@
+"""The checks `vsup plan`, `vsup run` and `vsup reload` share, so that a configuration one accepts
+the others do not reject: the model path, the plan, the instances' (and their spare) ports against
+the proxy's, the memory watchdog's limit, and every instance's launch line (vllm.args, vllm.env,
+vllm.command/venv)."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Mapping
+
+from vsup.config.schema import VsupConfig, check_instance_ports, check_model_path, check_rss_limit
+from vsup.errors import VsupError
+from vsup.supervisor.launch import build_command
+from vsup.config.planning import plan_from_config
+from vsup.topology.model import Machine
+from vsup.topology.plan_model import Plan
+
+
+def checked_plan(cfg: VsupConfig, fsroot: str, environ: Mapping[str, str], *, runs_here: bool,
+                 flags: Mapping[str, str] | None = None, planned: frozenset[str] = frozenset()) -> tuple[Machine, Plan]:
+    """Plan `cfg` on the machine under `fsroot` and check what would be launched.
+
+    `runs_here`: the instances would start on this machine, so the model path must exist here
+    (`vsup plan --fsroot DUMP` plans for another machine). `flags`: config key -> the command-line
+    option that set it (`vsup plan --base-port`), so an error names what the user typed;
+    `planned`: the same for the planner, as PlanSettings field names."""
+    flags = flags or {}
+    if runs_here:
+        check_model_path(cfg, flags.get("model"))
+    machine, plan = plan_from_config(cfg, fsroot, flags=planned)
+    check_instance_ports(cfg, len(plan.instances), flags.get("vllm.base_port"))
+    check_rss_limit(cfg, [instance.weights_bytes for instance in plan.instances])
+    for instance in plan.instances:
+        build_command(instance, cfg, environ)
+    return machine, plan
+
+
+def check_programs(argv: list[str], prefix_len: int) -> None:
+    """The launcher and the server command must exist before anything starts (else: crash loop).
+    `prefix_len`: the launcher's words (0: launcher none, the server command comes first)."""
+    checks = [(0, "placement.launcher")] if prefix_len else []
+    for position, what in [*checks, (prefix_len, "vllm.command")]:
+        if position >= len(argv):
+            continue
+        program = argv[position]
+        if shutil.which(program) is None:
+            raise VsupError(f"{what}: {program!r} is not an executable program (not found on PATH or not executable); "
+                            "install it or give its full path")

@@ -1,0 +1,89 @@
+"""A candidate as a vsup YAML (pure dict edits): the user's configuration with the candidate's
+placement, vLLM flags and LD_PRELOAD, plus the run-time settings of one measurement (free ports,
+its own log folder and control socket). The winner is written the same way, without those."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import yaml
+
+from vsup.tune.candidates import KV_MAX, PRELOAD_SETS, Candidate
+
+FLAGS = {"max_num_seqs": "--max-num-seqs", "max_num_batched_tokens": "--max-num-batched-tokens"}
+
+
+def flag_value(args: Sequence[str], flag: str) -> int | None:
+    """The value of `--flag N` or `--flag=N` in vLLM's args (the last one wins, as in argparse)."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def _without_flag(args: Sequence[str], flag: str) -> list[str]:
+    out, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+            continue
+        if arg == flag:
+            skip = True
+            continue
+        if arg.startswith(flag + "="):
+            continue
+        out.append(arg)
+    return out
+
+
+def apply_candidate(data: Mapping[str, Any], candidate: Candidate, libraries: Mapping[str, str]) -> dict[str, Any]:
+    """The user's configuration (as loaded YAML) with this candidate's settings."""
+    out = copy.deepcopy(dict(data))
+    out["instances"] = candidate.instances
+    placement = dict(out.get("placement") or {})
+    placement["omp_threads"] = candidate.omp_threads
+    placement["smt"] = candidate.smt
+    placement["housekeeping_core"] = candidate.housekeeping_core
+    if candidate.kvcache_gib == KV_MAX:
+        placement["kvcache_gib"] = None
+    elif candidate.kvcache_gib is not None:
+        placement["kvcache_gib"] = candidate.kvcache_gib
+    out["placement"] = placement
+    vllm = dict(out.get("vllm") or {})
+    args = [str(a) for a in vllm.get("args") or []]
+    for field, flag in FLAGS.items():
+        value = getattr(candidate, field)
+        if value is not None:
+            args = [*_without_flag(args, flag), flag, str(value)]
+    vllm["args"] = args
+    libs = [libraries[name] for name in PRELOAD_SETS[candidate.preload]]
+    if libs:
+        env = dict(vllm.get("env") or {})
+        env["LD_PRELOAD"] = ":".join([*libs, *(p for p in str(env.get("LD_PRELOAD", "")).split(":") if p and p not in libs)])
+        vllm["env"] = env
+    out["vllm"] = vllm
+    return out
+
+
+def for_measurement(data: Mapping[str, Any], *, proxy_port: int, base_port: int, log_dir: str, socket: str) -> dict[str, Any]:
+    """One measurement's run-time settings: its own ports, logs and control socket, the proxy on
+    loopback (the load comes from this machine)."""
+    out = copy.deepcopy(dict(data))
+    out["proxy"] = {**(out.get("proxy") or {}), "host": "127.0.0.1", "port": proxy_port}
+    out["vllm"] = {**(out.get("vllm") or {}), "base_port": base_port}
+    out["log"] = {**(out.get("log") or {}), "dir": log_dir, "echo": False}
+    out["control"] = {**(out.get("control") or {}), "socket": socket}
+    return out
+
+
+def render(data: Mapping[str, Any], comments: Sequence[str] = ()) -> str:
+    head = "".join(f"# {line}".rstrip() + "\n" for line in comments)
+    return head + yaml.safe_dump(dict(data), sort_keys=False, default_flow_style=False)
