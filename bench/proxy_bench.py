@@ -134,10 +134,10 @@ def run_proxy(port: int, upstreams: list[str], pids: list[int], interval: float)
     sys.path.insert(0, str(REPO))
     import aiohttp
 
-    from vsup.proxy.backends import Backend, BackendPool
     from vsup.config.schema import ProxyConfig
     from vsup.observe.collector import Collector, Target
     from vsup.proxy import ProxyServer
+    from vsup.proxy.backends import Backend, BackendPool
     from vsup.proxy.runloop import run
 
     async def main() -> None:

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import yaml
 
-from vsup.config.schema import load_config
 from vsup.config.planning import plan_from_config
+from vsup.config.schema import load_config
 from vsup.tune import configs, load
 from vsup.tune.objective import format_seconds
 from vsup.tune.runner import CandidateRun, free_port_run

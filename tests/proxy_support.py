@@ -10,10 +10,10 @@ from collections.abc import Iterable
 import aiohttp
 import openai
 
-from vsup.proxy.backends import Backend, BackendPool
+from tests.fakevllm.fixtures import FakeVllm, start_fake
 from vsup.config.schema import ProxyConfig
 from vsup.proxy import ProxyServer
-from tests.fakevllm.fixtures import FakeVllm, start_fake
+from vsup.proxy.backends import Backend, BackendPool
 
 # The fake's EngineCore/Worker stand-ins and shm files are irrelevant to the proxy: skip them.
 LEAN = {"FAKE_VLLM_CHILD": "0", "FAKE_VLLM_SHM": "0", "FAKE_VLLM_ACCESS_LOG": "0", "FAKE_VLLM_TOKEN_DELAY": "0.002"}

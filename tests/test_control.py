@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from vsup.supervisor import control
 from vsup.config.schema import VsupConfig
-from vsup.supervisor.control import ControlServer, request
 from vsup.errors import VsupError
+from vsup.supervisor import control
+from vsup.supervisor.control import ControlServer, request
 
 pytestmark = pytest.mark.timeout(30)
 

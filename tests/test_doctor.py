@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from vsup.doctor import checks as d
-from vsup.cli.main import main
 from tests.sysfs_builder import build_sysfs
+from vsup.cli.main import main
+from vsup.doctor import checks as d
 from vsup.topology.fsroot import FsRoot
 from vsup.topology.model import Isa
 

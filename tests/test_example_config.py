@@ -11,8 +11,8 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from vsup.config.schema import VsupConfig, load_config
 from vsup.config.example import example_yaml
+from vsup.config.schema import VsupConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "configs" / "vsup.yaml"

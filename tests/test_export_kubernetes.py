@@ -17,10 +17,10 @@ import yaml
 from tests.machines import make_machine
 from tests.sysfs_builder import GIB, add_memory_limit, build_sysfs
 from tests.test_plan_cli import vsup
+from vsup.config.planning import settings_from_config
 from vsup.config.schema import parse_config
 from vsup.export.kubernetes import export_kubernetes
 from vsup.export.pod import node_type, shape_pod
-from vsup.config.planning import settings_from_config
 from vsup.topology.cpulist import format_list, parse_list
 from vsup.topology.model import EFFICIENCY
 from vsup.topology.planner import plan

@@ -14,10 +14,10 @@ import pytest
 from tests.machines import make_machine
 from tests.sysfs_builder import GIB, build_sysfs
 from tests.test_plan_cli import vsup
+from vsup.config.planning import settings_from_config
 from vsup.config.schema import parse_config
 from vsup.export.pod import node_type
 from vsup.export.slurm import cpu_mask, export_slurm
-from vsup.config.planning import settings_from_config
 from vsup.topology.planner import plan
 
 

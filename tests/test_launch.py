@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from tests.machines import GiB, make_machine
 from vsup.config.schema import parse_config
 from vsup.errors import ConfigError
 from vsup.supervisor.launch import build_command, child_environment
-from tests.machines import GiB, make_machine
 from vsup.topology.plan_model import PlanSettings
 from vsup.topology.planner import plan
 

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from vsup.supervisor import proctree
 from vsup.cli.run import check_port_free
 from vsup.errors import VsupError
+from vsup.supervisor import proctree
 from vsup.supervisor.leftovers import _command, describe_port_holder, read_states, remove_leftovers, write_state
 
 pytestmark = pytest.mark.timeout(60)

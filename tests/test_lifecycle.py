@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vsup.supervisor.backoff import RestartPolicy
 from vsup.config.schema import RestartConfig
+from vsup.supervisor.backoff import RestartPolicy
 from vsup.supervisor.lifecycle import RUNNING, TRANSITIONS, Event, InvalidTransition, State, describe_exit, next_state
 
 

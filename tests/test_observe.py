@@ -18,6 +18,8 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
+from tests.fakevllm.fixtures import fake_vllm  # noqa: F401 (fixture)
+from tests.proxy_support import metrics_text, ready_pool, running_proxy, start_fakes, url
 from vsup.cli.status import render_instances
 from vsup.cli.top import view
 from vsup.observe import fmt, numa, procstats, scrape
@@ -26,8 +28,6 @@ from vsup.observe.families import instance_families
 from vsup.observe.page import render_page, status_page
 from vsup.observe.rates import CounterWindow, increase
 from vsup.proxy.auth import BearerAuth
-from tests.fakevllm.fixtures import fake_vllm  # noqa: F401 (fixture)
-from tests.proxy_support import metrics_text, ready_pool, running_proxy, start_fakes, url
 
 MiB = 1024 * 1024
 

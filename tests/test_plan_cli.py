@@ -255,8 +255,8 @@ def test_membind_preferred_on_a_spanning_instance_prefers_all_its_nodes_when_num
 
 def test_callers_that_name_no_flags_get_the_config_key(xeon, tmp_path):
     # vsup doctor plans a loaded config and names no flags: the key and its line, never a flag
-    from vsup.config.schema import parse_config
     from vsup.config.planning import plan_from_config
+    from vsup.config.schema import parse_config
     from vsup.topology.errors import PlanError
 
     cfg = parse_config("model: m\ninstances: 2\nplacement:\n  model_size_gib: 1\n  kvcache_gib: 1.5\n")

@@ -20,8 +20,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from vsup.supervisor import proctree
 from vsup.errors import VsupError
+from vsup.supervisor import proctree
 from vsup.supervisor.logs import InstanceLog
 from vsup.supervisor.processes import reap_orphans, spawn, stop_tree, sweep_stale_shm, tree_pids
 

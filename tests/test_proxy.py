@@ -11,14 +11,25 @@ import aiohttp
 import openai
 import pytest
 
+from tests.fakevllm.fixtures import free_port, start_fake
+from tests.proxy_support import (
+    LEAN,
+    MESSAGES,
+    client,
+    metric_value,
+    metrics_text,
+    ready_pool,
+    running_proxy,
+    served_by,
+    start_fakes,
+    url,
+    wait_for,
+)
 from vsup.proxy.backends import Backend, BackendPool
 from vsup.proxy.balancer import LeastOutstanding, RoundRobin, make_balancer
 from vsup.proxy.errors import error_body
 from vsup.proxy.forward import parse_json, request_headers, response_headers
-from tests.fakevllm.fixtures import free_port, start_fake
-from tests.proxy_support import (
-    LEAN, MESSAGES, client, metric_value, metrics_text, ready_pool, running_proxy, served_by, start_fakes, url, wait_for,
-)
+
 
 @pytest.fixture(scope="module")
 def fakes():

@@ -15,12 +15,12 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from vsup.proxy.backends import Backend
+from tests.proxy_support import client, metric_value, metrics_text, ready_pool, running_proxy, start_fakes, url
 from vsup.config.schema import ProxyConfig
 from vsup.proxy.affinity import PrefixAffinity, prefix_text, routing_key
+from vsup.proxy.backends import Backend
 from vsup.proxy.balancer import make_balancer
 from vsup.proxy.forward import parse_json
-from tests.proxy_support import client, metric_value, metrics_text, ready_pool, running_proxy, start_fakes, url
 
 LIMIT = 2048
 LONG_SYSTEM = "You answer questions about the attached manual. " * 60  # ~2900 characters
@@ -437,8 +437,8 @@ def test_vsup_run_with_prefix_affinity_and_the_instances_cache_hits_in_its_metri
 def test_reconfigure_applies_affinity_settings_and_policy():
     """`vsup reload`: a changed affinity setting reaches the running balancer (counts kept), and a
     switch to prefix_affinity builds it with the new config's settings, not the defaults."""
-    from vsup.proxy.backends import BackendPool
     from vsup.config.schema import ProxyConfig
+    from vsup.proxy.backends import BackendPool
     from vsup.proxy.server import ProxyServer
 
     proxy = ProxyServer(ProxyConfig(policy="prefix_affinity"), BackendPool())

@@ -14,7 +14,16 @@ import aiohttp
 import pytest
 
 from tests.proxy_support import (
-    MESSAGES, client, metric_value, metrics_text, ready_pool, running_proxy, served_by, start_fakes, url, wait_for,
+    MESSAGES,
+    client,
+    metric_value,
+    metrics_text,
+    ready_pool,
+    running_proxy,
+    served_by,
+    start_fakes,
+    url,
+    wait_for,
 )
 
 CHAT = json.dumps({"model": "fake-model", "messages": MESSAGES, "max_tokens": 1}).encode()

@@ -19,7 +19,15 @@ import psutil
 import pytest
 
 from tests.proxy_support import (
-    MESSAGES, client, metric_value, metrics_text, ready_pool, running_proxy, served_by, start_fakes, wait_for,
+    MESSAGES,
+    client,
+    metric_value,
+    metrics_text,
+    ready_pool,
+    running_proxy,
+    served_by,
+    start_fakes,
+    wait_for,
 )
 from tests.raw_http import RawServer, read_request, reset
 from vsup.proxy.backends import Backend

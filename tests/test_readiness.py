@@ -12,8 +12,8 @@ import aiohttp
 import pytest
 
 from tests.proxy_support import LEAN, ready_pool, running_proxy, start_fakes
-from vsup.proxy.backends import BackendPool
 from vsup.config.schema import VsupConfig
+from vsup.proxy.backends import BackendPool
 from vsup.supervisor.health import PROXY_HEADER, probe_health
 from vsup.supervisor.lifecycle import Event, Instance, State
 from vsup.supervisor.logs import InstanceLog

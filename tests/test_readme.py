@@ -7,8 +7,8 @@ import re
 from pathlib import Path
 
 from vsup.cli import command_names
-from vsup.config.schema import parse_config
 from vsup.config.example import example_yaml, with_readme_reference
+from vsup.config.schema import parse_config
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()

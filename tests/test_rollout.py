@@ -7,8 +7,8 @@ from __future__ import annotations
 import dataclasses
 
 from tests.machines import make_machine
-from vsup.config.schema import VsupConfig
 from vsup.config.planning import settings_from_config
+from vsup.config.schema import VsupConfig
 from vsup.supervisor.rollout import Launch, fixed_changes, launch_changes, live_changes, surge_room
 from vsup.topology.plan_model import GiB, LimitMemory
 from vsup.topology.planner import plan

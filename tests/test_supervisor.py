@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from tests.fakevllm.fixtures import start_records
-from tests.vsup_harness import VSUP, VsupRun, free_port, make_config, port_is_free
+from tests.vsup_harness import VSUP, VsupRun, make_config, port_is_free
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -15,15 +15,15 @@ import yaml
 from tests.lifecycle_fakes import FakeOps, VirtualClock
 from tests.machines import make_machine
 from tests.sysfs_builder import build_sysfs
-from vsup.supervisor import proctree
-from vsup.supervisor.preflight import checked_plan
+from vsup.config.planning import settings_from_config
 from vsup.config.schema import VsupConfig, load_config
 from vsup.errors import VsupError
-from vsup.supervisor.lifecycle import Event, Intent, State
-from vsup.systemd.notify import Notifier
-from vsup.config.planning import settings_from_config
 from vsup.proxy import ProxyServer
+from vsup.supervisor import proctree
+from vsup.supervisor.lifecycle import Event, Intent, State
+from vsup.supervisor.preflight import checked_plan
 from vsup.supervisor.supervisor import Supervisor
+from vsup.systemd.notify import Notifier
 from vsup.topology.planner import plan
 
 pytestmark = pytest.mark.timeout(60)

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from vsup import __version__
 from tests.sysfs_builder import build_sysfs
+from vsup import __version__
 from vsup.topology.cpulist import parse_list
 
 VSUP = str(Path(sys.executable).with_name("vsup"))

@@ -5,10 +5,16 @@ from __future__ import annotations
 from dataclasses import replace
 
 from tests.machines import GiB, make_machine
-from vsup.tune.candidates import (
-    KV_MAX, Candidate, Space, default_instances_per_node, layouts, preload_sets, tweak_dimensions,
-)
 from vsup.topology.plan_model import PlanSettings
+from vsup.tune.candidates import (
+    KV_MAX,
+    Candidate,
+    Space,
+    default_instances_per_node,
+    layouts,
+    preload_sets,
+    tweak_dimensions,
+)
 
 BASE = PlanSettings(instances=1, reserve_cores=0, model_size_bytes=GiB, kvcache_gib=1, launcher="numactl")
 

@@ -25,8 +25,8 @@ import yaml
 from tests.fakevllm import WRAPPER
 from tests.sysfs_builder import GIB, build_sysfs
 from tests.vsup_harness import VSUP
-from vsup.config.schema import load_config
 from vsup.config.planning import plan_from_config
+from vsup.config.schema import load_config
 
 pytestmark = pytest.mark.timeout(240)
 

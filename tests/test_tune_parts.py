@@ -12,15 +12,14 @@ from tests.fakevllm.fixtures import fake_vllm  # noqa: F401 (fixture)
 from tests.machines import GiB, make_machine
 from vsup.config.schema import parse_config
 from vsup.errors import VsupError
+from vsup.topology.plan_model import PlanSettings
+from vsup.topology.planner import plan
 from vsup.tune import configs, load
 from vsup.tune.candidates import KV_MAX, Candidate
 from vsup.tune.metrics import LevelMetrics, RequestRecord, level_metrics
 from vsup.tune.report import pareto
 from vsup.tune.roofline import ModelFacts, decode_roofline, model_facts
 from vsup.tune.workload import load_jsonl, synthetic
-from vsup.topology.plan_model import PlanSettings
-from vsup.topology.planner import plan
-
 
 # ---- metrics ------------------------------------------------------------------------------------
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from tests.machines import GiB, make_machine
+from vsup.topology.plan_model import PlanSettings
 from vsup.tune.candidates import Candidate, layouts, plan_tweak
 from vsup.tune.metrics import LevelMetrics
 from vsup.tune.objective import Objective, parse_duration, parse_slo
 from vsup.tune.search import Outcome, Search, SearchSettings, rung_sizes
-from vsup.topology.plan_model import PlanSettings
 
 BASE = PlanSettings(instances=1, reserve_cores=0, model_size_bytes=GiB, kvcache_gib=1)
 MACHINE = make_machine(cores_per_node=16)

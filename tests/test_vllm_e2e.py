@@ -24,7 +24,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -38,9 +37,8 @@ import psutil
 import pytest
 import yaml
 
-from tests.wheel import build_wheel
-
 from tests.vsup_harness import VSUP, VsupRun, port_is_free, ports_for
+from tests.wheel import build_wheel
 from vsup.topology.cpulist import parse_list
 
 ROOT = Path(__file__).resolve().parents[1]

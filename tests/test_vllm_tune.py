@@ -21,8 +21,8 @@ import yaml
 
 from tests.test_vllm_e2e import processes_with_env, vllm_install  # noqa: F401 (fixture)
 from tests.vsup_harness import VSUP
-from vsup.config.schema import load_config
 from vsup.config.planning import plan_from_config
+from vsup.config.schema import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 BUDGET = "12m"

@@ -25,7 +25,8 @@ from . import openai_api as api
 from .cli import ServeArgs, UsageError, parse_args
 from .engine import BatchEngine
 from .events import EventLog
-from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, VllmMetrics
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from .metrics import VllmMetrics
 from .prefix_cache import PrefixCache
 from .settings import Faults, SettingsError, load_faults
 from .tree import EngineCore, SharedMemoryFiles

@@ -20,9 +20,9 @@ output_option = click.option("--output-dir", "-o", type=click.Path(file_okay=Fal
 
 def _plan(config_path: str, fsroot: str):
     """The config, the machine as a node type, its plan and the planner's settings."""
+    from vsup.config.planning import settings_from_config
     from vsup.config.schema import load_config
     from vsup.export.pod import node_type
-    from vsup.config.planning import settings_from_config
     from vsup.topology.planner import plan
     from vsup.topology.sysfs import read_machine
 

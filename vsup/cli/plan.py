@@ -10,10 +10,10 @@ import click
 
 from vsup.cli.options import Checked as _Checked
 from vsup.cli.options import fsroot_option
-from vsup.supervisor.preflight import checked_plan
+from vsup.cli.plan_render import render_shell, render_table
 from vsup.config.schema import VsupConfig, load_config
 from vsup.errors import VsupError
-from vsup.cli.plan_render import render_shell, render_table
+from vsup.supervisor.preflight import checked_plan
 
 
 def _at_least(minimum: int):

@@ -16,9 +16,9 @@ from urllib.parse import urlsplit
 
 import click
 
-from vsup.proxy.backends import Backend, BackendPool
 from vsup.config.schema import HealthConfig, ProxyConfig, load_config
 from vsup.errors import VsupError
+from vsup.proxy.backends import Backend, BackendPool
 
 log = logging.getLogger("vsup.proxy")
 

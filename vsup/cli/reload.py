@@ -8,8 +8,8 @@ import sys
 
 import click
 
-from vsup.supervisor.control import find_socket, request
 from vsup.errors import ConfigError
+from vsup.supervisor.control import find_socket, request
 
 from .options import format_option
 from .rollout_view import render_rollout

@@ -8,8 +8,8 @@ import sys
 
 import click
 
-from vsup.supervisor.control import request
 from vsup.errors import VsupError
+from vsup.supervisor.control import request
 
 from .options import format_option
 from .status import config_option, render_instances, socket_for, socket_option

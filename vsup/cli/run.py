@@ -73,10 +73,10 @@ def check_port_free(host: str, port: int, what: str) -> None:
 def run_command(config_path: str, log_level: str | None, log_format: str, fsroot: str) -> None:
     """Start the planned instances and the proxy; keep them healthy until SIGTERM/SIGINT."""
     # the supervisor's modules (aiohttp, the proxy, psutil) load only when vsup really runs
-    from vsup.supervisor.preflight import check_programs, checked_plan
+    from vsup.proxy.runloop import run
     from vsup.supervisor.launch import build_command
     from vsup.supervisor.leftovers import sweep as sweep_leftovers
-    from vsup.proxy.runloop import run
+    from vsup.supervisor.preflight import check_programs, checked_plan
     from vsup.supervisor.supervisor import Supervisor
 
     began = time.monotonic()

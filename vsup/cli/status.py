@@ -8,9 +8,9 @@ import json
 import click
 
 from vsup.config.schema import load_config
-from vsup.supervisor.control import find_socket, request
 from vsup.observe import fmt
 from vsup.observe.fmt import duration
+from vsup.supervisor.control import find_socket, request
 from vsup.topology.cpulist import format_list
 
 from .options import format_option

@@ -27,10 +27,10 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from vsup.supervisor.control import request
 from vsup.errors import VsupError
 from vsup.observe import fmt
 from vsup.observe.fmt import duration
+from vsup.supervisor.control import request
 from vsup.topology.cpulist import format_list
 
 from .status import config_option, placement_word, socket_for, socket_option

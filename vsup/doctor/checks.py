@@ -23,12 +23,12 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from vsup.config.planning import plan_from_config
 from vsup.config.schema import VsupConfig, load_config
 from vsup.doctor.elfinfo import version_defs, version_needs
 from vsup.errors import VsupError
 from vsup.supervisor.launch import vllm_command
 from vsup.supervisor.placement import status_fields
-from vsup.config.planning import plan_from_config
 from vsup.supervisor.vllm_command import interpreter_of_script, resolve_vllm_command
 from vsup.topology.cpulist import format_list, parse_list
 from vsup.topology.errors import PlanError, TopologyError

@@ -21,10 +21,10 @@ from typing import Any
 import aiohttp
 from prometheus_client import generate_latest
 
-from vsup.supervisor import proctree
 from vsup.observe import numa, procstats, scrape
 from vsup.observe.families import instance_families
 from vsup.observe.rates import CounterWindow
+from vsup.supervisor import proctree
 
 log = logging.getLogger("vsup.observe")
 

@@ -10,7 +10,7 @@ instance that is itself a vsup) is renamed `instance_vsup_*`, and a label alread
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families

@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Collection, Iterator, Mapping
 from typing import Any, get_args
 
-from vsup.proxy.backends import Backend
 from vsup.config.schema import ProxyConfig
+from vsup.proxy.backends import Backend
 
 
 class _Rotation:

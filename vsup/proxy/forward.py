@@ -29,10 +29,10 @@ import time
 from aiohttp import web
 from multidict import CIMultiDict
 
-from vsup.proxy.backends import Backend, BackendPool
 from vsup.config.schema import ProxyConfig
 from vsup.proxy import errors
 from vsup.proxy.aiohttp_internals import BadRequest, BodySink, RawResponse, send_and_close
+from vsup.proxy.backends import Backend, BackendPool
 from vsup.proxy.clients import ClientPolicy
 from vsup.proxy.errors import RETRY_AFTER_SECONDS
 from vsup.proxy.metrics import ProxyMetrics, route_label

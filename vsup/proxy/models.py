@@ -12,8 +12,8 @@ import json
 import aiohttp
 from aiohttp import web
 
-from vsup.proxy.backends import Backend
 from vsup.proxy import errors
+from vsup.proxy.backends import Backend
 
 
 async def _models_of(session: aiohttp.ClientSession, backend: Backend, timeout: float) -> list[dict]:

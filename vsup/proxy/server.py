@@ -11,19 +11,18 @@ from __future__ import annotations
 import asyncio
 import errno
 import json
-import os
 import logging
+import os
 from collections.abc import Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
 
-from vsup.proxy.backends import Backend, BackendPool
 from vsup.config.schema import ProxyConfig
 from vsup.errors import VsupError
-from vsup.supervisor.health import PROXY_HEADER
 from vsup.proxy import aiohttp_internals, errors
 from vsup.proxy.auth import BearerAuth
+from vsup.proxy.backends import Backend, BackendPool
 from vsup.proxy.balancer import make_balancer
 from vsup.proxy.clients import ClientPolicy
 from vsup.proxy.errors import RETRY_AFTER_SECONDS
@@ -31,6 +30,7 @@ from vsup.proxy.forward import Forwarder
 from vsup.proxy.metrics import CONTENT_TYPE, ProxyMetrics
 from vsup.proxy.models import merged_models
 from vsup.proxy.upstream import UpstreamClient
+from vsup.supervisor.health import PROXY_HEADER
 
 PageHandler = Callable[[web.BaseRequest, BearerAuth], Awaitable[web.StreamResponse]]
 

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import aiohttp
 
-
 PROXY_HEADER = "X-Vsup-Proxy"  # on every response the vsup proxy answers itself; value: its pid
 
 

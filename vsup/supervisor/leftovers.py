@@ -30,8 +30,8 @@ from pathlib import Path
 
 import psutil
 
-from vsup.supervisor import proctree, shm
 from vsup.errors import VsupError
+from vsup.supervisor import proctree, shm
 from vsup.supervisor.rundir import prepare_runtime_dir
 
 logger = logging.getLogger("vsup.leftovers")

@@ -50,9 +50,9 @@ from dataclasses import dataclass
 from enum import Enum, IntEnum, StrEnum
 from typing import TYPE_CHECKING, Any
 
-from vsup.supervisor.backoff import RestartPolicy
 from vsup.config.schema import VsupConfig
 from vsup.errors import VsupError
+from vsup.supervisor.backoff import RestartPolicy
 from vsup.supervisor.warmup import warmup_body
 
 if TYPE_CHECKING:

@@ -8,10 +8,10 @@ from __future__ import annotations
 import shutil
 from collections.abc import Mapping
 
+from vsup.config.planning import plan_from_config
 from vsup.config.schema import VsupConfig, check_instance_ports, check_model_path, check_rss_limit
 from vsup.errors import VsupError
 from vsup.supervisor.launch import build_command
-from vsup.config.planning import plan_from_config
 from vsup.topology.model import Machine
 from vsup.topology.plan_model import Plan
 

@@ -28,7 +28,6 @@ import asyncio
 import errno
 import logging
 import os
-import secrets
 import signal
 import subprocess
 import sys
@@ -37,8 +36,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vsup.supervisor import proctree, shm
 from vsup.errors import VsupError
+from vsup.supervisor import proctree, shm
 from vsup.supervisor.logs import InstanceLog, LineSplitter
 from vsup.supervisor.proctree import become_subreaper  # noqa: F401 (re-exported)
 from vsup.supervisor.shm import sweep_stale_shm  # noqa: F401 (re-exported)

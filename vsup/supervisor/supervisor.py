@@ -41,25 +41,24 @@ from typing import Any
 
 import aiohttp
 
-from vsup.supervisor import leftovers
-from vsup.proxy.backends import Backend, BackendPool
 from vsup.config.schema import VsupConfig, load_config, spare_base_port
-from vsup.supervisor.control import ControlServer, control_socket_path
 from vsup.errors import VsupError
+from vsup.observe.collector import Collector, Target
+from vsup.observe.page import status_page
+from vsup.proxy import ProxyServer
+from vsup.proxy.backends import Backend, BackendPool
+from vsup.supervisor import leftovers, rollout
+from vsup.supervisor.backoff import RestartPolicy
+from vsup.supervisor.control import ControlServer, control_socket_path
 from vsup.supervisor.launch import build_command
 from vsup.supervisor.lifecycle import Instance, State, Transition
 from vsup.supervisor.logs import InstanceLog
 from vsup.supervisor.memwatch import MemoryWatchdog
-from vsup.systemd.notify import Notifier
-from vsup.observe.collector import Collector, Target
-from vsup.observe.page import status_page
 from vsup.supervisor.operations import Operations, SystemOperations
-from vsup.supervisor import rollout
-from vsup.supervisor.backoff import RestartPolicy
 from vsup.supervisor.placement import pin_self, placement_drift, read_placement
 from vsup.supervisor.processes import Child, become_subreaper, reap_orphans, sweep_stale_shm, tree_pids
-from vsup.proxy import ProxyServer
 from vsup.supervisor.rundir import prepare_runtime_dir
+from vsup.systemd.notify import Notifier
 from vsup.topology.cpulist import format_list
 from vsup.topology.errors import PlanError, TopologyError
 from vsup.topology.plan_model import InstancePlan, Plan

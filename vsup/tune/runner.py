@@ -25,8 +25,8 @@ from pathlib import Path
 
 import psutil
 
-from vsup.supervisor import control
 from vsup.errors import VsupError
+from vsup.supervisor import control
 from vsup.supervisor.ports import port_is_free
 from vsup.supervisor.shm import files_in_use, remove_unused
 

@@ -18,11 +18,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vsup.doctor import checks as doctor
+from vsup.config.planning import settings_from_config
 from vsup.config.schema import VsupConfig
+from vsup.doctor import checks as doctor
 from vsup.errors import VsupError
 from vsup.supervisor.launch import vllm_command
-from vsup.config.planning import settings_from_config
+from vsup.topology.fsroot import FsRoot
+from vsup.topology.planner import plan
+from vsup.topology.sysfs import read_machine
 from vsup.tune import configs, load, report
 from vsup.tune.candidates import Candidate, Planned, Pruned, Space, layouts, plan_tweak, preload_sets, tweak_dimensions
 from vsup.tune.metrics import level_name
@@ -32,9 +35,6 @@ from vsup.tune.roofline import cpus_per_node, cpus_per_node_of, decode_roofline,
 from vsup.tune.runner import CandidateFailed, CandidateRun, free_port_run
 from vsup.tune.search import Outcome, Search, SearchResult, SearchSettings, Trial
 from vsup.tune.workload import WorkItem, load_jsonl, synthetic
-from vsup.topology.fsroot import FsRoot
-from vsup.topology.planner import plan
-from vsup.topology.sysfs import read_machine
 
 VSUP = [sys.executable, "-m", "vsup"]  # the very vsup that runs tune starts the candidates
 
@@ -307,7 +307,8 @@ class Progress:
     """A rich progress bar with ETA over the planned seconds, and one line per finished run."""
 
     def __init__(self, console, search: Search) -> None:
-        from rich.progress import BarColumn, Progress as Bar, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+        from rich.progress import BarColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+        from rich.progress import Progress as Bar
 
         self.console = console
         self.search = search
