@@ -71,7 +71,7 @@ def test_the_example_loads_and_holds_the_defaults_but_turns_the_memory_watchdog_
 
 
 def test_the_checked_in_example_is_the_generated_one():
-    assert EXAMPLE.resolve() == ROOT / "vsup" / "supervisor" / "data" / "vsup.yaml"
+    assert EXAMPLE.resolve() == ROOT / "vsup" / "config" / "data" / "vsup.yaml"
     assert EXAMPLE.read_text() == example_yaml(), (
         "configs/vsup.yaml differs from the descriptions in vsup/config/schema.py: "
         "run `.venv/bin/python scripts/config_reference.py`")
