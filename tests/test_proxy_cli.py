@@ -139,6 +139,8 @@ def test_standalone_proxy_answers_503_at_once_when_every_upstream_is_gone(tmp_pa
     )
     revived = None
     try:
+        # a request before the first health check gets 503: wait for the proxy to see its upstreams
+        wait_until(lambda: request(port, "GET", "/ready")[0] == 200, what="the proxy to see a ready upstream")
         wait_until(lambda: {served_by(port) for _ in range(4)} == {"a", "b"}, what="both upstreams in rotation")
         a.kill_group()
         b.kill_group()
