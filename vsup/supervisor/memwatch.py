@@ -19,8 +19,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from vsup.config.schema import VsupConfig
-from vsup.supervisor.lifecycle import Instance, Intent, State
+from vsup.supervisor.lifecycle import Instance
 from vsup.supervisor.operations import Operations
+from vsup.supervisor.states import Intent, State
 from vsup.topology.plan_model import format_gib
 
 logger = logging.getLogger("vsup.memwatch")

@@ -31,8 +31,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from vsup.config.schema import VsupConfig
-from vsup.supervisor.lifecycle import Instance, State
+from vsup.supervisor.lifecycle import Instance
 from vsup.supervisor.ports import port_is_free
+from vsup.supervisor.states import State
 from vsup.topology.cpulist import format_list
 from vsup.topology.plan_model import InstancePlan, Plan, format_gib
 

@@ -51,13 +51,14 @@ from vsup.supervisor import leftovers, rollout
 from vsup.supervisor.backoff import RestartPolicy
 from vsup.supervisor.control import ControlServer, control_socket_path
 from vsup.supervisor.launch import build_command
-from vsup.supervisor.lifecycle import Instance, State, Transition
+from vsup.supervisor.lifecycle import Instance
 from vsup.supervisor.logs import InstanceLog
 from vsup.supervisor.memwatch import MemoryWatchdog
 from vsup.supervisor.operations import Operations, SystemOperations
 from vsup.supervisor.placement import pin_self, placement_drift, read_placement
 from vsup.supervisor.processes import Child, become_subreaper, reap_orphans, sweep_stale_shm, tree_pids
 from vsup.supervisor.rundir import prepare_runtime_dir
+from vsup.supervisor.states import State, Transition
 from vsup.systemd.notify import Notifier
 from vsup.topology.cpulist import format_list
 from vsup.topology.errors import PlanError, TopologyError
