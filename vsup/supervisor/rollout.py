@@ -77,7 +77,8 @@ def launch_changes(old: Launch, new: Launch) -> list[str]:
     if old.nodes != new.nodes:
         changes.append(f"memory nodes {format_list(old.nodes) or '-'} -> {format_list(new.nodes) or '-'}")
     if old.argv != new.argv:
-        removed, added = [], []
+        removed: list[str] = []
+        added: list[str] = []
         for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(a=old.argv, b=new.argv, autojunk=False).get_opcodes():
             if tag != "equal":
                 removed += old.argv[i1:i2]
@@ -260,7 +261,15 @@ class Rollout:
             step.state = "running"
             logger.info("%s: step %d/%d: %s instance %d (%s)", self.record.kind, self.record.steps.index(step) + 1,
                         len(self.record.steps), step.action, step.index, step.why)
-            ok = await getattr(self, f"_{step.action}")(step)
+            match step.action:
+                case "replace":
+                    ok = await self._replace(step)
+                case "add":
+                    ok = await self._add(step)
+                case "remove":
+                    ok = await self._remove(step)
+                case _:
+                    raise ValueError(f"rollout step {step.index}: unknown action {step.action!r}")
             step.state = "done" if ok else "failed"
             if not ok:
                 logger.warning("%s stopped at instance %d: %s", self.record.kind, step.index, step.detail)
