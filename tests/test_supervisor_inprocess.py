@@ -235,7 +235,7 @@ async def test_reload_starts_a_replacement_beside_the_old_one_when_its_cores_are
     assert step["how"] == "beside, on port 41100: its CPUs 4-7 are free"
     (new,) = f.sup.instances
     assert new is not old and new.name == "0b" and new.port == 41100 and new.state is State.READY
-    assert old.state is State.STOPPED and old not in f.sup._drivers
+    assert old.state is State.STOPPED and old not in f.sup.fleet.drivers
     assert min(f.rotation) == 1  # never dark: the new one served before the old one drained
     assert [t.new for t in old.history][-3:] == [State.DRAINING, State.STOPPING, State.STOPPED]
     assert set(f.sup.pool.states()) == {"0b"}  # the old backend is gone from the proxy
@@ -292,7 +292,7 @@ async def test_a_changed_instance_count_adds_and_removes_the_same_way(fleet):
     f.write(instances=1, placement={"cores_per_instance": 2})
     record = await f.run(f.sup.reload("vsup reload"))
     assert [(s["index"], s["action"], s["state"]) for s in record["steps"]] == [(2, "remove", "done"), (1, "remove", "done")]
-    assert len(f.sup.instances) == 1 and set(f.sup.pool.states()) == {"0"} and len(f.sup._drivers) == 1
+    assert len(f.sup.instances) == 1 and set(f.sup.pool.states()) == {"0"} and len(f.sup.fleet.drivers) == 1
     assert record["unchanged"] == [0] and min(f.rotation) >= 1
 
 
@@ -305,14 +305,14 @@ async def test_a_replacement_that_does_not_come_up_stops_the_reload_and_the_old_
     assert record["state"] == "failed" and "did not become ready" in record["error"]
     assert "not healthy after the startup timeout of 10s" in record["error"] and "keeps running its old command" in record["error"]
     assert f.sup.instances == [old] and old.state is State.READY and min(f.rotation) == 1
-    assert len(f.sup._drivers) == 1 and set(f.sup.pool.states()) == {"0"}
+    assert len(f.sup.fleet.drivers) == 1 and set(f.sup.pool.states()) == {"0"}
 
 
 async def test_one_rollout_at_a_time_and_none_while_stopping(fleet):
     f = await fleet()
     f.write(vllm={"args": ["--dtype", "bfloat16"]})
     first = asyncio.ensure_future(f.sup.reload("vsup reload"))
-    await f.until(lambda: f.sup._rollout_busy() is not None and "running" in f.sup._rollout_busy(), "the reload runs")
+    await f.until(lambda: f.sup.changes.busy() is not None and "running" in f.sup.changes.busy(), "the reload runs")
     with pytest.raises(VsupError, match=r"a reload is running \(0 of 2 steps done\); nothing is reloaded"):
         await f.sup.reload("SIGHUP")
     with pytest.raises(VsupError, match="a reload is running"):
@@ -340,7 +340,7 @@ async def test_a_new_base_port_moves_each_instance_one_at_a_time(fleet):
     assert [s["why"].split(";")[0] for s in record["steps"]] == ["port 41000 -> 42000", "port 41001 -> 42001"]
     assert [s["how"].split(":")[0] for s in record["steps"]] == ["in place, on port 42000", "in place, on port 42001"]
     assert [(i.name, i.port, i.state) for i in f.sup.instances] == [("0", 42000, State.READY), ("1", 42001, State.READY)]
-    assert all(o.state is State.STOPPED and o not in f.sup._drivers for o in old)
+    assert all(o.state is State.STOPPED and o not in f.sup.fleet.drivers for o in old)
     assert set(f.sup.pool.states()) == {"0", "1"} and {b.url for b in f.sup.pool.all()} == {
         "http://127.0.0.1:42000", "http://127.0.0.1:42001"}
     assert min(f.rotation) == 1

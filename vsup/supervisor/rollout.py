@@ -18,7 +18,7 @@ was done stays done, the rest is not touched, and the record says why. A rolling
 rollout whose steps replace every instance with itself (in place: a drain, a restart, a warm-up).
 
 The pure parts (`launch_changes`, `surge_room`, `fixed_changes`, `live_changes`) are tested
-without processes; `Rollout` runs the steps against a `Fleet` (the supervisor).
+without processes; `Rollout` runs the steps against a `Fleet` (fleet.py).
 """
 
 from __future__ import annotations
@@ -221,10 +221,12 @@ class Record:
 # ---- carrying the steps out --------------------------------------------------------------------------
 
 class Fleet(Protocol):
-    """What a rollout needs of the running vsup (the Supervisor)."""
+    """What a rollout needs of the running instances (fleet.Fleet)."""
 
     instances: list[Instance]  # the fleet by index: what the proxy's rotation and `vsup status` follow
-    plan: Plan  # the plan in force (the new one, during a reload)
+    @property
+    def plan(self) -> Plan:
+        """The plan in force (the new one, during a reload)."""
 
     def plan_of(self, inst: Instance) -> InstancePlan: ...
 
