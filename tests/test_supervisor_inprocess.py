@@ -1,6 +1,8 @@
 """`Supervisor.run` in-process: the real proxy, control socket and signal handling, with the
-instances' processes and clock faked (tests/lifecycle_fakes.py). What a subprocess test cannot
-reach: a step of the shutdown that raises must not leave the instances running."""
+instances' processes and clock faked (tests/lifecycle_fakes.py) and what vsup does to its own
+process and the machine recorded (tests/host_fakes.py). What a subprocess test cannot reach: a step
+of the shutdown that raises must not leave the instances running; what the supervisor asks of
+the host."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import time
 import pytest
 import yaml
 
+from tests.host_fakes import RecordingHost
 from tests.lifecycle_fakes import FakeOps, VirtualClock
 from tests.machines import make_machine
 from tests.sysfs_builder import build_sysfs
@@ -19,7 +22,6 @@ from vsup.config.planning import settings_from_config
 from vsup.config.schema import VsupConfig, load_config
 from vsup.errors import VsupError
 from vsup.proxy import ProxyServer
-from vsup.supervisor import proctree
 from vsup.supervisor.preflight import checked_plan
 from vsup.supervisor.states import Event, Intent, State
 from vsup.supervisor.supervisor import Supervisor
@@ -65,14 +67,8 @@ class ExplodingNotifier(Notifier):
         raise OverflowError("cannot convert float infinity to integer")
 
 
-@pytest.fixture
-def restore_subreaper():
-    yield
-    proctree.stop_being_subreaper()  # Supervisor.run made this test process a subreaper
-
-
 @pytest.mark.parametrize("failing", ["notify", "drain"])
-async def test_a_failing_shutdown_step_still_stops_every_instance(tmp_path, monkeypatch, caplog, restore_subreaper, failing):
+async def test_a_failing_shutdown_step_still_stops_every_instance(tmp_path, monkeypatch, caplog, failing):
     config = make_config(tmp_path)
     ops = FakeOps(load_time=2.0)
     notifier = ExplodingNotifier() if failing == "notify" else Notifier(None)
@@ -81,7 +77,8 @@ async def test_a_failing_shutdown_step_still_stops_every_instance(tmp_path, monk
             raise RuntimeError("the drain broke")
         monkeypatch.setattr(ProxyServer, "drain_and_stop", broken_drain)
     the_plan = plan(make_machine(cores_per_node=4), settings_from_config(config))
-    sup = Supervisor(config, the_plan, notifier=notifier, environ={"TMPDIR": str(tmp_path)}, ops=ops)
+    sup = Supervisor(config, the_plan, notifier=notifier, environ={"TMPDIR": str(tmp_path)}, ops=ops,
+                     host=RecordingHost())
     running = asyncio.create_task(sup.run())
     await until(lambda: len(sup.instances) == 2 and all(i.state is State.READY for i in sup.instances), ops.clock,
                 "both instances ready")
@@ -99,11 +96,11 @@ async def test_a_failing_shutdown_step_still_stops_every_instance(tmp_path, monk
     assert f"stopping: {step} failed; going on with the next step" in caplog.text
 
 
-async def test_restart_requests_after_the_stop_began_are_refused_and_change_nothing(tmp_path, restore_subreaper):
+async def test_restart_requests_after_the_stop_began_are_refused_and_change_nothing(tmp_path):
     config = make_config(tmp_path)
     ops = FakeOps(load_time=2.0, stop_time=3.0)
     sup = Supervisor(config, plan(make_machine(cores_per_node=4), settings_from_config(config)),
-                     notifier=Notifier(None), environ={"TMPDIR": str(tmp_path)}, ops=ops)
+                     notifier=Notifier(None), environ={"TMPDIR": str(tmp_path)}, ops=ops, host=RecordingHost())
     running = asyncio.create_task(sup.run())
     await until(lambda: len(sup.instances) == 2 and all(i.state is State.READY for i in sup.instances), ops.clock,
                 "both instances ready")
@@ -114,6 +111,36 @@ async def test_restart_requests_after_the_stop_began_are_refused_and_change_noth
     await until(running.done, ops.clock, "vsup stopped")
     assert running.result() == 0
     assert len(ops.processes) == 2 and [i.state for i in sup.instances] == [State.STOPPED, State.STOPPED]
+
+
+async def test_the_supervisor_asks_its_host_to_pin_adopt_orphans_sweep_and_check_placement(tmp_path):
+    base = make_config(tmp_path)
+    config = base.model_copy(update={"placement": base.placement.model_copy(update={"launcher": "taskset",
+                                                                                    "reserve_cores": 1})})
+    the_plan = plan(make_machine(cores_per_node=4), settings_from_config(config, numactl_available=False))
+    assert the_plan.reserved_cpus and all(p.argv for p in the_plan.instances)  # pinned, so placement is checked
+    ops = FakeOps(load_time=2.0)
+    host = RecordingHost(subreaper=False, drift=["pid 7 (VLLM::EngineCore): CPUs 0-7 outside plan 1-3"])
+    sup = Supervisor(config, the_plan, notifier=Notifier(None), environ={"TMPDIR": str(tmp_path)}, ops=ops, host=host)
+    running = asyncio.create_task(sup.run())
+    await until(lambda: len(sup.instances) == 2 and all(i.state is State.READY for i in sup.instances), ops.clock,
+                "both instances ready")
+    # before anything started: vsup on the reserved CPUs, the orphans' subreaper, last run's /dev/shm swept
+    assert host.calls[:3] == [("pin_self", sorted(the_plan.reserved_cpus)), ("become_subreaper",),
+                              ("sweep_stale_shm",)]
+    # each instance, once ready, was read where the plan put it, and the drift the host saw is reported
+    assert sorted(call[1:] for call in host.named("placement_drift")) == sorted(
+        (inst.pid, list(p.cpus), None) for inst, p in zip(sup.instances, the_plan.instances, strict=True))
+    (entry,) = {(s["placement_ok"], tuple(s["placement_drift"])) for s in sup.status()["instances"]}
+    assert entry == (False, tuple(host.drift))
+    await until(lambda: host.named("reap_orphans"), ops.clock, "a tick reaped orphans")
+
+    sweeps = len(host.named("sweep_stale_shm"))
+    ops.processes[0].exit(1)  # a failure: the driver backs off, and the supervisor sweeps after it
+    await until(lambda: len(host.named("sweep_stale_shm")) > sweeps, ops.clock, "a sweep after the failure")
+    sup._on_stop_signal(signal.SIGTERM)
+    await until(running.done, ops.clock, "vsup stopped")
+    assert running.result() == 0
 
 
 # ---- reload and rolling restart: the rollout over fake processes on the virtual clock -------------------
@@ -151,8 +178,9 @@ class Fleet:
         config = load_config(self.path)
         _machine, the_plan = checked_plan(config, str(self.fsroot), {}, runs_here=True)
         self.ops = FakeOps(load_time=2.0, stop_time=0.5)
+        self.host = RecordingHost()
         self.sup = Supervisor(config, the_plan, config_path=str(self.path), notifier=Notifier(None),
-                              environ={"TMPDIR": str(tmp_path)}, ops=self.ops, fsroot=str(self.fsroot))
+                              environ={"TMPDIR": str(tmp_path)}, ops=self.ops, host=self.host, fsroot=str(self.fsroot))
         self.rotation: list[int] = []  # len(pool.ready()) after every change of the proxy's rotation
         self.sup.pool.subscribe(lambda backend, state, ready: self.rotation.append(len(self.sup.pool.ready())))
         self.task: asyncio.Task | None = None
@@ -186,7 +214,7 @@ class Fleet:
 
 
 @pytest.fixture
-async def fleet(tmp_path, restore_subreaper):
+async def fleet(tmp_path):
     made: list[Fleet] = []
 
     async def make(**sections) -> Fleet:
