@@ -1,5 +1,8 @@
 """The life of one vLLM instance: the driver that moves it through the state machine.
 
+(Over 400 lines for a reason: it is one class, `Instance`, whose methods are the handlers of its
+states and the races between them; split, one state machine would be read across files.)
+
 The states, events and every transition are the tables in vsup/supervisor/states.py
 (`TRANSITIONS`, `ON_INTENT`, `AFTER_STOP`); `states.diagram()` draws them, and
 `scripts/lifecycle_diagram.py` writes that drawing into ARCHITECTURE.md and docs/supervisor.md.
@@ -492,7 +495,7 @@ class Instance:
         else:
             now = self.ops.now()
             decision = self.policy.on_failure(now, self._ready_since)
-            if decision.give_up:
+            if decision.delay is None:  # give up (decision.give_up)
                 window = self.config.restart.crash_loop_window
                 self._fire(
                     Event.CRASH_LOOP,
