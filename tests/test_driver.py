@@ -11,17 +11,8 @@ import pytest
 
 from tests.lifecycle_fakes import FakeOps
 from vsup.config.schema import VsupConfig
-from vsup.supervisor.lifecycle import (
-    AFTER_STOP,
-    ON_INTENT,
-    STARTUP_POLL,
-    TRANSITIONS,
-    Event,
-    Instance,
-    Intent,
-    State,
-    next_state,
-)
+from vsup.supervisor.lifecycle import STARTUP_POLL, Instance
+from vsup.supervisor.states import AFTER_STOP, ON_INTENT, TRANSITIONS, Event, Intent, State, next_state
 
 pytestmark = pytest.mark.timeout(10)
 

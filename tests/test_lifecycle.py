@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import itertools
 import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -11,19 +14,78 @@ from hypothesis import strategies as st
 
 from vsup.config.schema import RestartConfig
 from vsup.supervisor.backoff import RestartPolicy
-from vsup.supervisor.lifecycle import RUNNING, TRANSITIONS, Event, InvalidTransition, State, describe_exit, next_state
+from vsup.supervisor.lifecycle import describe_exit
+from vsup.supervisor.states import RUNNING, TRANSITIONS, Event, InvalidTransition, State, diagram, next_state
+
+# The whole table, written out once more by hand: an edit of TRANSITIONS that adds, drops or
+# redirects a transition fails here until this list (and the docs' diagram) say the same.
+EXPECTED = """
+stopped start starting
+starting healthy warming
+starting startup_timeout stopping
+starting exited stopping
+starting stop stopping
+warming warmed ready
+warming warmup_failed stopping
+warming exited stopping
+warming stop stopping
+ready unhealthy unhealthy
+ready drain draining
+ready exited stopping
+ready stop stopping
+unhealthy exited stopping
+unhealthy stop stopping
+draining drained stopping
+draining exited stopping
+draining stop stopping
+stopping cleaned_up backoff
+stopping crash_loop failed
+stopping restart starting
+stopping halted stopped
+backoff delay_over starting
+backoff start starting
+backoff stop stopped
+failed start starting
+failed stop stopped
+"""
 
 
-def test_every_state_event_pair_maps_or_is_rejected():
-    mapped = 0
-    for state, event in itertools.product(State, Event):
-        if (state, event) in TRANSITIONS:
-            assert next_state(state, event) in State
-            mapped += 1
-        else:
-            with pytest.raises(InvalidTransition, match=f"{event.value}.*{state.value}"):
-                next_state(state, event)
-    assert mapped == len(TRANSITIONS)
+def test_the_table_is_exactly_the_expected_transitions():
+    expected = {(State(src), Event(event)): State(dst) for src, event, dst in map(str.split, EXPECTED.strip().splitlines())}
+    table = dict(TRANSITIONS)
+    assert {k: v for k, v in table.items() if expected.get(k) != v} == {}, "in TRANSITIONS, not as expected"
+    assert {k: v for k, v in expected.items() if table.get(k) != v} == {}, "expected, not in TRANSITIONS"
+
+
+def test_a_pair_outside_the_table_is_rejected_naming_both():
+    rejected = [(s, e) for s, e in itertools.product(State, Event) if (s, e) not in TRANSITIONS]
+    assert len(rejected) == len(State) * len(Event) - len(TRANSITIONS) > 0
+    for state, event in rejected:
+        with pytest.raises(InvalidTransition, match=f"{event.value!r} is not valid in state {state.value!r}"):
+            next_state(state, event)
+
+
+def test_every_event_moves_some_state():
+    # an event no row accepts is a dead name (or a row was lost)
+    assert {event for _, event in TRANSITIONS} == set(Event)
+
+
+def test_the_docs_carry_the_diagram_of_the_table():
+    script = Path(__file__).resolve().parents[1] / "scripts" / "lifecycle_diagram.py"
+    result = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True)
+    assert result.returncode == 0, f"{result.stdout}{result.stderr}".strip()
+
+
+def test_the_diagram_shows_every_transition_once():
+    lines = diagram().splitlines()
+    shown, src = [], None
+    for line in lines:
+        name, rest = line.split("──", 1)
+        src = name.strip() or src
+        events, dst = rest.split("──▶ ")
+        shown += [(State(src), Event(e), State(dst)) for e in events.strip("─").split(", ")]
+    assert sorted(shown) == sorted((s, e, d) for (s, e), d in TRANSITIONS.items())
+    assert len({line.index("▶") for line in lines}) == 1  # the arrows line up
 
 
 def test_every_state_is_reachable_from_stopped_and_can_get_back_to_stopped():

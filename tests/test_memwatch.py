@@ -10,8 +10,9 @@ import pytest
 
 from tests.lifecycle_fakes import FakeOps
 from vsup.config.schema import VsupConfig
-from vsup.supervisor.lifecycle import Event, Instance, Intent, State
+from vsup.supervisor.lifecycle import Instance
 from vsup.supervisor.memwatch import MemoryWatchdog, may_drain
+from vsup.supervisor.states import Event, Intent, State
 
 pytestmark = pytest.mark.timeout(20)
 

@@ -4,12 +4,15 @@ can start beside the instance it replaces. The rollout itself runs in tests/test
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+
+import pytest
 
 from tests.machines import make_machine
 from vsup.config.planning import settings_from_config
 from vsup.config.schema import VsupConfig
-from vsup.supervisor.rollout import Launch, fixed_changes, launch_changes, live_changes, surge_room
+from vsup.supervisor.rollout import Launch, Record, Rollout, Step, fixed_changes, launch_changes, live_changes, surge_room
 from vsup.topology.plan_model import GiB, LimitMemory
 from vsup.topology.planner import plan
 
@@ -63,3 +66,10 @@ def test_keys_a_running_vsup_cannot_change_and_the_ones_it_applies_at_once():
                                        "proxy.port (8000 -> 9000): the proxy listens there"]
     assert live_changes(old, new) == ["health.warmup.prompt", "log.level", "proxy.policy"]
     assert fixed_changes(old, old) == [] and live_changes(old, old) == []
+
+
+def test_a_step_with_an_unknown_action_is_an_error_not_a_skip():
+    record = Record("reload", "test", 0.0, steps=[Step(0, "frobnicate", "a typo in the planner")])
+    with pytest.raises(ValueError, match="unknown action 'frobnicate'"):
+        asyncio.run(Rollout(fleet=None, record=record).run())  # the fleet is never reached
+    assert record.steps[0].state == "running"

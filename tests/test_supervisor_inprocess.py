@@ -1,6 +1,8 @@
 """`Supervisor.run` in-process: the real proxy, control socket and signal handling, with the
-instances' processes and clock faked (tests/lifecycle_fakes.py). What a subprocess test cannot
-reach: a step of the shutdown that raises must not leave the instances running."""
+instances' processes and clock faked (tests/lifecycle_fakes.py) and what vsup does to its own
+process and the machine recorded (tests/host_fakes.py). What a subprocess test cannot reach: a step
+of the shutdown that raises must not leave the instances running; what the supervisor asks of
+the host."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import time
 import pytest
 import yaml
 
+from tests.host_fakes import RecordingHost
 from tests.lifecycle_fakes import FakeOps, VirtualClock
 from tests.machines import make_machine
 from tests.sysfs_builder import build_sysfs
@@ -19,9 +22,8 @@ from vsup.config.planning import settings_from_config
 from vsup.config.schema import VsupConfig, load_config
 from vsup.errors import VsupError
 from vsup.proxy import ProxyServer
-from vsup.supervisor import proctree
-from vsup.supervisor.lifecycle import Event, Intent, State
 from vsup.supervisor.preflight import checked_plan
+from vsup.supervisor.states import Event, Intent, State
 from vsup.supervisor.supervisor import Supervisor
 from vsup.systemd.notify import Notifier
 from vsup.topology.planner import plan
@@ -65,14 +67,8 @@ class ExplodingNotifier(Notifier):
         raise OverflowError("cannot convert float infinity to integer")
 
 
-@pytest.fixture
-def restore_subreaper():
-    yield
-    proctree.stop_being_subreaper()  # Supervisor.run made this test process a subreaper
-
-
 @pytest.mark.parametrize("failing", ["notify", "drain"])
-async def test_a_failing_shutdown_step_still_stops_every_instance(tmp_path, monkeypatch, caplog, restore_subreaper, failing):
+async def test_a_failing_shutdown_step_still_stops_every_instance(tmp_path, monkeypatch, caplog, failing):
     config = make_config(tmp_path)
     ops = FakeOps(load_time=2.0)
     notifier = ExplodingNotifier() if failing == "notify" else Notifier(None)
@@ -81,7 +77,8 @@ async def test_a_failing_shutdown_step_still_stops_every_instance(tmp_path, monk
             raise RuntimeError("the drain broke")
         monkeypatch.setattr(ProxyServer, "drain_and_stop", broken_drain)
     the_plan = plan(make_machine(cores_per_node=4), settings_from_config(config))
-    sup = Supervisor(config, the_plan, notifier=notifier, environ={"TMPDIR": str(tmp_path)}, ops=ops)
+    sup = Supervisor(config, the_plan, notifier=notifier, environ={"TMPDIR": str(tmp_path)}, ops=ops,
+                     host=RecordingHost())
     running = asyncio.create_task(sup.run())
     await until(lambda: len(sup.instances) == 2 and all(i.state is State.READY for i in sup.instances), ops.clock,
                 "both instances ready")
@@ -99,11 +96,11 @@ async def test_a_failing_shutdown_step_still_stops_every_instance(tmp_path, monk
     assert f"stopping: {step} failed; going on with the next step" in caplog.text
 
 
-async def test_restart_requests_after_the_stop_began_are_refused_and_change_nothing(tmp_path, restore_subreaper):
+async def test_restart_requests_after_the_stop_began_are_refused_and_change_nothing(tmp_path):
     config = make_config(tmp_path)
     ops = FakeOps(load_time=2.0, stop_time=3.0)
     sup = Supervisor(config, plan(make_machine(cores_per_node=4), settings_from_config(config)),
-                     notifier=Notifier(None), environ={"TMPDIR": str(tmp_path)}, ops=ops)
+                     notifier=Notifier(None), environ={"TMPDIR": str(tmp_path)}, ops=ops, host=RecordingHost())
     running = asyncio.create_task(sup.run())
     await until(lambda: len(sup.instances) == 2 and all(i.state is State.READY for i in sup.instances), ops.clock,
                 "both instances ready")
@@ -114,6 +111,36 @@ async def test_restart_requests_after_the_stop_began_are_refused_and_change_noth
     await until(running.done, ops.clock, "vsup stopped")
     assert running.result() == 0
     assert len(ops.processes) == 2 and [i.state for i in sup.instances] == [State.STOPPED, State.STOPPED]
+
+
+async def test_the_supervisor_asks_its_host_to_pin_adopt_orphans_sweep_and_check_placement(tmp_path):
+    base = make_config(tmp_path)
+    config = base.model_copy(update={"placement": base.placement.model_copy(update={"launcher": "taskset",
+                                                                                    "reserve_cores": 1})})
+    the_plan = plan(make_machine(cores_per_node=4), settings_from_config(config, numactl_available=False))
+    assert the_plan.reserved_cpus and all(p.argv for p in the_plan.instances)  # pinned, so placement is checked
+    ops = FakeOps(load_time=2.0)
+    host = RecordingHost(subreaper=False, drift=["pid 7 (VLLM::EngineCore): CPUs 0-7 outside plan 1-3"])
+    sup = Supervisor(config, the_plan, notifier=Notifier(None), environ={"TMPDIR": str(tmp_path)}, ops=ops, host=host)
+    running = asyncio.create_task(sup.run())
+    await until(lambda: len(sup.instances) == 2 and all(i.state is State.READY for i in sup.instances), ops.clock,
+                "both instances ready")
+    # before anything started: vsup on the reserved CPUs, the orphans' subreaper, last run's /dev/shm swept
+    assert host.calls[:3] == [("pin_self", sorted(the_plan.reserved_cpus)), ("become_subreaper",),
+                              ("sweep_stale_shm",)]
+    # each instance, once ready, was read where the plan put it, and the drift the host saw is reported
+    assert sorted(call[1:] for call in host.named("placement_drift")) == sorted(
+        (inst.pid, list(p.cpus), None) for inst, p in zip(sup.instances, the_plan.instances, strict=True))
+    (entry,) = {(s["placement_ok"], tuple(s["placement_drift"])) for s in sup.status()["instances"]}
+    assert entry == (False, tuple(host.drift))
+    await until(lambda: host.named("reap_orphans"), ops.clock, "a tick reaped orphans")
+
+    sweeps = len(host.named("sweep_stale_shm"))
+    ops.processes[0].exit(1)  # a failure: the driver backs off, and the supervisor sweeps after it
+    await until(lambda: len(host.named("sweep_stale_shm")) > sweeps, ops.clock, "a sweep after the failure")
+    sup._on_stop_signal(signal.SIGTERM)
+    await until(running.done, ops.clock, "vsup stopped")
+    assert running.result() == 0
 
 
 # ---- reload and rolling restart: the rollout over fake processes on the virtual clock -------------------
@@ -151,8 +178,9 @@ class Fleet:
         config = load_config(self.path)
         _machine, the_plan = checked_plan(config, str(self.fsroot), {}, runs_here=True)
         self.ops = FakeOps(load_time=2.0, stop_time=0.5)
+        self.host = RecordingHost()
         self.sup = Supervisor(config, the_plan, config_path=str(self.path), notifier=Notifier(None),
-                              environ={"TMPDIR": str(tmp_path)}, ops=self.ops, fsroot=str(self.fsroot))
+                              environ={"TMPDIR": str(tmp_path)}, ops=self.ops, host=self.host, fsroot=str(self.fsroot))
         self.rotation: list[int] = []  # len(pool.ready()) after every change of the proxy's rotation
         self.sup.pool.subscribe(lambda backend, state, ready: self.rotation.append(len(self.sup.pool.ready())))
         self.task: asyncio.Task | None = None
@@ -186,7 +214,7 @@ class Fleet:
 
 
 @pytest.fixture
-async def fleet(tmp_path, restore_subreaper):
+async def fleet(tmp_path):
     made: list[Fleet] = []
 
     async def make(**sections) -> Fleet:
@@ -211,7 +239,7 @@ async def test_reload_replaces_changed_instances_one_at_a_time_in_place_when_no_
     assert record["steps"][0]["why"] == "command line -float32 +bfloat16"
     assert record["steps"][0]["how"].startswith("in place, on port 41000: its CPUs")
     new = [i.child for i in f.sup.instances]
-    assert all(n is not o for n, o in zip(new, old)) and all(o.returncode is not None for o in old)
+    assert all(n is not o for n, o in zip(new, old, strict=True)) and all(o.returncode is not None for o in old)
     assert all(n.argv[-2:] == ["--dtype", "bfloat16"] for n in new)
     assert [i.name for i in f.sup.instances] == ["0", "1"] and [i.restarts for i in f.sup.instances] == [1, 1]
     assert min(f.rotation) == 1  # one instance fewer at most: there was no free core
@@ -235,7 +263,7 @@ async def test_reload_starts_a_replacement_beside_the_old_one_when_its_cores_are
     assert step["how"] == "beside, on port 41100: its CPUs 4-7 are free"
     (new,) = f.sup.instances
     assert new is not old and new.name == "0b" and new.port == 41100 and new.state is State.READY
-    assert old.state is State.STOPPED and old not in f.sup._drivers
+    assert old.state is State.STOPPED and old not in f.sup.fleet.drivers
     assert min(f.rotation) == 1  # never dark: the new one served before the old one drained
     assert [t.new for t in old.history][-3:] == [State.DRAINING, State.STOPPING, State.STOPPED]
     assert set(f.sup.pool.states()) == {"0b"}  # the old backend is gone from the proxy
@@ -292,7 +320,7 @@ async def test_a_changed_instance_count_adds_and_removes_the_same_way(fleet):
     f.write(instances=1, placement={"cores_per_instance": 2})
     record = await f.run(f.sup.reload("vsup reload"))
     assert [(s["index"], s["action"], s["state"]) for s in record["steps"]] == [(2, "remove", "done"), (1, "remove", "done")]
-    assert len(f.sup.instances) == 1 and set(f.sup.pool.states()) == {"0"} and len(f.sup._drivers) == 1
+    assert len(f.sup.instances) == 1 and set(f.sup.pool.states()) == {"0"} and len(f.sup.fleet.drivers) == 1
     assert record["unchanged"] == [0] and min(f.rotation) >= 1
 
 
@@ -305,14 +333,14 @@ async def test_a_replacement_that_does_not_come_up_stops_the_reload_and_the_old_
     assert record["state"] == "failed" and "did not become ready" in record["error"]
     assert "not healthy after the startup timeout of 10s" in record["error"] and "keeps running its old command" in record["error"]
     assert f.sup.instances == [old] and old.state is State.READY and min(f.rotation) == 1
-    assert len(f.sup._drivers) == 1 and set(f.sup.pool.states()) == {"0"}
+    assert len(f.sup.fleet.drivers) == 1 and set(f.sup.pool.states()) == {"0"}
 
 
 async def test_one_rollout_at_a_time_and_none_while_stopping(fleet):
     f = await fleet()
     f.write(vllm={"args": ["--dtype", "bfloat16"]})
     first = asyncio.ensure_future(f.sup.reload("vsup reload"))
-    await f.until(lambda: f.sup._rollout_busy() is not None and "running" in f.sup._rollout_busy(), "the reload runs")
+    await f.until(lambda: f.sup.changes.busy() is not None and "running" in f.sup.changes.busy(), "the reload runs")
     with pytest.raises(VsupError, match=r"a reload is running \(0 of 2 steps done\); nothing is reloaded"):
         await f.sup.reload("SIGHUP")
     with pytest.raises(VsupError, match="a reload is running"):
@@ -340,7 +368,7 @@ async def test_a_new_base_port_moves_each_instance_one_at_a_time(fleet):
     assert [s["why"].split(";")[0] for s in record["steps"]] == ["port 41000 -> 42000", "port 41001 -> 42001"]
     assert [s["how"].split(":")[0] for s in record["steps"]] == ["in place, on port 42000", "in place, on port 42001"]
     assert [(i.name, i.port, i.state) for i in f.sup.instances] == [("0", 42000, State.READY), ("1", 42001, State.READY)]
-    assert all(o.state is State.STOPPED and o not in f.sup._drivers for o in old)
+    assert all(o.state is State.STOPPED and o not in f.sup.fleet.drivers for o in old)
     assert set(f.sup.pool.states()) == {"0", "1"} and {b.url for b in f.sup.pool.all()} == {
         "http://127.0.0.1:42000", "http://127.0.0.1:42001"}
     assert min(f.rotation) == 1

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from tenacity import RetryCallState, wait_exponential, wait_random
+from tenacity import RetryCallState, Retrying, wait_exponential, wait_random
 
 from vsup.config.schema import RestartConfig
 
@@ -66,6 +66,7 @@ class RestartPolicy:
 
     def delay_for(self, attempt: int) -> float:
         """The wait before start number `attempt + 1` (attempt 1 = after the first failure)."""
-        state = RetryCallState(None, None, (), {})  # tenacity's strategies only read attempt_number
+        # tenacity's wait strategies read only attempt_number; the state wants a Retrying to belong to
+        state = RetryCallState(Retrying(), None, (), {})
         state.attempt_number = attempt
         return min(self._wait(state), self.config.max_delay)

@@ -134,8 +134,7 @@ class InstanceLog:
                     "choose a writable directory or leave log.dir unset"
                 ) from None
             self.path = directory / f"{name}.log"
-            self._open()
-            if self._file is None:
+            if self._open(self.path) is None:
                 raise VsupError(f"log file {str(self.path)!r} cannot be opened for writing; choose a writable log.dir")
 
     def line(self, stream: str, text: str) -> None:
@@ -154,18 +153,20 @@ class InstanceLog:
         if echo and self.echo and self.logger.isEnabledFor(logging.INFO):
             for text in texts:
                 self.logger.info("[%s] %s", self.name, text)
-        if self.path is None:
+        path = self.path
+        if path is None:
             return
-        if self._file is None and not self._reopen():
+        file = self._file or self._reopen(path)
+        if file is None:
             return
         try:
             for text in texts:
                 record = f"{self._stamp()} {stream} {text}\n".encode("utf-8", "replace")
                 if self._size + len(record) > self.max_bytes and self._size > 0:
-                    self._rotate()
-                self._file.write(record)
+                    file = self._rotate(path, file)
+                file.write(record)
                 self._size += len(record)
-            self._file.flush()
+            file.flush()
         except OSError as exc:
             self._fail(exc)
 
@@ -179,37 +180,39 @@ class InstanceLog:
 
     # -- file handling -------------------------------------------------------------------------
 
-    def _open(self) -> None:
+    def _open(self, path: Path) -> BinaryIO | None:
+        """The log file opened for appending (also `self._file`); None when it cannot be."""
         try:
-            self._file = open(self.path, "ab")
+            self._file = open(path, "ab")
             self._size = self._file.tell()
         except OSError as exc:
             self._fail(exc)
+        return self._file
 
-    def _reopen(self) -> bool:
+    def _reopen(self, path: Path) -> BinaryIO | None:
         if time.monotonic() < self._retry_at:
-            return False
-        self._open()
-        if self._file is None:
-            return False
-        if self._warned:
+            return None
+        file = self._open(path)
+        if file is not None and self._warned:
             self._warned = False
-            self.logger.info("[%s] writing %s again", self.name, self.path)
-        return True
+            self.logger.info("[%s] writing %s again", self.name, path)
+        return file
 
-    def _rotate(self) -> None:
-        self._file.close()
+    def _rotate(self, path: Path, file: BinaryIO) -> BinaryIO:
+        """Close `file`, shift the backups, and return the new, empty log file."""
+        file.close()
         self._file = None
         if self.backups == 0:
-            self._file = open(self.path, "wb")
+            self._file = open(path, "wb")
         else:
             for index in range(self.backups - 1, 0, -1):
-                older = Path(f"{self.path}.{index}")
+                older = Path(f"{path}.{index}")
                 if older.exists():
-                    os.replace(older, f"{self.path}.{index + 1}")
-            os.replace(self.path, f"{self.path}.1")
-            self._file = open(self.path, "ab")
+                    os.replace(older, f"{path}.{index + 1}")
+            os.replace(path, f"{path}.1")
+            self._file = open(path, "ab")
         self._size = 0
+        return self._file
 
     def _fail(self, exc: OSError) -> None:
         # Lines are dropped from the file (still echoed) until a retry works; one warning per outage.

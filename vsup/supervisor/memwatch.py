@@ -19,8 +19,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from vsup.config.schema import VsupConfig
-from vsup.supervisor.lifecycle import Instance, Intent, State
+from vsup.supervisor.lifecycle import Instance
 from vsup.supervisor.operations import Operations
+from vsup.supervisor.states import Intent, State
 from vsup.topology.plan_model import format_gib
 
 logger = logging.getLogger("vsup.memwatch")
@@ -97,17 +98,17 @@ class MemoryWatchdog:
         due = sorted((r.above_since, inst.index, inst) for inst, r in self.readings.items()
                      if r.above_since is not None and now - r.above_since >= cfg.restart.max_rss_for
                      and inst.state is State.READY)
-        for _, _, inst in due:
+        for since, _, inst in due:
             reading = self.readings[inst]
             held = self.busy() or may_drain(inst, fleet)
             if held is not None:
                 if held != reading.held:
                     logger.warning("instance %s: memory above its limit for %.0fs, but its restart waits: %s",
-                                   inst.name, now - reading.above_since, held)
+                                   inst.name, now - since, held)
                 reading.held = held
                 continue
             why = (f"memory watchdog: RSS {format_gib(reading.rss)} above {self.describe_limit(inst)} "
-                   f"for {now - reading.above_since:.0f}s")
+                   f"for {now - since:.0f}s")
             logger.warning("instance %s: %s: draining and restarting it", inst.name, why)
             reading.above_since, reading.held = None, None
             inst.ask(Intent.RECYCLE, why)

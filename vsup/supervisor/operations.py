@@ -50,8 +50,9 @@ class Operations(Protocol):
     async def sleep(self, seconds: float) -> None:
         """Sleep on the same clock as `now`."""
 
-    async def spawn(self, argv: list[str], env: dict[str, str], log: InstanceLog) -> Process:
-        """Start the instance's command; VsupError (one line) when it cannot be started."""
+    async def spawn(self, argv: list[str], env: dict[str, str], log: InstanceLog | None) -> Process:
+        """Start the instance's command, its output into `log` (None: an instance that keeps no
+        output, the fakes' tests); VsupError (one line) when it cannot be started."""
 
     async def stop_tree(self, process: Process, timeout: float) -> StopReport:
         """Stop the whole process tree (SIGTERM, `timeout` of grace, SIGKILL, sweep, /dev/shm);
@@ -82,7 +83,9 @@ class SystemOperations:
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(seconds)
 
-    async def spawn(self, argv: list[str], env: dict[str, str], log: InstanceLog) -> Child:
+    async def spawn(self, argv: list[str], env: dict[str, str], log: InstanceLog | None) -> Child:
+        if log is None:  # a real process's output must go somewhere (its pipes would fill up)
+            raise ValueError("a real instance process needs an InstanceLog")
         return await spawn(argv, env, log=log)
 
     async def stop_tree(self, process: Process, timeout: float) -> StopReport:

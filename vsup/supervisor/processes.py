@@ -75,8 +75,9 @@ class _OutputProtocol(asyncio.SubprocessProtocol):
             self.closed.set_result(None)
 
     def process_exited(self) -> None:
-        if not self.exited.done():
-            self.exited.set_result(self.transport.get_returncode())
+        code = self.transport.get_returncode() if self.transport is not None else None
+        if not self.exited.done() and code is not None:  # asyncio calls this after connection_made, with the status known
+            self.exited.set_result(code)
 
     def _write(self, fd: int, lines: list[str]) -> None:
         if not lines:
@@ -102,7 +103,7 @@ class Child:
     token: str = ""  # VSUP_TREE=<token> in the environment of every process of the tree
     seen: dict[int, int] = field(default_factory=dict)  # pid -> start time of tree members seen so far
     shm_seen: set[str] = field(default_factory=set)  # /dev/shm files the tree was seen using
-    _protocol: _OutputProtocol | None = field(default=None, repr=False)
+    _protocol: _OutputProtocol = field(repr=False, kw_only=True)  # only spawn() makes a Child
 
     @property
     def returncode(self) -> int | None:
@@ -336,7 +337,8 @@ async def stop_tree(child: Child, timeout: float, *, shm_dir: str | Path = shm.S
     reaped = proctree.reap_zombies(_still_seen(child) | _zombie_orphans({leader}), exclude=[leader])
     if not await child.output_closed(OUTPUT_WAIT):
         logger.warning("pid %d: its output pipes are still held open after the tree was stopped", leader)
-    child._protocol.transport.close()  # pipes and transport; the leader is reaped, nothing is killed
+    if child._protocol.transport is not None:  # pipes and transport; the leader is reaped, nothing is killed
+        child._protocol.transport.close()
     shm_removed = shm.remove_unused(shm_files, shm_dir)
     if not survivors:
         _active.pop(leader, None)

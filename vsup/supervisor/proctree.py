@@ -148,10 +148,10 @@ def _with_descendants(roots: set[int], everything: dict[int, ProcStat]) -> dict[
     todo = list(roots)
     while todo:
         pid = todo.pop()
-        st = everything.get(pid)
-        if pid in tree or st is None or st.zombie or pid in (1, me):
+        found = everything.get(pid)
+        if pid in tree or found is None or found.zombie or pid in (1, me):
             continue
-        tree[pid] = st
+        tree[pid] = found
         todo.extend(children.get(pid, ()))
     return tree
 

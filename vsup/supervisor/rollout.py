@@ -18,7 +18,7 @@ was done stays done, the rest is not touched, and the record says why. A rolling
 rollout whose steps replace every instance with itself (in place: a drain, a restart, a warm-up).
 
 The pure parts (`launch_changes`, `surge_room`, `fixed_changes`, `live_changes`) are tested
-without processes; `Rollout` runs the steps against a `Fleet` (the supervisor).
+without processes; `Rollout` runs the steps against a `Fleet` (fleet.py).
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from vsup.config.schema import VsupConfig
-from vsup.supervisor.lifecycle import Instance, State
+from vsup.supervisor.lifecycle import Instance
 from vsup.supervisor.ports import port_is_free
+from vsup.supervisor.states import State
 from vsup.topology.cpulist import format_list
 from vsup.topology.plan_model import InstancePlan, Plan, format_gib
 
@@ -76,7 +77,8 @@ def launch_changes(old: Launch, new: Launch) -> list[str]:
     if old.nodes != new.nodes:
         changes.append(f"memory nodes {format_list(old.nodes) or '-'} -> {format_list(new.nodes) or '-'}")
     if old.argv != new.argv:
-        removed, added = [], []
+        removed: list[str] = []
+        added: list[str] = []
         for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(a=old.argv, b=new.argv, autojunk=False).get_opcodes():
             if tag != "equal":
                 removed += old.argv[i1:i2]
@@ -219,10 +221,12 @@ class Record:
 # ---- carrying the steps out --------------------------------------------------------------------------
 
 class Fleet(Protocol):
-    """What a rollout needs of the running vsup (the Supervisor)."""
+    """What a rollout needs of the running instances (fleet.Fleet)."""
 
     instances: list[Instance]  # the fleet by index: what the proxy's rotation and `vsup status` follow
-    plan: Plan  # the plan in force (the new one, during a reload)
+    @property
+    def plan(self) -> Plan:
+        """The plan in force (the new one, during a reload)."""
 
     def plan_of(self, inst: Instance) -> InstancePlan: ...
 
@@ -259,7 +263,15 @@ class Rollout:
             step.state = "running"
             logger.info("%s: step %d/%d: %s instance %d (%s)", self.record.kind, self.record.steps.index(step) + 1,
                         len(self.record.steps), step.action, step.index, step.why)
-            ok = await getattr(self, f"_{step.action}")(step)
+            match step.action:
+                case "replace":
+                    ok = await self._replace(step)
+                case "add":
+                    ok = await self._add(step)
+                case "remove":
+                    ok = await self._remove(step)
+                case _:
+                    raise ValueError(f"rollout step {step.index}: unknown action {step.action!r}")
             step.state = "done" if ok else "failed"
             if not ok:
                 logger.warning("%s stopped at instance %d: %s", self.record.kind, step.index, step.detail)

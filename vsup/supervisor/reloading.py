@@ -1,0 +1,206 @@
+"""Changing a running vsup: `vsup reload` (and SIGHUP) and `vsup restart --rolling`, one at a time.
+
+A reload re-reads the configuration file and re-plans it with `vsup run`'s checks (`read_config`,
+in a thread), applies at once what needs no process (`Changes.apply_settings`), and
+turns the rest into rollout steps (`reload_steps`: replace, add, remove) that rollout.py carries
+out one instance at a time. Refused with VsupError — and nothing changed — while vsup stops or
+another rollout runs, and for an invalid file, an impossible plan or a key that cannot change
+while vsup runs. `Changes` holds the one rollout (its record is what `vsup status` shows).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from vsup.config.schema import VsupConfig, load_config
+from vsup.errors import VsupError
+from vsup.supervisor import rollout
+from vsup.supervisor.backoff import RestartPolicy
+from vsup.supervisor.launch import build_command
+from vsup.supervisor.lifecycle import Instance
+from vsup.supervisor.states import State
+from vsup.topology.cpulist import format_list
+from vsup.topology.errors import PlanError, TopologyError
+from vsup.topology.plan_model import Plan
+
+if TYPE_CHECKING:
+    from vsup.supervisor.supervisor import Supervisor
+
+logger = logging.getLogger("vsup.supervisor")
+
+
+def read_config(path: str, fsroot: str, environ: Mapping[str, str], running: VsupConfig) -> tuple[VsupConfig, Plan]:
+    """The re-read configuration and its plan, checked as `vsup run` checks them (runs in a
+    thread: it reads sysfs, the model's files, and may run numactl)."""
+    from vsup.supervisor.preflight import check_programs, checked_plan
+
+    config = load_config(path)
+    _machine, plan = checked_plan(config, fsroot, environ, runs_here=True)
+    for inst in plan.instances:
+        argv, _env = build_command(inst, config, environ)
+        check_programs(argv, len(inst.argv))
+    fixed = rollout.fixed_changes(running, config)
+    if fixed:
+        raise VsupError(f"{path}: {'; '.join(fixed)}; a running vsup cannot change "
+                        f"{'this' if len(fixed) == 1 else 'these'}: restart vsup to apply, or change back")
+    return config, plan
+
+
+def reload_steps(fleet: rollout.Fleet, plan: Plan) -> tuple[list[rollout.Step], list[int]]:
+    """What a reload changes, in order: replacements and additions by index, then removals from
+    the last index down; and the indexes that keep running (they adopt their new plan)."""
+    steps, unchanged = [], []
+    for new in plan.instances:
+        if new.index >= len(fleet.instances):
+            steps.append(rollout.Step(new.index, "add", "a new instance", plan=new))
+            continue
+        inst = fleet.instances[new.index]
+        argv, env = inst.launch or (inst.argv, inst.env)
+        current = rollout.Launch.of(argv, env, fleet.plan_of(inst))
+        if inst.port in (new.port, fleet.spare_port(new.index)):
+            changes = rollout.launch_changes(current, rollout.Launch.of(*fleet.launch(new, inst.port), new))
+        else:
+            changes = [f"port {inst.port} -> {new.port}",
+                       *rollout.launch_changes(current, rollout.Launch.of(*fleet.launch(new, new.port), new))]
+        if changes:
+            steps.append(rollout.Step(new.index, "replace", "; ".join(changes), plan=new))
+        else:
+            unchanged.append(new.index)
+            fleet.adopt(inst, new)
+    count = len(plan.instances)
+    for index in reversed(range(count, len(fleet.instances))):
+        steps.append(rollout.Step(index, "remove", f"the configuration runs {count} instance(s)"))
+    return steps, unchanged
+
+
+class Changes:
+    """The one reload or rolling restart of a running vsup, and the record of the last one."""
+
+    def __init__(self, sup: Supervisor) -> None:
+        self.sup = sup
+        self.record: rollout.Record | None = None  # the last reload or rolling restart
+        self.task: asyncio.Task[None] | None = None
+        self._reading_config = False  # a reload is reading and checking the file
+
+    def busy(self) -> str | None:
+        """What runs now, in words; None when a change may begin."""
+        if self._reading_config:
+            return "a reload is reading the configuration"
+        if self.task is not None and not self.task.done() and self.record is not None:
+            done = sum(step.state == "done" for step in self.record.steps)
+            return f"a {self.record.kind} is running ({done} of {len(self.record.steps)} steps done)"
+        return None
+
+    def check_free(self, outcome: str) -> None:
+        if self.sup.stopping:
+            raise VsupError(f"vsup is stopping; {outcome}")
+        busy = self.busy()
+        if busy is not None:
+            raise VsupError(f"{busy}; {outcome} (`vsup status` shows its progress)")
+
+    async def rolling_restart(self, targets: list[Instance]) -> rollout.Record:
+        """Each of `targets` drained, restarted and warmed up, the next only once it is ready
+        again; stops at an instance that does not come back."""
+        self.check_free("nothing is restarted")
+        record = rollout.Record("rolling restart", "vsup restart --rolling", self.sup.now())
+        record.steps = [rollout.Step(inst.index, "replace", "restart requested", plan=self.sup.fleet.plan_of(inst))
+                        for inst in targets]
+        await asyncio.shield(self._start(record))  # a client that goes away does not cut it in half
+        return record
+
+    async def reload(self, trigger: str, wait: bool) -> dict[str, Any]:
+        """Re-read, re-plan, apply (see the module docstring). `wait`: return once it is done,
+        else once it has begun. Returns the rollout's record."""
+        sup = self.sup
+        self.check_free("nothing is reloaded")
+        if sup.config_path is None:
+            raise VsupError("this vsup was started without a configuration file: there is nothing to re-read")
+        began = sup.now()
+        self._reading_config = True
+        try:
+            config, plan = await asyncio.to_thread(read_config, sup.config_path, sup.fsroot, sup.environ, sup.config)
+        except (VsupError, TopologyError, PlanError) as exc:
+            self.record = rollout.Record("reload", trigger, began)
+            self.record.finish("rejected", sup.now(), str(exc))
+            logger.error("reload (%s) refused, nothing was changed: %s", trigger, exc)
+            raise VsupError(f"reload refused, nothing was changed: {exc}") from None
+        finally:
+            self._reading_config = False
+        self.check_free("nothing is reloaded")  # a stop may have begun meanwhile
+        record = rollout.Record("reload", trigger, began)
+        record.applied = rollout.live_changes(sup.config, config)
+        self.apply_settings(config, plan)
+        record.steps, record.unchanged = reload_steps(sup.fleet, plan)
+        logger.info("reload (%s): %s; %s", trigger,
+                    f"settings applied at once: {', '.join(record.applied)}" if record.applied else "no setting changed",
+                    f"instances to change: {', '.join(f'{s.action} {s.index} ({s.why})' for s in record.steps)}"
+                    if record.steps else "every instance keeps running")
+        for index in record.unchanged:  # as SIGHUP always did: a crash-looped instance gets a new chance
+            if sup.instances[index].state is State.FAILED:
+                sup.instances[index].start()
+        task = self._start(record)
+        if wait:
+            await asyncio.shield(task)
+        return record.to_json(sup.started_at, sup.now())
+
+    def apply_settings(self, config: VsupConfig, plan: Plan) -> None:
+        """What applies without touching a process: the proxy's settings, metrics, every
+        instance's health/restart/stop/warm-up settings, vsup's log level and CPUs."""
+        sup = self.sup
+        sup.config, old_plan, sup.plan = config, sup.plan, plan
+        if sup.proxy is not None:
+            sup.proxy.reconfigure(config.proxy, sup.environ.get("VSUP_API_KEY") or config.proxy.api_key)
+        sup.metrics.apply(config)
+        for inst in sup.fleet.drivers:
+            if inst.config.restart != config.restart:
+                inst.policy = RestartPolicy(config.restart)  # the new delays; the failure count starts over
+            inst.config = config
+        if not sup.log_level_given:
+            logging.getLogger().setLevel(config.log.level.upper())
+        if plan.reserved_cpus and plan.reserved_cpus != old_plan.reserved_cpus:
+            sup.host.pin_self(plan.reserved_cpus)
+            logger.info("vsup pinned to the reserved CPUs %s", format_list(plan.reserved_cpus))
+
+    async def cancel(self) -> None:
+        """vsup stops: a running rollout ends here (its instances are stopped with the others)."""
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+
+    def _start(self, record: rollout.Record) -> asyncio.Task[None]:
+        """Run `record`'s steps as the one rollout, in a task of its own (set before anything can
+        await: a second request sees it at once)."""
+        self.record = record
+        self.task = asyncio.create_task(self._run(record), name=record.kind)
+        return self.task
+
+    async def _run(self, record: rollout.Record) -> None:
+        sup = self.sup
+        if not record.steps:
+            record.finish("done", sup.now())
+            logger.info("%s done: %s", record.kind, record.summary())
+            return
+        announce = record.kind == "reload" and sup.readiness.sent  # a READY=1 before the first one would end the start
+        if announce:
+            sup.notifier.reloading(f"reloading: {len(record.steps)} instance(s) to change")
+        try:
+            ok = await rollout.Rollout(sup.fleet, record).run()
+            failed = next((step for step in record.steps if step.state == "failed"), None)
+            record.finish("done" if ok else "failed", sup.now(),
+                          None if failed is None else f"instance {failed.index}: {failed.detail}")
+            logger.log(logging.INFO if ok else logging.ERROR, "%s %s: %s%s", record.kind, record.state,
+                       record.summary(), f"; {record.error}" if record.error else "")
+        except asyncio.CancelledError:
+            record.finish("interrupted", sup.now(), "vsup stopped during it")
+            raise
+        except Exception as exc:  # a bug: the fleet goes on as it is, the record says what happened
+            logger.exception("%s failed", record.kind)
+            record.finish("failed", sup.now(), f"{type(exc).__name__}: {exc}")
+        finally:
+            sup.on_members_changed()  # the state file
+            if announce and not sup.stopping:
+                sup.readiness.ready_again()
+            sup.readiness.update()
