@@ -139,6 +139,7 @@ def run_proxy(port: int, upstreams: list[str], pids: list[int], interval: float)
     from vsup.proxy import ProxyServer
     from vsup.proxy.backends import Backend, BackendPool
     from vsup.proxy.runloop import run
+    from vsup.supervisor.metrics import tree_pids
 
     async def main() -> None:
         pool = BackendPool(Backend(str(i), url) for i, url in enumerate(upstreams))
@@ -149,7 +150,7 @@ def run_proxy(port: int, upstreams: list[str], pids: list[int], interval: float)
         if interval > 0:
             session = aiohttp.ClientSession()
             targets = [Target(str(i), f"{url}/metrics", (0,), leader=pid) for i, (url, pid) in enumerate(zip(upstreams, pids))]
-            collector = Collector(lambda: targets, session, interval=interval, timeout=2.0)
+            collector = Collector(lambda: targets, session, interval=interval, timeout=2.0, pids=tree_pids)
             proxy.extra_metrics = collector.text
             asyncio.get_running_loop().create_task(collector.run())
         await asyncio.Event().wait()  # until SIGTERM

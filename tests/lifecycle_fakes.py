@@ -22,7 +22,7 @@ import signal
 from collections.abc import Callable
 
 from vsup.errors import VsupError
-from vsup.supervisor.health import HealthResult
+from vsup.proxy.health import HealthResult
 from vsup.supervisor.processes import StopReport
 
 SETTLE = 60  # event-loop turns that let every ready task run before the clock may move

@@ -28,6 +28,7 @@ from vsup.observe.families import instance_families
 from vsup.observe.page import render_page, status_page
 from vsup.observe.rates import CounterWindow, increase
 from vsup.proxy.auth import BearerAuth
+from vsup.supervisor.metrics import tree_pids
 
 MiB = 1024 * 1024
 
@@ -122,7 +123,8 @@ def test_cpu_percent_of_a_spinning_and_a_sleeping_process(children):
     time.sleep(1.0)
     after = procstats.read_tree([spinner.pid], time.monotonic()), procstats.read_tree([sleeper.pid], time.monotonic())
     busy, idle = procstats.cpu_percent(before[0], after[0]), procstats.cpu_percent(before[1], after[1])
-    assert busy > 30  # one busy loop on a shared 2-CPU machine: well above idle, at most ~100
+    # one busy loop: far above the sleeper, at most ~100 (how far above 0 depends on the machine's load)
+    assert busy > max(5, 10 * idle)
     assert busy < 120
     assert idle < 5
     assert procstats.cpu_percent(None, after[0]) is None
@@ -249,7 +251,7 @@ async def test_collector_scrapes_and_measures_real_instances(fake_vllm):
         Target("2", None, (0,), leader=None),  # not serving, no process
     ]
     async with aiohttp.ClientSession() as session:
-        collector = Collector(lambda: targets, session, interval=1.0, timeout=2.0)
+        collector = Collector(lambda: targets, session, interval=1.0, timeout=2.0, pids=tree_pids)
         await collector.collect()
         body = {"model": "fake-model", "prompt": "a b", "max_tokens": 40}
         async with session.post(f"{srv.url}/v1/completions", json=body) as response:
@@ -276,7 +278,7 @@ async def test_a_hung_instance_costs_the_timeout_not_the_round(fake_vllm):
     hung = fake_vllm(env={"FAKE_VLLM_HANG_AFTER": "1"}).wait_ready()
     hung.wait_event("hang", timeout=10)
     async with aiohttp.ClientSession() as session:
-        collector = Collector(lambda: [Target("0", f"{hung.url}/metrics", (0,))], session, interval=1.0, timeout=0.5)
+        collector = Collector(lambda: [Target("0", f"{hung.url}/metrics", (0,))], session, interval=1.0, timeout=0.5, pids=tree_pids)
         began = time.monotonic()
         await collector.collect()
     assert time.monotonic() - began < 3

@@ -14,7 +14,7 @@ import pytest
 from tests.proxy_support import LEAN, ready_pool, running_proxy, start_fakes
 from vsup.config.schema import VsupConfig
 from vsup.proxy.backends import BackendPool
-from vsup.supervisor.health import PROXY_HEADER, probe_health
+from vsup.proxy.health import PROXY_HEADER, probe_health
 from vsup.supervisor.lifecycle import Instance
 from vsup.supervisor.logs import InstanceLog
 from vsup.supervisor.operations import SystemOperations

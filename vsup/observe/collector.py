@@ -24,7 +24,6 @@ from prometheus_client import generate_latest
 from vsup.observe import numa, procstats, scrape
 from vsup.observe.families import instance_families
 from vsup.observe.rates import CounterWindow
-from vsup.supervisor import proctree
 
 log = logging.getLogger("vsup.observe")
 
@@ -41,13 +40,6 @@ class Target:
     leader: int | None = None  # the tree's leader pid; None: no process
     token: str | None = None  # its VSUP_TREE token (proctree.find_tree)
     known: Mapping[int, int] = field(default_factory=dict)  # pid -> start time of members seen before
-
-
-def find_pids(target: Target) -> list[int]:
-    """The live processes of the target's tree (proctree's four marks)."""
-    if target.leader is None:
-        return []
-    return sorted(proctree.find_tree(target.leader, token=target.token, known=target.known))
 
 
 @dataclass(frozen=True)
@@ -67,7 +59,7 @@ class Collector:
         *,
         interval: float,
         timeout: float,
-        pids: Callable[[Target], list[int]] = find_pids,
+        pids: Callable[[Target], list[int]],
     ) -> None:
         self._targets = targets
         self._session = session

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from vsup.proxy.backends import Backend, BackendPool
-from vsup.supervisor.health import failure_detail, probe_health
+from vsup.proxy.health import failure_detail, probe_health
 
 log = logging.getLogger("vsup.proxy.health")
 

@@ -27,10 +27,10 @@ from vsup.proxy.balancer import make_balancer
 from vsup.proxy.clients import ClientPolicy
 from vsup.proxy.errors import RETRY_AFTER_SECONDS
 from vsup.proxy.forward import Forwarder
+from vsup.proxy.health import PROXY_HEADER
 from vsup.proxy.metrics import CONTENT_TYPE, ProxyMetrics
 from vsup.proxy.models import merged_models
 from vsup.proxy.upstream import UpstreamClient
-from vsup.supervisor.health import PROXY_HEADER
 
 PageHandler = Callable[[web.BaseRequest, BearerAuth], Awaitable[web.StreamResponse]]
 

@@ -58,7 +58,7 @@ from vsup.supervisor.states import (
 from vsup.supervisor.warmup import warmup_body
 
 if TYPE_CHECKING:
-    from vsup.supervisor.health import HealthResult
+    from vsup.proxy.health import HealthResult
     from vsup.supervisor.logs import InstanceLog
     from vsup.supervisor.operations import Operations, Process
 

@@ -16,9 +16,17 @@ from vsup.config.schema import VsupConfig
 from vsup.observe.collector import Collector, Target
 from vsup.observe.page import status_page
 from vsup.proxy import ProxyServer
+from vsup.supervisor import proctree
 from vsup.supervisor.fleet import Fleet
 from vsup.supervisor.processes import Child
 from vsup.supervisor.states import State
+
+
+def tree_pids(target: Target) -> list[int]:
+    """The live processes of the target's tree (proctree's four marks); the collector's `pids`."""
+    if target.leader is None:
+        return []
+    return sorted(proctree.find_tree(target.leader, token=target.token, known=target.known))
 
 
 class Metrics:
@@ -46,7 +54,7 @@ class Metrics:
         if interval > 0 and self.collector is not None:
             self.collector.interval, self.collector.timeout = interval, timeout
         elif interval > 0 and self._session is not None:
-            collector = Collector(self.targets, self._session, interval=interval, timeout=timeout)
+            collector = Collector(self.targets, self._session, interval=interval, timeout=timeout, pids=tree_pids)
             self.collector = collector
             self._task = asyncio.create_task(collector.run(), name="metrics")
             if proxy is not None:

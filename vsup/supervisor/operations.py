@@ -20,7 +20,7 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
-from vsup.supervisor.health import HealthResult, probe_health
+from vsup.proxy.health import HealthResult, probe_health
 from vsup.supervisor.processes import Child, StopReport, spawn, stop_tree, tree_rss
 from vsup.supervisor.warmup import warm_up
 

@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 
 from vsup.config.schema import VsupConfig
-from vsup.supervisor.health import HealthResult, failure_detail
+from vsup.proxy.health import HealthResult, failure_detail
 
 ROUTE = "/v1/completions"
 EXCERPT = 160  # characters of an error answer quoted in the reason
