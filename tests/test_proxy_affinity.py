@@ -20,7 +20,7 @@ from vsup.config.schema import ProxyConfig
 from vsup.proxy.affinity import PrefixAffinity, prefix_text, routing_key
 from vsup.proxy.backends import Backend
 from vsup.proxy.balancer import make_balancer
-from vsup.proxy.forward import parse_json
+from vsup.proxy.codec import parse_json
 
 LIMIT = 2048
 LONG_SYSTEM = "You answer questions about the attached manual. " * 60  # ~2900 characters

@@ -13,8 +13,9 @@ import pytest
 
 from tests.fakevllm.fixtures import free_port
 from tests.raw_http import RawServer, chunk, read_request, reset, send_in_pieces
-from vsup.proxy import upstream as upstream_module
-from vsup.proxy.upstream import ConnectFailed, StaleConnection, UpstreamBroken, UpstreamClient
+from vsup.proxy import upstream_conn
+from vsup.proxy.upstream import UpstreamClient
+from vsup.proxy.upstream_conn import ConnectFailed, StaleConnection, UpstreamBroken
 
 JSON = b"Content-Type: application/json\r\n"
 CL_ANSWER = b"HTTP/1.1 200 OK\r\nContent-Length: 11\r\nX-Answer: yes\r\n\r\nhello world"
@@ -358,7 +359,7 @@ async def test_a_slow_reader_pauses_the_instance_and_resumes_it():
         response = await client.send(conn, "POST", b"/v1/x", JSON, b"{}")
         await asyncio.sleep(0.3)  # nobody reads: the connection stops reading at the high-water mark
         assert conn.reading_paused
-        assert conn.queued <= upstream_module._HIGH_WATER + 256 * 1024  # + at most one socket read
+        assert conn.queued <= upstream_conn._HIGH_WATER + 256 * 1024  # + at most one socket read
         received = bytearray()
         while piece := await response.read_chunk():
             received += piece

@@ -8,7 +8,8 @@ import sys
 import click
 
 from vsup.cli.options import format_option, fsroot_option
-from vsup.doctor.checks import exit_code, render_text, run_doctor, to_json
+from vsup.doctor.checks import run_doctor
+from vsup.doctor.result import exit_code, render_text, to_json
 
 
 @click.command("doctor")

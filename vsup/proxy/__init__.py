@@ -1,7 +1,9 @@
 """The proxy: one OpenAI-compatible endpoint in front of the ready instances.
 
 server.py (ProxyServer: app, own endpoints, start/drain), forward.py (one request to one instance),
-balancer.py (round_robin, least_outstanding), affinity.py (prefix_affinity), models.py (merged
+exchange.py (a request in flight: phase and time limit), codec.py (header filtering, JSON body
+parsing), upstream.py (connection pools per instance), upstream_conn.py (one connection: llhttp
+parsing, reading/relaying an answer), balancer.py (round_robin, least_outstanding), affinity.py (prefix_affinity), models.py (merged
 /v1/models), auth.py (Bearer key), errors.py (OpenAI-shaped errors), metrics.py (vsup_* Prometheus
 metrics), healthcheck.py (active /health checks for standalone `vsup proxy`), runloop.py (uvloop
 when available).

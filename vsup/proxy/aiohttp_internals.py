@@ -27,11 +27,15 @@ from __future__ import annotations
 import asyncio
 import inspect
 from http import HTTPStatus
+from typing import TYPE_CHECKING, cast
 
 import aiohttp
 from aiohttp import http_exceptions, http_writer, web, web_protocol
 
 from vsup.errors import VsupError
+
+if TYPE_CHECKING:
+    from vsup.proxy.clients import ClientPolicy
 
 SUPPORTED = ((3, 9), (3, 15))  # >= first, < second: keep equal to the pin in pyproject.toml
 REQUIREMENT = f"aiohttp>={SUPPORTED[0][0]}.{SUPPORTED[0][1]},<{SUPPORTED[1][0]}.{SUPPORTED[1][1]}"
@@ -110,7 +114,9 @@ class BodySink:
         if transport is None or transport.is_closing():
             return None
         writer = request.writer
-        return cls(transport, writer.chunked, writer.drain)
+        # request.writer is typed as the abstract writer; it is http_writer.StreamWriter, whose
+        # `chunked` problems() checks at start-up
+        return cls(transport, writer.chunked, writer.drain)  # type: ignore[attr-defined]
 
     def write(self, data: bytes) -> bool:
         """Send one piece; True when the client reads slower than we write (the caller should
@@ -186,9 +192,14 @@ async def send_and_close(request: web.BaseRequest, response: web.StreamResponse)
 class _Handler(web_protocol.RequestHandler):
     """aiohttp's connection handler, with the proxy's ClientPolicy (clients.py) wired in."""
 
+    @property
+    def _vsup_policy(self) -> ClientPolicy:
+        # aiohttp types its manager as web.Server (or None once closed); ours is always a _Server.
+        return cast("_Server", self._manager).policy
+
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
-        policy = self._manager.policy
+        policy = self._vsup_policy
         refusal = policy.opened()
         self._vsup_counted = refusal is None
         self._vsup_timer = None
@@ -207,7 +218,7 @@ class _Handler(web_protocol.RequestHandler):
         # After the first request, aiohttp's own keepalive_timeout closes a connection that
         # leaves the proxy waiting for the next request's headers.
         if self._request_count == 0 and not self._force_close and self.transport is not None:
-            self._manager.policy.no_request_in_time(self.transport.get_extra_info("peername"))
+            self._vsup_policy.no_request_in_time(self.transport.get_extra_info("peername"))
             self.force_close()
 
     def connection_lost(self, exc) -> None:
@@ -215,7 +226,7 @@ class _Handler(web_protocol.RequestHandler):
             self._vsup_timer.cancel()
         if self._vsup_counted:
             self._vsup_counted = False
-            self._manager.policy.closed()
+            self._vsup_policy.closed()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -236,7 +247,7 @@ class _Handler(web_protocol.RequestHandler):
     def handle_error(self, request, status=500, exc=None, message=None):
         if request.writer.output_size > 0:  # as aiohttp: the answer has begun, nothing to replace it
             raise ConnectionError("the response has started: the connection is broken")
-        policy = self._manager.policy
+        policy = self._vsup_policy
         peer = request.remote
         if isinstance(exc, BadRequest) or (status == 400 and exc is None):
             response = policy.malformed(status, exc, peer)
@@ -250,7 +261,7 @@ _base_data_received = web_protocol.RequestHandler.data_received
 
 
 class _Server(web.Server):
-    def __init__(self, handler, *, policy, **kwargs) -> None:
+    def __init__(self, handler, *, policy: ClientPolicy, **kwargs) -> None:
         super().__init__(handler, **kwargs)
         self.policy = policy
 

@@ -21,32 +21,24 @@ the upstream response closes its connection, so vLLM sees the disconnect and fre
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import math
 import time
 
 from aiohttp import web
-from multidict import CIMultiDict
 
 from vsup.config.schema import ProxyConfig
 from vsup.proxy import errors
 from vsup.proxy.aiohttp_internals import BadRequest, BodySink, RawResponse, send_and_close
 from vsup.proxy.backends import Backend, BackendPool
 from vsup.proxy.clients import ClientPolicy
+from vsup.proxy.codec import header_lines, is_json, parse_json, request_headers, response_head, response_headers, str_headers
 from vsup.proxy.errors import RETRY_AFTER_SECONDS
+from vsup.proxy.exchange import Exchange
 from vsup.proxy.metrics import ProxyMetrics, route_label
-from vsup.proxy.upstream import ConnectFailed, StaleConnection, UpstreamBroken, UpstreamClient, UpstreamResponse
+from vsup.proxy.upstream import UpstreamClient
+from vsup.proxy.upstream_conn import ConnectFailed, StaleConnection, UpstreamBroken, UpstreamResponse
 
 log = logging.getLogger("vsup.proxy")
-
-# RFC 9110 §7.6.1 hop-by-hop headers, plus the ones the proxy sets itself for the next hop.
-HOP_BY_HOP = frozenset(
-    {"connection", "keep-alive", "proxy-connection", "te", "trailer", "trailers", "transfer-encoding", "upgrade"}
-)
-_DROP_REQUEST = frozenset(h.encode() for h in HOP_BY_HOP | {"host", "content-length", "expect"})
-_DROP_RESPONSE = frozenset(h.encode() for h in HOP_BY_HOP | {"content-length"})
-_PROXY_PREFIX = b"proxy-"
 
 # How long a connection broken before its first byte waits for the supervisor to report the
 # instance's exit (milliseconds in practice; generous for a loaded machine).
@@ -62,197 +54,6 @@ EJECT_SECONDS = 10.0
 _UNREACHABLE = frozenset({"connect", "gone"})
 # Longest period of the timeout watchdog (shorter when a configured timeout is very short).
 WATCHDOG_TICK = 0.1
-
-
-def _connection_tokens(value: bytes) -> frozenset[bytes]:
-    return frozenset(token.strip().lower() for token in value.split(b",") if token.strip())
-
-
-# Per header name *as sent* (clients repeat the same spelling on every request), what to do with
-# it: one dict lookup per header instead of lower() + set tests + tuple building. Bounded: an odd
-# client inventing names cannot grow it without limit.
-_KEEP, _DROP, _AUTHORIZATION, _CONNECTION = 0, 1, 2, 3
-_NAME_CACHE_SIZE = 1024
-_request_names: dict[bytes, int] = {}
-
-
-def _request_name_kind(key: bytes) -> int:
-    low = key.lower()
-    if low == b"connection":
-        kind = _CONNECTION
-    elif low == b"authorization":
-        kind = _AUTHORIZATION
-    elif low in _DROP_REQUEST or low.startswith(_PROXY_PREFIX):
-        kind = _DROP
-    else:
-        kind = _KEEP
-    if len(_request_names) >= _NAME_CACHE_SIZE:
-        _request_names.clear()
-    _request_names[key] = kind
-    return kind
-
-
-def request_headers(raw_headers: tuple[tuple[bytes, bytes], ...], drop_authorization: bool) -> bytes:
-    """The client's header lines, as it sent them, minus hop-by-hop ones (and its Authorization
-    when the proxy checked it: the instances listen on loopback without a key)."""
-    parts: list[bytes] = []
-    named = None
-    names = _request_names
-    for key, value in raw_headers:
-        kind = names.get(key)
-        if kind is None:
-            kind = _request_name_kind(key)
-        if kind == _KEEP or (kind == _AUTHORIZATION and not drop_authorization):
-            parts += (key, b": ", value, b"\r\n")
-        elif kind == _CONNECTION:
-            # Headers the client names in Connection are hop-by-hop too; "keep-alive"/"close"
-            # (what clients send) name nothing that is still kept.
-            tokens = _connection_tokens(value) - _DROP_REQUEST
-            if tokens:
-                named = tokens | (named or frozenset())
-    if named:  # rare: a second pass without the headers Connection named
-        parts = []
-        for key, value in raw_headers:
-            kind = names.get(key)
-            if kind is None:
-                kind = _request_name_kind(key)
-            if (kind == _KEEP or (kind == _AUTHORIZATION and not drop_authorization)) and key.lower() not in named:
-                parts += (key, b": ", value, b"\r\n")
-    return b"".join(parts)
-
-
-# Per response header name: whether to forward it, and whether it is one the forwarder looks at.
-_PLAIN, _IS_CONNECTION, _IS_CONTENT_TYPE, _IS_CONTENT_LENGTH = 0, 1, 2, 3
-_response_names: dict[bytes, tuple[bool, int]] = {}
-
-
-def _response_name(key: bytes) -> tuple[bool, int]:
-    low = key.lower()
-    flag = {b"connection": _IS_CONNECTION, b"content-type": _IS_CONTENT_TYPE, b"content-length": _IS_CONTENT_LENGTH}.get(low, _PLAIN)
-    entry = (not (low in _DROP_RESPONSE or low.startswith(_PROXY_PREFIX)), flag)
-    if len(_response_names) >= _NAME_CACHE_SIZE:
-        _response_names.clear()
-    _response_names[key] = entry
-    return entry
-
-
-def response_head(raw_headers: list[tuple[bytes, bytes]]) -> tuple[list[tuple[bytes, bytes]], bytes, bool]:
-    """One pass over the instance's headers: those to forward (hop-by-hop ones dropped, as sent),
-    its Content-Type, and whether it sent a Content-Length."""
-    out: list[tuple[bytes, bytes]] = []
-    content_type = b""
-    has_length = False
-    named = None
-    names = _response_names
-    for pair in raw_headers:
-        entry = names.get(pair[0])
-        if entry is None:
-            entry = _response_name(pair[0])
-        keep, flag = entry
-        if flag:
-            if flag == _IS_CONTENT_TYPE:
-                content_type = pair[1]
-            elif flag == _IS_CONTENT_LENGTH:
-                has_length = True
-            else:
-                tokens = _connection_tokens(pair[1]) - _DROP_RESPONSE
-                if tokens:
-                    named = tokens | (named or frozenset())
-        if keep:
-            out.append(pair)
-    if named:
-        out = [(name, value) for name, value in out if name.lower() not in named]
-    return out, content_type, has_length
-
-
-def header_lines(pairs: list[tuple[bytes, bytes]]) -> bytes:
-    return b"".join([b"%b: %b\r\n" % pair for pair in pairs])
-
-
-def str_headers(pairs: list[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
-    return [(name.decode("latin-1"), value.decode("utf-8", "replace")) for name, value in pairs]
-
-
-def response_headers(raw_headers: list[tuple[bytes, bytes]]) -> CIMultiDict[str]:
-    return CIMultiDict(str_headers(response_head(raw_headers)[0]))
-
-
-_json_types: dict[str, bool] = {}
-
-
-def _is_json(content_type: str) -> bool:
-    # application/json, application/json; charset=utf-8, application/vnd.x+json
-    known = _json_types.get(content_type)
-    if known is None:
-        base = content_type.split(";", 1)[0].strip().lower()
-        known = base == "application/json" or base.endswith("+json")
-        if len(_json_types) >= _NAME_CACHE_SIZE:
-            _json_types.clear()
-        _json_types[content_type] = known
-    return known
-
-
-def parse_json(body: bytes):
-    """json.loads(body), minus its encoding detection and whitespace regexes in the common case (a
-    UTF-8 object, as every OpenAI request is); anything else, including every error, goes through
-    json.loads itself, so what is accepted and the error message are exactly json.loads's."""
-    if body[:1] == b"{":
-        try:
-            text = body.decode("utf-8")
-            document, end = _scan_once(text, 0)
-        except (ValueError, UnicodeDecodeError, StopIteration):
-            pass
-        else:
-            if end == len(text) or not text[end:].strip(_JSON_WHITESPACE):
-                return document
-    return json.loads(body)
-
-
-_scan_once = json.JSONDecoder().scan_once
-_JSON_WHITESPACE = " \t\n\r"
-
-
-class Exchange:
-    """One request in flight: its phase and its current time limit. The forwarder's watchdog
-    (one timer for all requests, see Forwarder._sweep) cancels the handler when the instance stays
-    silent past the limit or the proxy drains; per request and per chunk only timestamps are stored."""
-
-    __slots__ = ("task", "limit", "limit_key", "last", "reason", "phase", "stream", "idle_limit", "first_data_at", "sent_at")
-
-    def __init__(self, task: asyncio.Task, now: float) -> None:
-        self.task = task
-        self.limit = math.inf  # no limit while the request body is read
-        self.limit_key = ""
-        self.last = now
-        self.reason: str | None = None  # set when the proxy itself cancels: timeout or drain
-        self.phase = "queued"
-        self.stream = False
-        self.idle_limit = 0.0
-        self.first_data_at: float | None = None
-        self.sent_at = 0.0
-
-    def on_data(self, now: float) -> None:
-        """A piece of the response body arrived (the relay inlines this per chunk)."""
-        self.last = now
-        if self.first_data_at is None:
-            self.first_data(now)
-
-    def first_data(self, now: float) -> None:
-        """From the first body byte on, the limit is the idle timeout."""
-        self.first_data_at = now
-        self.limit = self.idle_limit
-        self.limit_key = "proxy.idle_timeout"
-
-    def arm(self, limit: float, key: str, now: float) -> None:
-        """A new phase with its own limit, counted from now."""
-        self.limit = limit
-        self.limit_key = key
-        self.last = now
-
-    def abort(self, reason: str) -> None:
-        if self.reason is None:
-            self.reason = reason
-            self.task.cancel()
 
 
 class Forwarder:
@@ -297,10 +98,10 @@ class Forwarder:
     async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
         route = route_label(request.path)
         if self.draining:
-            response = errors.unavailable("the proxy is shutting down; retry on another replica or shortly", RETRY_AFTER_SECONDS)
-            response.force_close()
+            refused = errors.unavailable("the proxy is shutting down; retry on another replica or shortly", RETRY_AFTER_SECONDS)
+            refused.force_close()
             self.metrics.request(route, 503, "")
-            return response
+            return refused
         loop = self.loop
         exchange = Exchange(asyncio.current_task(loop), loop.time())  # type: ignore[arg-type]
         self.active.add(exchange)
@@ -334,10 +135,10 @@ class Forwarder:
                     return errors.too_large(None, limit), ""
             else:
                 read = await self._read_body(request, exchange, limit)
-                if isinstance(read, web.Response):
+                if not isinstance(read, bytes):  # the answer instead of a body
                     return read, ""
                 body = read
-            if body and _is_json(request.headers.get("Content-Type", "")):
+            if body and is_json(request.headers.get("Content-Type", "")):
                 try:
                     document = parse_json(body)
                 except (ValueError, UnicodeDecodeError) as exc:
@@ -395,7 +196,7 @@ class Forwarder:
                 return fallback, name
             self.metrics.retry(reason)
 
-    async def _read_body(self, request: web.BaseRequest, exchange: Exchange, limit: int) -> bytes | web.Response:
+    async def _read_body(self, request: web.BaseRequest, exchange: Exchange, limit: int) -> bytes | web.StreamResponse:
         """A body that did not come whole with the headers, read as it arrives: at most `limit`
         bytes, and at most CLIENT_TIMEOUT of silence between two pieces (a client that stops
         half-way must not hold its connection and an in-flight slot forever, nor delay a drain,
@@ -470,17 +271,17 @@ class Forwarder:
                 relayed.headers.setdefault("Retry-After", str(RETRY_AFTER_SECONDS))
                 return relayed, "503", "503 from the instance"
 
-            headers, content_type, has_length = response_head(upstream.raw_headers)
+            kept, content_type, has_length = response_head(upstream.raw_headers)
             sse = content_type.startswith(b"text/event-stream")
             if sse or not has_length:
-                return await self._relay_stream(request, exchange, backend, upstream, str_headers(headers), started, sse)
-            content = upstream.complete_body()
-            if content is not None:  # a small answer, all in with its headers: no await, no task switch
+                return await self._relay_stream(request, exchange, backend, upstream, str_headers(kept), started, sse)
+            whole = upstream.complete_body()
+            if whole is not None:  # a small answer, all in with its headers: no await, no task switch
                 elapsed = time.monotonic() - started
                 self.metrics.ttfb(False, elapsed)
                 self.metrics.duration(False, elapsed)
-                return self._answer(request, upstream.status, headers, content)
-            return await self._relay_body(request, exchange, backend, upstream, headers, started)
+                return self._answer(request, upstream.status, kept, whole)
+            return await self._relay_body(request, exchange, backend, upstream, kept, started)
         except asyncio.CancelledError:
             if exchange.reason is None:
                 raise  # the client went away: the finally below drops the upstream connection

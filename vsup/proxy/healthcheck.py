@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from vsup.proxy.backends import Backend, BackendPool
-from vsup.proxy.health import failure_detail, probe_health
+from vsup.proxy.health import HealthResult, failure_detail, probe_health
 
 log = logging.getLogger("vsup.proxy.health")
 
@@ -100,23 +100,26 @@ class HealthChecker:
         plain = False  # its /ready is not a vsup's: /health decides, weight 1
         weight = 1
         while True:
-            result = None if plain else await self._ready(backend)
-            if result is None:
+            ready = None if plain else await self._ready(backend)
+            result: HealthResult | ReadyResult
+            if ready is None:
                 plain = True
                 result = await probe_health(self._session, backend.url, self.timeout)
-            elif result.instances:
-                if result.instances != weight and self.on_weight is not None:
-                    log.info("upstream %s: %s: weight %d", backend.url, result.detail, result.instances)
-                    self.on_weight(backend.name, result.instances)
-                weight = result.instances
-            elif result.instances == 0:
-                # A definite answer, not a slow poll: nothing behind it can serve, so out now.
-                failed = 0
-                if self.pool.state(backend.name) != "unhealthy":
-                    log.warning("upstream %s: /ready: %s: out of rotation", backend.url, result.detail)
-                    self.pool.set_state(backend.name, "unhealthy", False)
-                await asyncio.sleep(self.interval)
-                continue
+            else:
+                result = ready
+                if ready.instances:
+                    if ready.instances != weight and self.on_weight is not None:
+                        log.info("upstream %s: %s: weight %d", backend.url, ready.detail, ready.instances)
+                        self.on_weight(backend.name, ready.instances)
+                    weight = ready.instances
+                elif ready.instances == 0:
+                    # A definite answer, not a slow poll: nothing behind it can serve, so out now.
+                    failed = 0
+                    if self.pool.state(backend.name) != "unhealthy":
+                        log.warning("upstream %s: /ready: %s: out of rotation", backend.url, ready.detail)
+                        self.pool.set_state(backend.name, "unhealthy", False)
+                    await asyncio.sleep(self.interval)
+                    continue
             if result.ok:
                 failed = 0
                 if not self.pool.is_ready(backend.name):

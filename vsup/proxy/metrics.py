@@ -58,7 +58,7 @@ class _Histogram:
 
     def buckets(self) -> list[tuple[str, int]]:
         out, running = [], 0
-        for bound, count in zip(self.bounds, self.counts):
+        for bound, count in zip(self.bounds, self.counts, strict=False):  # counts has one more: +Inf
             running += count
             out.append((repr(float(bound)), running))
         out.append(("+Inf", self.total))

@@ -35,7 +35,7 @@ async def merged_models(session: aiohttp.ClientSession, ready: tuple[Backend, ..
     results = await asyncio.gather(*(_models_of(session, b, timeout) for b in ready), return_exceptions=True)
     seen: dict[str, dict] = {}
     failures = []
-    for backend, result in zip(ready, results):
+    for backend, result in zip(ready, results, strict=True):
         if isinstance(result, BaseException):
             if isinstance(result, asyncio.CancelledError):
                 raise result

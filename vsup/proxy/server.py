@@ -21,6 +21,7 @@ from aiohttp import web
 from vsup.config.schema import ProxyConfig
 from vsup.errors import VsupError
 from vsup.proxy import aiohttp_internals, errors
+from vsup.proxy.affinity import PrefixAffinity
 from vsup.proxy.auth import BearerAuth
 from vsup.proxy.backends import Backend, BackendPool
 from vsup.proxy.balancer import make_balancer
@@ -62,12 +63,14 @@ class ProxyServer:
         self._forwarder: Forwarder | None = None
         self._client: UpstreamClient | None = None
         self._session: aiohttp.ClientSession | None = None  # for /v1/models only
-        self._runner: web.AppRunner | None = None
+        self._runner: web.ServerRunner | None = None
         self._clients: ClientPolicy | None = None
         self._port: int | None = None
         self.metrics = ProxyMetrics(self.in_flight, pool.states, pool.is_ready)
         self.metrics.policy, self.metrics.policy_decisions = self._balancer.name, self._balancer.decisions
-        self._own = {"/health": self._health, "/ready": self._ready, "/metrics": self._metrics}
+        self._own: dict[str, Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]] = {
+            "/health": self._health, "/ready": self._ready, "/metrics": self._metrics,
+        }
         # vsup run's collection of the instances' metrics (observe/): its cached text is appended to /metrics
         self.extra_metrics: Callable[[], bytes] | None = None
         self._pid = str(os.getpid())
@@ -134,7 +137,7 @@ class ProxyServer:
         if config.policy != self._balancer.name:
             self._balancer = make_balancer(config.policy, config)
             self.metrics.policy, self.metrics.policy_decisions = self._balancer.name, self._balancer.decisions
-        elif hasattr(self._balancer, "prefix_chars"):  # prefix_affinity: same policy, its counts kept
+        elif isinstance(self._balancer, PrefixAffinity):  # same policy, its counts kept
             self._balancer.prefix_chars = config.affinity_prefix_chars
             self._balancer.max_imbalance = config.affinity_max_imbalance
         if self._forwarder is not None:

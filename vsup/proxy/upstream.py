@@ -14,12 +14,10 @@ Failure kinds the forwarder acts on:
                   to retry, like ConnectFailed
   UpstreamBroken  the connection died or sent garbage after the request was written: not retried
 
-What the instance sends is trusted no further than HTTP/1.1 allows: interim 1xx answers are
-skipped, bytes beyond the announced end of a response (or arriving while no request is
-outstanding) make the connection unusable instead of being taken as the next answer, and a
-body delimited by the end of the connection (no Content-Length, not chunked) ends there.
+One connection, its parsing of the instance's answers and the reading of one answer are
+vsup.proxy.upstream_conn; this module holds the pools and the client the forwarder calls.
 The relay's writes to the client go through a sink (aiohttp_internals.BodySink in the proxy):
-this module knows nothing of aiohttp.
+neither module knows anything of aiohttp.
 """
 
 from __future__ import annotations
@@ -30,277 +28,7 @@ import contextlib
 import socket
 from urllib.parse import urlsplit
 
-import httptools
-
-# Pause reading from the instance while this much body is queued and not yet written to the client.
-_HIGH_WATER = 256 * 1024
-
-
-class UpstreamError(Exception):
-    pass
-
-
-class ConnectFailed(UpstreamError):
-    pass
-
-
-class UpstreamBroken(UpstreamError):
-    pass
-
-
-class StaleConnection(UpstreamBroken):
-    pass
-
-
-class _Connection(asyncio.Protocol):
-    """One keep-alive TCP connection; carries one request/response at a time."""
-
-    __slots__ = (
-        "pool", "transport", "parser", "status", "headers", "headers_done", "chunks", "queued", "complete",
-        "error", "waiter", "keep_alive", "reading_paused", "lost", "head", "used", "counted_out", "replied",
-        "sink", "sink_blocked", "exchange", "clock", "awaiting", "interim",
-    )
-
-    def __init__(self, pool: "UpstreamPool") -> None:
-        self.pool = pool
-        self.transport: asyncio.Transport | None = None
-        self.lost = False
-        self.used = 0
-        self.counted_out = False  # its slot in the pool's `open` count was given back
-        self.clock = pool.loop.time
-        # One parser for the connection's life: after a clean, complete answer llhttp is at the
-        # start of the next one (a connection with any error is never reused).
-        self.parser = httptools.HttpResponseParser(self)
-        self.chunks: collections.deque[bytes] = collections.deque()
-        self._reset()
-
-    def _reset(self) -> None:
-        """Ready for the next request."""
-        self.status = 0
-        self.headers: list[tuple[bytes, bytes]] = []
-        self.headers_done = False
-        self.chunks.clear()  # a complete answer whose reader went away may have left its body
-        self.queued = 0
-        self.complete = False
-        self.replied = False  # a byte of the current answer arrived (a reset after that is no stale connection)
-        self.error: UpstreamError | None = None
-        self.waiter: asyncio.Future | None = None
-        self.keep_alive = False
-        self.reading_paused = False
-        self.head = False
-        self.awaiting = False  # a request was sent and its answer is not complete: bytes are expected
-        self.interim = False  # the message being parsed is a 1xx interim answer (skipped)
-        self.sink = None  # relay mode: body goes straight to sink.write (see UpstreamResponse.relay)
-        self.sink_blocked = False
-        self.exchange = None  # relay mode: the request's Exchange (its `last` is stamped per piece)
-
-    # -- asyncio.Protocol
-    def connection_made(self, transport) -> None:
-        self.transport = transport
-
-    def data_received(self, data: bytes) -> None:
-        if not self.awaiting:
-            # Nobody asked: a late or unsolicited answer. Taking it as the next request's answer
-            # would hand one client another's response; the connection cannot be trusted.
-            self.keep_alive = False
-            self.transport.abort()  # type: ignore[union-attr]
-            return
-        self.replied = True
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            if self.complete:
-                # Bytes after the announced end of the answer: the answer stands, the connection goes.
-                self.keep_alive = False
-                self.awaiting = False
-            else:
-                self._fail(UpstreamBroken(f"invalid HTTP from the instance: {exc}"))
-            self.transport.abort()  # type: ignore[union-attr]
-
-    def eof_received(self):
-        return False  # close our side too
-
-    def connection_lost(self, exc) -> None:
-        self.lost = True
-        self.pool.forget(self)
-        if not self.complete:
-            if exc is None and self.headers_done and self._ends_at_eof():
-                self.complete = True  # a body delimited by the end of the connection
-                self.keep_alive = False
-                self._wake()
-                return
-            self._fail(UpstreamBroken("the instance closed the connection" + (f" ({exc})" if exc else "")))
-
-    def _ends_at_eof(self) -> bool:
-        """The answer's body has neither a length nor chunks: it ends when the connection does."""
-        for name, value in self.headers:
-            low = name.lower()
-            if low == b"content-length" or (low == b"transfer-encoding" and b"chunked" in value.lower()):
-                return False
-        return True
-
-    # -- httptools callbacks
-    def on_message_begin(self) -> None:
-        if self.complete:
-            raise UpstreamBroken("a second answer to one request")  # stops the parser: see data_received
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name, value))
-
-    def on_headers_complete(self) -> None:
-        status = self.parser.get_status_code()
-        if status < 200:
-            if status == 101:
-                self._fail(UpstreamBroken("the instance switched protocols (101), which the proxy never asks for"))
-                raise self.error  # type: ignore[misc]  # stops the parser: see data_received
-            # 100 Continue, 103 Early Hints...: interim, the real answer follows.
-            self.interim = True
-            self.headers = []
-            return
-        self.status = status
-        self.headers_done = True
-        if self.head:
-            self.complete = True
-            self.keep_alive = False
-            self.awaiting = False
-        self._wake()
-
-    def on_body(self, body: bytes) -> None:
-        sink = self.sink
-        if sink is not None:
-            # Relay mode: straight from the instance's socket to the client's, no task switch.
-            # Exchange.on_data, inlined: this runs once per streamed token.
-            exchange = self.exchange
-            exchange.last = now = self.clock()
-            if exchange.first_data_at is None:
-                exchange.first_data(now)
-            if sink.write(body) and not self.reading_paused:
-                self.reading_paused = True  # a slow client: stop reading until it catches up
-                self.sink_blocked = True
-                self.transport.pause_reading()  # type: ignore[union-attr]
-                self._wake()
-            return
-        self.chunks.append(body)
-        self.queued += len(body)
-        if self.queued > _HIGH_WATER and not self.reading_paused:
-            self.reading_paused = True
-            self.transport.pause_reading()  # type: ignore[union-attr]
-        self._wake()
-
-    def on_message_complete(self) -> None:
-        if self.interim:
-            self.interim = False
-            return
-        self.complete = True
-        self.awaiting = False
-        self.keep_alive = self.parser.should_keep_alive()
-        self._wake()
-
-    # -- helpers
-    def _wake(self) -> None:
-        waiter = self.waiter
-        if waiter is not None:
-            self.waiter = None
-            if not waiter.done():
-                waiter.set_result(None)
-
-    def _fail(self, error: UpstreamError) -> None:
-        if self.error is None:
-            self.error = error
-        self._wake()
-
-    async def wait(self) -> None:
-        self.waiter = self.pool.loop.create_future()
-        await self.waiter
-
-
-class UpstreamResponse:
-    """Status, raw headers and the body of one upstream response. `close()` must be called: it
-    returns a cleanly finished connection to the pool and drops any other."""
-
-    __slots__ = ("_conn", "status", "raw_headers", "_released")
-
-    def __init__(self, conn: _Connection) -> None:
-        self._conn = conn
-        self.status = conn.status
-        self.raw_headers = conn.headers
-        self._released = False
-
-    async def read_chunk(self) -> bytes:
-        """The next piece of body as it arrived (de-chunked); b"" at the end."""
-        conn = self._conn
-        while True:
-            if conn.chunks:
-                chunk = conn.chunks.popleft()
-                conn.queued -= len(chunk)
-                if conn.reading_paused and conn.queued <= _HIGH_WATER // 2:
-                    conn.reading_paused = False
-                    conn.transport.resume_reading()  # type: ignore[union-attr]
-                return chunk
-            if conn.complete:
-                return b""
-            if conn.error is not None:
-                raise conn.error
-            await conn.wait()
-
-    async def relay(self, sink, exchange) -> None:
-        """Hand the rest of the body to `sink.write(piece)` as it arrives, from the connection's
-        data callback (no task switch per piece); `sink.write` returns True when the client's
-        buffer is full, and reading from the instance pauses until `await sink.drain()` returns.
-        `exchange.on_data(now)` (inlined) runs for every piece. Returns when the body is
-        complete; raises UpstreamBroken when the instance fails."""
-        conn = self._conn
-        while conn.chunks:  # what arrived before relaying started
-            chunk = conn.chunks.popleft()
-            exchange.on_data(conn.clock())
-            sink.write(chunk)
-        conn.queued = 0
-        conn.sink, conn.exchange = sink, exchange
-        try:
-            while True:
-                if conn.sink_blocked or conn.reading_paused:
-                    await sink.drain()
-                    conn.sink_blocked = False
-                    if conn.reading_paused and not conn.lost:
-                        conn.reading_paused = False
-                        conn.transport.resume_reading()  # type: ignore[union-attr]
-                    continue
-                if conn.complete:
-                    return
-                if conn.error is not None:
-                    raise conn.error
-                await conn.wait()
-        finally:
-            conn.sink = conn.exchange = None
-
-    def complete_body(self) -> bytes | None:
-        """The whole body if all of it is in already (a small answer comes in one piece with its
-        headers), without an await; None if more is to come."""
-        conn = self._conn
-        if not conn.complete or conn.reading_paused:
-            return None
-        chunks = conn.chunks
-        body = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
-        chunks.clear()
-        conn.queued = 0
-        return body
-
-    async def read(self) -> bytes:
-        body = self.complete_body()
-        if body is not None:
-            return body
-        parts = []
-        while chunk := await self.read_chunk():
-            parts.append(chunk)
-        return b"".join(parts)
-
-    def close(self) -> None:
-        if self._released:
-            return
-        self._released = True
-        conn = self._conn
-        reusable = conn.complete and conn.keep_alive and conn.error is None and not conn.lost
-        conn.pool.release(conn, reusable)
+from vsup.proxy.upstream_conn import ConnectFailed, Connection, StaleConnection, UpstreamBroken, UpstreamResponse
 
 
 class UpstreamPool:
@@ -318,7 +46,7 @@ class UpstreamPool:
         self.connect_timeout = connect_timeout
         self.keepalive = keepalive
         self.loop = loop
-        self.idle: list[tuple[_Connection, float]] = []
+        self.idle: list[tuple[Connection, float]] = []
         self.open = 0
         self.waiters: collections.deque[asyncio.Future] = collections.deque()
         self.closed = False
@@ -326,7 +54,7 @@ class UpstreamPool:
         # ones are closed too, so no later request picks a connection to a process that is gone.
         self.reusable = True
 
-    def take_idle(self) -> _Connection | None:
+    def take_idle(self) -> Connection | None:
         """The newest idle keep-alive connection still fresh, or None (no await: the common case)."""
         idle = self.idle
         if idle:
@@ -338,7 +66,7 @@ class UpstreamPool:
                 self._drop(conn)
         return None
 
-    async def acquire(self) -> _Connection:
+    async def acquire(self) -> Connection:
         """A new connection or, at the limit, the next one released (take_idle() comes first)."""
         while self.open >= self.limit:
             waiter = self.loop.create_future()
@@ -362,7 +90,7 @@ class UpstreamPool:
         self.open += 1
         try:
             async with asyncio.timeout(self.connect_timeout):
-                _, conn = await self.loop.create_connection(lambda: _Connection(self), self.host, self.port)
+                _, conn = await self.loop.create_connection(lambda: Connection(self), self.host, self.port)
         except TimeoutError:
             self._slot_freed()
             raise ConnectFailed(f"no connection to {self.host}:{self.port} within {self.connect_timeout:g} s") from None
@@ -377,7 +105,7 @@ class UpstreamPool:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return conn
 
-    def release(self, conn: _Connection, reusable: bool) -> None:
+    def release(self, conn: Connection, reusable: bool) -> None:
         if not reusable or self.closed or not self.reusable:
             self._drop(conn)
             return
@@ -389,14 +117,14 @@ class UpstreamPool:
                 return
         self.idle.append((conn, self.loop.time()))
 
-    def _drop(self, conn: _Connection) -> None:
+    def _drop(self, conn: Connection) -> None:
         if conn.transport is not None and not conn.transport.is_closing():
             conn.transport.abort()  # RST: the instance sees the disconnect at once
         if not conn.counted_out:
             conn.counted_out = True
             self._slot_freed()
 
-    def forget(self, conn: _Connection) -> None:
+    def forget(self, conn: Connection) -> None:
         """The connection died; if it was idle, take it out of the idle list."""
         for i, (idle, _) in enumerate(self.idle):
             if idle is conn:
@@ -458,12 +186,12 @@ class UpstreamClient:
         if pool is not None:
             pool.close_idle()
 
-    def idle_connection(self, url: str) -> _Connection | None:
+    def idle_connection(self, url: str) -> Connection | None:
         """An idle keep-alive connection to `url` if one is ready now, else None (then connect())."""
         pool = self.pools.get(url)
         return pool.take_idle() if pool is not None else None
 
-    async def connect(self, url: str) -> _Connection:
+    async def connect(self, url: str) -> Connection:
         """A new connection to the instance at `url` or, at the pool's limit, the next one
         released (after idle_connection() found none). Raises ConnectFailed."""
         return await self.pool(url).acquire()
@@ -483,7 +211,7 @@ class UpstreamClient:
         transport.close()
         return True
 
-    async def send(self, conn: _Connection, method: str, target: bytes, headers: bytes, body: bytes) -> UpstreamResponse:
+    async def send(self, conn: Connection, method: str, target: bytes, headers: bytes, body: bytes) -> UpstreamResponse:
         """Send `METHOD target` with `headers` (already `Name: value\\r\\n` lines, no Host, no
         Content-Length) and `body`; return once the status line and headers are in. Raises
         StaleConnection when a reused connection fails before any byte of the answer arrived,

@@ -28,7 +28,7 @@ V1_MEM_FILES = ("cpuset.effective_mems", "cpuset.mems", "mems")
 V2_CPU_FILES = ("cpuset.cpus.effective",)
 V2_MEM_FILES = ("cpuset.mems.effective",)
 # (file whose presence marks the place, the mount it stands for), in hwloc's order
-STANDARD_PLACES = (
+STANDARD_PLACES: tuple[tuple[str, tuple[str, str, frozenset[str]]], ...] = (
     ("sys/fs/cgroup/cpuset.cpus.effective", ("/sys/fs/cgroup", "cgroup2", frozenset())),
     ("sys/fs/cgroup/cpuset/cpuset.cpus", ("/sys/fs/cgroup/cpuset", "cgroup", frozenset({"cpuset"}))),
     ("dev/cpuset/cpus", ("/dev/cpuset", "cpuset", frozenset())),

@@ -8,10 +8,12 @@ node(s), the environment vLLM reads and the numactl/taskset prefix that wraps th
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from vsup.topology.cpulist import format_list
+from vsup.topology.errors import SettingError
 
 GiB = 1024**3
 
@@ -30,6 +32,16 @@ FLAGS = {
     "cores_per_instance": "--cores-per-instance", "omp_threads": "--omp-threads", "membind": "--membind", "launcher": "--launcher",
     "nodes": "--nodes", "efficiency_cores": "--efficiency-cores",
 }
+
+
+def setting_error(setting: str, value: object, detail: str) -> SettingError:
+    """An error about one setting, worded with its `vsup plan` flag (see SettingError)."""
+    return SettingError(setting, FLAGS[setting], None if value is None else str(value), detail)
+
+
+def format_ids(values: Iterable[int]) -> str:
+    """Node (or other) ids as the planner's messages write them: "0,1,3"."""
+    return ",".join(str(v) for v in values)
 
 
 @dataclass(frozen=True)

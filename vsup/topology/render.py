@@ -95,7 +95,7 @@ def _core_lines(cores: list[Core], usable: set[int], hybrid: bool, indent: str) 
     """One line (wrapped) per (package, L3 domain): its usable cores, SMT siblings joined by '+'
     ('*' marks a sibling that cannot be used); cores with no usable CPU are only counted."""
     groups: dict[tuple, list[Core]] = defaultdict(list)
-    l3_sizes = defaultdict(int)
+    l3_sizes: dict[int | None, int] = defaultdict(int)
     for core in cores:
         l3_sizes[core.l3] += 1
     # POWER-style per-core L3s would give one line per core: group those by package instead.

@@ -20,8 +20,10 @@ from typing import Any
 
 from vsup.config.planning import settings_from_config
 from vsup.config.schema import VsupConfig
-from vsup.doctor import checks as doctor
+from vsup.doctor.libs import IOMP_NAMES, TCMALLOC_NAMES, find_library, ldconfig_paths
+from vsup.doctor.vllm_env import probe_python, vllm_python
 from vsup.errors import VsupError
+from vsup.observe.bandwidth import cpus_per_node, cpus_per_node_of, measure_bandwidth
 from vsup.supervisor.launch import vllm_command
 from vsup.topology.fsroot import FsRoot
 from vsup.topology.planner import plan
@@ -31,7 +33,7 @@ from vsup.tune.candidates import Candidate, Planned, Pruned, Space, layouts, pla
 from vsup.tune.metrics import level_name
 from vsup.tune.objective import Objective
 from vsup.tune.results import ResultsFile, outcome_to_json
-from vsup.tune.roofline import cpus_per_node, cpus_per_node_of, decode_roofline, measure_bandwidth, model_facts
+from vsup.tune.roofline import decode_roofline, model_facts
 from vsup.tune.runner import CandidateFailed, CandidateRun, free_port_run
 from vsup.tune.search import Outcome, Search, SearchResult, SearchSettings, Trial
 from vsup.tune.workload import WorkItem, load_jsonl, synthetic
@@ -93,15 +95,15 @@ class Tune:
         extra: list[str] = []
         cache: dict[str, str] = {}
         if live:
-            cache = doctor.ldconfig_paths()
+            cache = ldconfig_paths()
             try:
-                python = doctor.vllm_python(vllm_command(self.cfg, self.o.environ), self.o.environ.get("PATH", os.defpath))
-                prefix = doctor.probe_python(python).get("prefix")
+                python = vllm_python(vllm_command(self.cfg, self.o.environ), self.o.environ.get("PATH", os.defpath))
+                prefix = probe_python(python).get("prefix")
                 extra = [os.path.join(prefix, "lib")] if prefix else []
             except VsupError:
                 pass
-        found = {"tcmalloc": doctor.find_library(doctor.TCMALLOC_NAMES, fs, cache, extra),
-                 "iomp": doctor.find_library(doctor.IOMP_NAMES, fs, cache, extra)}
+        found = {"tcmalloc": find_library(TCMALLOC_NAMES, fs, cache, extra),
+                 "iomp": find_library(IOMP_NAMES, fs, cache, extra)}
         return {name: path for name, path in found.items() if path}
 
     def candidates(self) -> tuple[list[Planned], list[Pruned], list[str]]:

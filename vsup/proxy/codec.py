@@ -1,0 +1,171 @@
+"""What the forwarder does to the bytes it relays: the client's header lines minus the hop-by-hop
+ones (RFC 9110 §7.6.1), the instance's headers sorted into kept and looked-at in one pass, and the
+request body's JSON parsed on a fast path that accepts exactly what json.loads accepts.
+
+These run once or more per request on the proxy's hot path: per-name decisions are cached.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from multidict import CIMultiDict
+
+# RFC 9110 §7.6.1 hop-by-hop headers, plus the ones the proxy sets itself for the next hop.
+HOP_BY_HOP = frozenset(
+    {"connection", "keep-alive", "proxy-connection", "te", "trailer", "trailers", "transfer-encoding", "upgrade"}
+)
+_DROP_REQUEST = frozenset(h.encode() for h in HOP_BY_HOP | {"host", "content-length", "expect"})
+_DROP_RESPONSE = frozenset(h.encode() for h in HOP_BY_HOP | {"content-length"})
+_PROXY_PREFIX = b"proxy-"
+
+
+def _connection_tokens(value: bytes) -> frozenset[bytes]:
+    return frozenset(token.strip().lower() for token in value.split(b",") if token.strip())
+
+
+# Per header name *as sent* (clients repeat the same spelling on every request), what to do with
+# it: one dict lookup per header instead of lower() + set tests + tuple building. Bounded: an odd
+# client inventing names cannot grow it without limit.
+_KEEP, _DROP, _AUTHORIZATION, _CONNECTION = 0, 1, 2, 3
+_NAME_CACHE_SIZE = 1024
+_request_names: dict[bytes, int] = {}
+
+
+def _request_name_kind(key: bytes) -> int:
+    low = key.lower()
+    if low == b"connection":
+        kind = _CONNECTION
+    elif low == b"authorization":
+        kind = _AUTHORIZATION
+    elif low in _DROP_REQUEST or low.startswith(_PROXY_PREFIX):
+        kind = _DROP
+    else:
+        kind = _KEEP
+    if len(_request_names) >= _NAME_CACHE_SIZE:
+        _request_names.clear()
+    _request_names[key] = kind
+    return kind
+
+
+def request_headers(raw_headers: tuple[tuple[bytes, bytes], ...], drop_authorization: bool) -> bytes:
+    """The client's header lines, as it sent them, minus hop-by-hop ones (and its Authorization
+    when the proxy checked it: the instances listen on loopback without a key)."""
+    parts: list[bytes] = []
+    named = None
+    names = _request_names
+    for key, value in raw_headers:
+        kind = names.get(key)
+        if kind is None:
+            kind = _request_name_kind(key)
+        if kind == _KEEP or (kind == _AUTHORIZATION and not drop_authorization):
+            parts += (key, b": ", value, b"\r\n")
+        elif kind == _CONNECTION:
+            # Headers the client names in Connection are hop-by-hop too; "keep-alive"/"close"
+            # (what clients send) name nothing that is still kept.
+            tokens = _connection_tokens(value) - _DROP_REQUEST
+            if tokens:
+                named = tokens | (named or frozenset())
+    if named:  # rare: a second pass without the headers Connection named
+        parts = []
+        for key, value in raw_headers:
+            kind = names.get(key)
+            if kind is None:
+                kind = _request_name_kind(key)
+            if (kind == _KEEP or (kind == _AUTHORIZATION and not drop_authorization)) and key.lower() not in named:
+                parts += (key, b": ", value, b"\r\n")
+    return b"".join(parts)
+
+
+# Per response header name: whether to forward it, and whether it is one the forwarder looks at.
+_PLAIN, _IS_CONNECTION, _IS_CONTENT_TYPE, _IS_CONTENT_LENGTH = 0, 1, 2, 3
+_response_names: dict[bytes, tuple[bool, int]] = {}
+
+
+def _response_name(key: bytes) -> tuple[bool, int]:
+    low = key.lower()
+    flag = {b"connection": _IS_CONNECTION, b"content-type": _IS_CONTENT_TYPE, b"content-length": _IS_CONTENT_LENGTH}.get(low, _PLAIN)
+    entry = (not (low in _DROP_RESPONSE or low.startswith(_PROXY_PREFIX)), flag)
+    if len(_response_names) >= _NAME_CACHE_SIZE:
+        _response_names.clear()
+    _response_names[key] = entry
+    return entry
+
+
+def response_head(raw_headers: list[tuple[bytes, bytes]]) -> tuple[list[tuple[bytes, bytes]], bytes, bool]:
+    """One pass over the instance's headers: those to forward (hop-by-hop ones dropped, as sent),
+    its Content-Type, and whether it sent a Content-Length."""
+    out: list[tuple[bytes, bytes]] = []
+    content_type = b""
+    has_length = False
+    named = None
+    names = _response_names
+    for pair in raw_headers:
+        entry = names.get(pair[0])
+        if entry is None:
+            entry = _response_name(pair[0])
+        keep, flag = entry
+        if flag:
+            if flag == _IS_CONTENT_TYPE:
+                content_type = pair[1]
+            elif flag == _IS_CONTENT_LENGTH:
+                has_length = True
+            else:
+                tokens = _connection_tokens(pair[1]) - _DROP_RESPONSE
+                if tokens:
+                    named = tokens | (named or frozenset())
+        if keep:
+            out.append(pair)
+    if named:
+        out = [(name, value) for name, value in out if name.lower() not in named]
+    return out, content_type, has_length
+
+
+def header_lines(pairs: list[tuple[bytes, bytes]]) -> bytes:
+    return b"".join([b"%b: %b\r\n" % pair for pair in pairs])
+
+
+def str_headers(pairs: list[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
+    return [(name.decode("latin-1"), value.decode("utf-8", "replace")) for name, value in pairs]
+
+
+def response_headers(raw_headers: list[tuple[bytes, bytes]]) -> CIMultiDict[str]:
+    return CIMultiDict(str_headers(response_head(raw_headers)[0]))
+
+
+_json_types: dict[str, bool] = {}
+
+
+def is_json(content_type: str) -> bool:
+    # application/json, application/json; charset=utf-8, application/vnd.x+json
+    known = _json_types.get(content_type)
+    if known is None:
+        base = content_type.split(";", 1)[0].strip().lower()
+        known = base == "application/json" or base.endswith("+json")
+        if len(_json_types) >= _NAME_CACHE_SIZE:
+            _json_types.clear()
+        _json_types[content_type] = known
+    return known
+
+
+def parse_json(body: bytes) -> Any:
+    """json.loads(body), minus its encoding detection and whitespace regexes in the common case (a
+    UTF-8 object, as every OpenAI request is); anything else, including every error, goes through
+    json.loads itself, so what is accepted and the error message are exactly json.loads's."""
+    if body[:1] == b"{":
+        try:
+            text = body.decode("utf-8")
+            document, end = _scan_once(text, 0)
+        except (ValueError, UnicodeDecodeError, StopIteration):
+            pass
+        else:
+            if end == len(text) or not text[end:].strip(_JSON_WHITESPACE):
+                return document
+    return json.loads(body)
+
+
+# The decoder's C scanner, which JSONDecoder sets up in __init__ (typeshed does not declare it).
+_scan_once: Callable[[str, int], tuple[Any, int]] = vars(json.JSONDecoder())["scan_once"]
+_JSON_WHITESPACE = " \t\n\r"
