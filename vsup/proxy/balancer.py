@@ -13,7 +13,7 @@ with 4 ready instances gets twice the requests of one with 2.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterator, Mapping
-from typing import Any, get_args
+from typing import Any, ClassVar, get_args
 
 from vsup.config.schema import ProxyConfig
 from vsup.proxy.backends import Backend
@@ -21,6 +21,8 @@ from vsup.proxy.backends import Backend
 
 class _Rotation:
     """The ready instances not yet tried, starting one further along at each request."""
+
+    name: ClassVar[str]  # the proxy.policy value that picks it
 
     def __init__(self) -> None:
         self._counter = 0

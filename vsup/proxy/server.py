@@ -21,6 +21,7 @@ from aiohttp import web
 from vsup.config.schema import ProxyConfig
 from vsup.errors import VsupError
 from vsup.proxy import aiohttp_internals, errors
+from vsup.proxy.affinity import PrefixAffinity
 from vsup.proxy.auth import BearerAuth
 from vsup.proxy.backends import Backend, BackendPool
 from vsup.proxy.balancer import make_balancer
@@ -62,12 +63,13 @@ class ProxyServer:
         self._forwarder: Forwarder | None = None
         self._client: UpstreamClient | None = None
         self._session: aiohttp.ClientSession | None = None  # for /v1/models only
-        self._runner: web.AppRunner | None = None
+        self._runner: web.ServerRunner | None = None
         self._clients: ClientPolicy | None = None
         self._port: int | None = None
         self.metrics = ProxyMetrics(self.in_flight, pool.states, pool.is_ready)
         self.metrics.policy, self.metrics.policy_decisions = self._balancer.name, self._balancer.decisions
-        self._own = {"/health": self._health, "/ready": self._ready, "/metrics": self._metrics}
+        self._own: dict[str, Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]] = {
+            "/health": self._health, "/ready": self._ready, "/metrics": self._metrics}
         # vsup run's collection of the instances' metrics (observe/): its cached text is appended to /metrics
         self.extra_metrics: Callable[[], bytes] | None = None
         self._pid = str(os.getpid())
@@ -102,16 +104,16 @@ class ProxyServer:
             self._dispatch, policy=self._clients, max_body_bytes=config.max_body_bytes,
             handler_cancellation=True, access_log=None,
         )
-        self._runner = web.ServerRunner(server, handle_signals=False, shutdown_timeout=1.0)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, config.host, config.port, backlog=1024, reuse_address=True)
+        self._runner = runner = web.ServerRunner(server, handle_signals=False, shutdown_timeout=1.0)
+        await runner.setup()
+        site = web.TCPSite(runner, config.host, config.port, backlog=1024, reuse_address=True)
         try:
             await site.start()
         except OSError as exc:
             await self._close()
             why = "the port is already in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
             raise VsupError(f"proxy cannot listen on {config.host}:{config.port}: {why} (set proxy.port / --port)") from None
-        self._port = self._runner.addresses[0][1]
+        self._port = runner.addresses[0][1]
         log.info(
             "proxy listening on http://%s:%d (%s, %d instance(s) known, auth %s)",
             config.host, self._port, config.policy, len(self.pool.all()), "on" if self._auth.enabled else "off",
@@ -125,18 +127,21 @@ class ProxyServer:
             self._client.set_reusable(backend.url, ready)
 
     def reconfigure(self, config: ProxyConfig, api_key: str | None) -> None:
-        """Apply changed settings at once (`vsup reload`): timeouts, retries, drain timeout, policy
-        and its affinity settings, API key (also the /status page's). Requests already in flight
-        keep the timeouts they were armed with. host, port, max_connections and max_body_bytes are
-        built into the listening socket and the pools: a reload refuses to change them."""
+        """Apply changed settings at once (`vsup reload`): timeouts (connect_timeout reaches the
+        upstream pools and /v1/models), retries, policy and its affinity settings, API key (also
+        the /status page's). Requests already in flight keep the timeouts they were armed with.
+        host, port, max_connections and max_body_bytes are built into the listening socket and the
+        pools: a reload refuses to change them (vsup/config/schema.py classes them fixed)."""
         self.config = config
         self._auth = BearerAuth(api_key if api_key is not None else config.api_key)
         if config.policy != self._balancer.name:
             self._balancer = make_balancer(config.policy, config)
             self.metrics.policy, self.metrics.policy_decisions = self._balancer.name, self._balancer.decisions
-        elif hasattr(self._balancer, "prefix_chars"):  # prefix_affinity: same policy, its counts kept
+        elif isinstance(self._balancer, PrefixAffinity):  # same policy, its counts kept
             self._balancer.prefix_chars = config.affinity_prefix_chars
             self._balancer.max_imbalance = config.affinity_max_imbalance
+        if self._client is not None:
+            self._client.set_connect_timeout(config.connect_timeout)
         if self._forwarder is not None:
             self._forwarder.config = config
             self._forwarder.balancer = self._balancer
@@ -243,7 +248,8 @@ class ProxyServer:
     async def _models(self) -> web.StreamResponse:
         if self.draining:
             return errors.unavailable("the proxy is shutting down", RETRY_AFTER_SECONDS)
-        response = await merged_models(self._session, self.pool.ready(), self.config.connect_timeout + 5.0)  # type: ignore[arg-type]
+        connect = self.config.connect_timeout
+        response = await merged_models(self._session, self.pool.ready(), connect + 5.0, connect)  # type: ignore[arg-type]
         self.metrics.request("/v1/models", response.status, "")
         return response
 

@@ -28,6 +28,7 @@ import asyncio
 import collections
 import contextlib
 import socket
+from typing import Any
 from urllib.parse import urlsplit
 
 import httptools
@@ -90,9 +91,9 @@ class _Connection(asyncio.Protocol):
         self.head = False
         self.awaiting = False  # a request was sent and its answer is not complete: bytes are expected
         self.interim = False  # the message being parsed is a 1xx interim answer (skipped)
-        self.sink = None  # relay mode: body goes straight to sink.write (see UpstreamResponse.relay)
+        self.sink: Any = None  # relay mode: body goes straight to sink.write (see UpstreamResponse.relay)
         self.sink_blocked = False
-        self.exchange = None  # relay mode: the request's Exchange (its `last` is stamped per piece)
+        self.exchange: Any = None  # relay mode: the request's Exchange (its `last` is stamped per piece)
 
     # -- asyncio.Protocol
     def connection_made(self, transport) -> None:
@@ -440,6 +441,13 @@ class UpstreamClient:
         if pool is None:
             pool = self.pools[url] = UpstreamPool(url, self.limit, self.connect_timeout, self.keepalive, asyncio.get_running_loop())
         return pool
+
+    def set_connect_timeout(self, seconds: float) -> None:
+        """A new proxy.connect_timeout (`vsup reload`): for every connect from now on, to every
+        instance (each pool keeps its own copy: it is read once per connect on the hot path)."""
+        self.connect_timeout = seconds
+        for pool in self.pools.values():
+            pool.connect_timeout = seconds
 
     def set_reusable(self, url: str, reusable: bool) -> None:
         """The instance at `url` left the rotation (False: its idle keep-alive connections are

@@ -587,6 +587,9 @@ class Supervisor:
         self._check_free_to_change("nothing is reloaded")  # a stop may have begun meanwhile
         record = rollout.Record("reload", trigger, began)
         record.applied = rollout.live_changes(self.config, config)
+        record.not_applied = rollout.unapplied_changes(self.config, config)
+        if record.not_applied:
+            logger.warning("reload (%s): not applied by the running vsup: %s", trigger, "; ".join(record.not_applied))
         self._apply_settings(config, plan)
         record.steps, record.unchanged = self._reload_steps(plan)
         logger.info("reload (%s): %s; %s", trigger,
