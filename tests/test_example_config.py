@@ -94,7 +94,7 @@ def test_every_key_and_section_has_a_description(section):
 
 def test_byte_sizes_are_spelled_out_and_sections_read_as_before():
     text = example_yaml()
-    assert "  max_body_bytes: 8388608         # larger request bodies get 413 (8 MiB)\n" in text
-    assert "  max_bytes: 52428800             # rotate an instance log at this size (50 MiB)\n" in text
+    assert "  max_body_bytes: 8388608         # [fixed] larger request bodies get 413 (8 MiB)\n" in text
+    assert "  max_bytes: 52428800             # [fixed] rotate an instance log at this size (50 MiB)\n" in text
     assert "\nplacement:                        # how cores and memory are split among the instances" in text
-    assert "model: /srv/models/my-model       # REQUIRED: " in text
+    assert "model: /srv/models/my-model       # [relaunch] REQUIRED: " in text

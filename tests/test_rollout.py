@@ -12,7 +12,17 @@ import pytest
 from tests.machines import make_machine
 from vsup.config.planning import settings_from_config
 from vsup.config.schema import VsupConfig
-from vsup.supervisor.rollout import Launch, Record, Rollout, Step, fixed_changes, launch_changes, live_changes, surge_room
+from vsup.supervisor.rollout import (
+    Launch,
+    Record,
+    Rollout,
+    Step,
+    fixed_changes,
+    launch_changes,
+    live_changes,
+    surge_room,
+    unapplied_changes,
+)
 from vsup.topology.plan_model import GiB, LimitMemory
 from vsup.topology.planner import plan
 
@@ -66,6 +76,12 @@ def test_keys_a_running_vsup_cannot_change_and_the_ones_it_applies_at_once():
                                        "proxy.port (8000 -> 9000): the proxy listens there"]
     assert live_changes(old, new) == ["health.warmup.prompt", "log.level", "proxy.policy"]
     assert fixed_changes(old, old) == [] and live_changes(old, old) == []
+    # taken, but not acted on by a running vsup: reported as such, not as applied
+    later = config(start={"mode": "parallel"}, tune={"input_len": 64}, proxy={"connect_timeout": 1.0})
+    assert live_changes(old, later) == ["proxy.connect_timeout"] and fixed_changes(old, later) == []
+    assert unapplied_changes(old, later) == [
+        "start.mode (read when `vsup run` starts; a reload leaves the change for the next start)",
+        "tune.input_len (`vsup run` does not read it)"]
 
 
 def test_a_step_with_an_unknown_action_is_an_error_not_a_skip():

@@ -40,6 +40,8 @@ def render_rollout(record: dict | None, *, steps: bool = True) -> list[str]:
             lines.append(line)
     if record.get("applied"):
         lines.append(f"  applied at once: {', '.join(record['applied'])}")
+    if record.get("not_applied"):
+        lines.append(f"  not applied by the running vsup: {'; '.join(record['not_applied'])}")
     return lines
 
 

@@ -5,6 +5,9 @@ example) and its `description` as the comment; a section's comment is the descri
 field in `VsupConfig` (or in its section, for a section inside one, like `health.warmup`). A key
 that is off by default but worth turning on (`restart.max_rss`) shows its example, and its
 default after the comment. Byte counts (keys ending in `bytes`) get their size in KiB/MiB/GiB added.
+Each key's comment starts with its reload class in brackets ([live], [relaunch], ...: what a
+`vsup reload` does with a change, from the table in vsup/config/schema.py, `RELOAD`); the header
+says what each means.
 `vsup config --example` prints this text; vsup/config/data/vsup.yaml (configs/vsup.yaml) and
 the README's configuration reference are this text checked in (scripts/config-reference writes
 both; tests/test_example_config.py and tests/test_readme.py keep them identical).
@@ -19,13 +22,16 @@ import yaml
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from vsup.config.schema import VsupConfig
+from vsup.config.reloading import MEANING, Reload
+from vsup.config.schema import RELOAD, VsupConfig
 
 HEADER = (
     "# vsup configuration: every key, with its default and what it does.",
     "# `vsup run --config configs/vsup.yaml`. Only `model` is required; delete what you do not change.",
     "# Unknown keys are errors (a typo never falls back to a default silently).",
     "# `vsup config --example` prints this file; it is generated from vsup/config/schema.py.",
+    "# Each comment starts with what `vsup reload` (SIGHUP) does with a change to the key:",
+    *(f"#   [{kind.value}] {MEANING[kind]}" for kind in Reload),
 )
 COMMENT_COLUMN = 34  # where the `#` of each key's comment goes (0-based), as a hand-aligned file has it
 # The README's copy sits between these two lines.
@@ -38,7 +44,7 @@ def example_yaml() -> str:
     sections = []
     for name, field in VsupConfig.model_fields.items():
         if _section_model(field) is None:
-            lines.append(_key_line(name, field, ""))
+            lines.append(_key_line(name, field, "", name))
         else:
             sections.append((name, field))
     for name, field in sections:
@@ -47,13 +53,15 @@ def example_yaml() -> str:
     return "\n".join(lines) + "\n"
 
 
-def _section_lines(name: str, field: FieldInfo, indent: str) -> list[str]:
+def _section_lines(name: str, field: FieldInfo, indent: str, prefix: str = "") -> list[str]:
     lines = [_commented(f"{indent}{name}:", field.description)]
-    for key, subfield in _section_model(field).model_fields.items():
+    model = _section_model(field)
+    assert model is not None
+    for key, subfield in model.model_fields.items():
         if _section_model(subfield) is None:
-            lines.append(_key_line(key, subfield, indent + "  "))
+            lines.append(_key_line(key, subfield, indent + "  ", f"{prefix}{name}.{key}"))
         else:
-            lines.extend(_section_lines(key, subfield, indent + "  "))
+            lines.extend(_section_lines(key, subfield, indent + "  ", f"{prefix}{name}."))
     return lines
 
 
@@ -62,10 +70,11 @@ def _section_model(field: FieldInfo) -> type[BaseModel] | None:
     return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
 
 
-def _key_line(name: str, field: FieldInfo, indent: str) -> str:
+def _key_line(name: str, field: FieldInfo, indent: str, key: str) -> str:
     if not field.description:
         raise ValueError(f"{name}: every config key needs a description (it is the key's documentation)")
     if field.is_required():
+        assert field.examples, f"{key}: a required key needs an example"
         value, comment = field.examples[0], f"REQUIRED: {field.description}"
     elif field.examples:
         default = field.get_default(call_default_factory=True)
@@ -74,7 +83,7 @@ def _key_line(name: str, field: FieldInfo, indent: str) -> str:
         value, comment = field.get_default(call_default_factory=True), field.description
         if name.endswith("bytes") and isinstance(value, int):
             comment += f" ({_size(value)})"
-    return _commented(f"{indent}{name}: {_scalar(value)}", comment)
+    return _commented(f"{indent}{name}: {_scalar(value)}", f"[{RELOAD[key].reload.value}] {comment}")
 
 
 def _commented(text: str, comment: str | None) -> str:

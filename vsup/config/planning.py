@@ -9,7 +9,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from vsup.config.schema import GiB, VsupConfig, where
+from vsup.config.loader import where
+from vsup.config.schema import RELOAD, GiB, VsupConfig
 from vsup.errors import ConfigError
 from vsup.topology.errors import PlanError, SettingError
 from vsup.topology.model import Machine
@@ -20,22 +21,14 @@ from vsup.topology.sysfs import read_machine
 # Files that hold weights in a local model directory (safetensors, PyTorch, GGUF).
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
-# PlanSettings field -> the config key that sets it
-CONFIG_KEYS = {
-    "instances": "instances",
-    "base_port": "vllm.base_port",
-    "model_size_bytes": "placement.model_size_gib",
-    **{
-        name: f"placement.{name}"
-        for name in ("kvcache_gib", "reserve_cores", "housekeeping_core", "smt", "cores_per_instance", "omp_threads",
-                     "membind", "launcher", "nodes", "efficiency_cores")
-    },
-}
+# PlanSettings field -> the config key that sets it (the `plan=` of the key's reload class)
+CONFIG_KEYS = {entry.plan: key for key, entry in RELOAD.items() if entry.plan is not None}
 
 
 def settings_from_config(cfg: VsupConfig, *, numactl_available: bool | None = None,
                          preferred_many: bool | None = None) -> PlanSettings:
     p = cfg.placement
+    model_size: int | None
     if p.model_size_gib is not None:
         model_size = round(p.model_size_gib * GiB)
     else:

@@ -128,10 +128,11 @@ class ProxyServer:
             self._client.set_reusable(backend.url, ready)
 
     def reconfigure(self, config: ProxyConfig, api_key: str | None) -> None:
-        """Apply changed settings at once (`vsup reload`): timeouts, retries, drain timeout, policy
-        and its affinity settings, API key (also the /status page's). Requests already in flight
-        keep the timeouts they were armed with. host, port, max_connections and max_body_bytes are
-        built into the listening socket and the pools: a reload refuses to change them."""
+        """Apply changed settings at once (`vsup reload`): timeouts (connect_timeout reaches the
+        upstream pools and /v1/models), retries, policy and its affinity settings, API key (also
+        the /status page's). Requests already in flight keep the timeouts they were armed with.
+        host, port, max_connections and max_body_bytes are built into the listening socket and the
+        pools: a reload refuses to change them (vsup/config/schema.py classes them fixed)."""
         self.config = config
         self._auth = BearerAuth(api_key if api_key is not None else config.api_key)
         if config.policy != self._balancer.name:
@@ -140,6 +141,8 @@ class ProxyServer:
         elif isinstance(self._balancer, PrefixAffinity):  # same policy, its counts kept
             self._balancer.prefix_chars = config.affinity_prefix_chars
             self._balancer.max_imbalance = config.affinity_max_imbalance
+        if self._client is not None:
+            self._client.set_connect_timeout(config.connect_timeout)
         if self._forwarder is not None:
             self._forwarder.config = config
             self._forwarder.balancer = self._balancer
@@ -246,7 +249,8 @@ class ProxyServer:
     async def _models(self) -> web.StreamResponse:
         if self.draining:
             return errors.unavailable("the proxy is shutting down", RETRY_AFTER_SECONDS)
-        response = await merged_models(self._session, self.pool.ready(), self.config.connect_timeout + 5.0)  # type: ignore[arg-type]
+        connect = self.config.connect_timeout
+        response = await merged_models(self._session, self.pool.ready(), connect + 5.0, connect)  # type: ignore[arg-type]
         self.metrics.request("/v1/models", response.status, "")
         return response
 

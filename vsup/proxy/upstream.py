@@ -169,6 +169,13 @@ class UpstreamClient:
             pool = self.pools[url] = UpstreamPool(url, self.limit, self.connect_timeout, self.keepalive, asyncio.get_running_loop())
         return pool
 
+    def set_connect_timeout(self, seconds: float) -> None:
+        """A new proxy.connect_timeout (`vsup reload`): for every connect from now on, to every
+        instance (each pool keeps its own copy: it is read once per connect on the hot path)."""
+        self.connect_timeout = seconds
+        for pool in self.pools.values():
+            pool.connect_timeout = seconds
+
     def set_reusable(self, url: str, reusable: bool) -> None:
         """The instance at `url` left the rotation (False: its idle keep-alive connections are
         closed at once and finished ones are not kept; requests in flight go on) or is back (True)."""

@@ -8,8 +8,9 @@ from __future__ import annotations
 import shutil
 from collections.abc import Mapping
 
+from vsup.config.checks import check_instance_ports, check_model_path, check_rss_limit
 from vsup.config.planning import plan_from_config
-from vsup.config.schema import VsupConfig, check_instance_ports, check_model_path, check_rss_limit
+from vsup.config.schema import VsupConfig
 from vsup.errors import VsupError
 from vsup.supervisor.launch import build_command
 from vsup.topology.model import Machine

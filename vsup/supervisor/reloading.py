@@ -132,6 +132,9 @@ class Changes:
         self.check_free("nothing is reloaded")  # a stop may have begun meanwhile
         record = rollout.Record("reload", trigger, began)
         record.applied = rollout.live_changes(sup.config, config)
+        record.not_applied = rollout.unapplied_changes(sup.config, config)
+        if record.not_applied:
+            logger.warning("reload (%s): not applied by the running vsup: %s", trigger, "; ".join(record.not_applied))
         self.apply_settings(config, plan)
         record.steps, record.unchanged = reload_steps(sup.fleet, plan)
         logger.info("reload (%s): %s; %s", trigger,

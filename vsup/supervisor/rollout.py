@@ -17,8 +17,9 @@ A step whose new instance does not become ready (its first start fails) ends the
 was done stays done, the rest is not touched, and the record says why. A rolling restart is a
 rollout whose steps replace every instance with itself (in place: a drain, a restart, a warm-up).
 
-The pure parts (`launch_changes`, `surge_room`, `fixed_changes`, `live_changes`) are tested
-without processes; `Rollout` runs the steps against a `Fleet` (fleet.py).
+The pure parts (`launch_changes`, `surge_room`, `fixed_changes`, `live_changes`,
+`unapplied_changes`) are tested without processes; `Rollout` runs the steps against a `Fleet`
+(fleet.py).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from vsup.config.schema import VsupConfig
+from vsup.config.reloading import MEANING, Reload, changed
+from vsup.config.schema import RELOAD, VsupConfig
 from vsup.supervisor.lifecycle import Instance
 from vsup.supervisor.ports import port_is_free
 from vsup.supervisor.states import State
@@ -39,20 +41,11 @@ from vsup.topology.plan_model import InstancePlan, Plan, format_gib
 
 logger = logging.getLogger("vsup.rollout")
 
+# How each key reloads is the table in vsup/config/schema.py (RELOAD); these are views of it.
 # Keys a running vsup cannot change: a reload that changes one is refused, naming it.
-FIXED_KEYS = {
-    "proxy.host": "the proxy listens there",
-    "proxy.port": "the proxy listens there",
-    "proxy.max_connections": "the proxy's upstream pools are built with it",
-    "proxy.max_body_bytes": "the proxy's request parser is built with it",
-    "control.socket": "vsup listens there",
-    "log.dir": "the instances' log files are open",
-    "log.max_bytes": "the instances' log files are open",
-    "log.backups": "the instances' log files are open",
-    "log.echo": "the instances' log files are open",
-}
+FIXED_KEYS = {key: entry.why or "" for key, entry in RELOAD.items() if entry.reload is Reload.FIXED}
 # Sections whose changes reach the instances through the plan and their command lines.
-LAUNCH_SECTIONS = ("model", "served_model_name", "instances", "placement", "vllm")
+LAUNCH_SECTIONS = tuple(dict.fromkeys(key.split(".")[0] for key, entry in RELOAD.items() if entry.reload is Reload.RELAUNCH))
 
 
 @dataclass(frozen=True)
@@ -118,33 +111,22 @@ def surge_room(new: InstancePlan, live: Iterable[InstancePlan], plan: Plan) -> t
     return True, f"its CPUs {format_list(new.cpus)} are free"
 
 
-def _flat(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        if isinstance(value, Mapping) and key not in ("env",):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
-def _differing(old: VsupConfig, new: VsupConfig) -> dict[str, tuple[Any, Any]]:
-    a, b = _flat(old.model_dump(mode="json")), _flat(new.model_dump(mode="json"))
-    return {key: (a.get(key), b.get(key)) for key in sorted(a.keys() | b.keys()) if a.get(key) != b.get(key)}
-
-
 def fixed_changes(old: VsupConfig, new: VsupConfig) -> list[str]:
     """Changes a running vsup cannot apply, one phrase each."""
     return [f"{key} ({_short(a)} -> {_short(b)}): {FIXED_KEYS[key]}"
-            for key, (a, b) in _differing(old, new).items() if key in FIXED_KEYS]
+            for key, (a, b) in changed(old, new, RELOAD).items() if key in FIXED_KEYS]
 
 
 def live_changes(old: VsupConfig, new: VsupConfig) -> list[str]:
-    """Changed keys that apply without touching an instance's process (proxy, health, restart,
-    stop, start, notify, log.level)."""
-    return [key for key in _differing(old, new)
-            if key not in FIXED_KEYS and not key.startswith(tuple(f"{s}." for s in LAUNCH_SECTIONS))
-            and key not in LAUNCH_SECTIONS]
+    """Changed keys a running vsup applies at once, without touching an instance's process."""
+    return [key for key in changed(old, new, RELOAD) if RELOAD[key].reload is Reload.LIVE]
+
+
+def unapplied_changes(old: VsupConfig, new: VsupConfig) -> list[str]:
+    """Changed keys a reload takes but a running vsup does not act on, one phrase each (start.mode:
+    read when vsup starts; tune.*: only `vsup tune` reads them)."""
+    return [f"{key} ({MEANING[RELOAD[key].reload]})" for key in changed(old, new, RELOAD)
+            if RELOAD[key].reload in (Reload.START, Reload.UNUSED)]
 
 
 def _short(value: Any) -> str:
@@ -187,6 +169,7 @@ class Record:
     steps: list[Step] = field(default_factory=list)
     unchanged: list[int] = field(default_factory=list)
     applied: list[str] = field(default_factory=list)  # settings applied live
+    not_applied: list[str] = field(default_factory=list)  # changed settings a running vsup does not act on
 
     def finish(self, state: str, now: float, error: str | None = None) -> None:
         self.state, self.finished_at, self.error = state, now, error
@@ -215,6 +198,7 @@ class Record:
             "steps": [s.to_json() for s in self.steps],
             "unchanged": list(self.unchanged),
             "applied": list(self.applied),
+            "not_applied": list(self.not_applied),
         }
 
 
