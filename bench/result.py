@@ -75,7 +75,9 @@ class Recorder:
     def write(self, figures: dict[str, Any], out_dir: Path | None = None, file_name: str | None = None) -> Path:
         ended = datetime.datetime.now(datetime.timezone.utc)
         facts = dict(self.machine, load_average_end=[round(x, 2) for x in os.getloadavg()])
-        command = " ".join([".venv/bin/python", f"bench/{Path(self.argv[0]).name}", *self.argv[1:]])
+        home = str(Path.home())  # the command as anyone would type it: ~ for this user's home
+        args = ["~" + a[len(home):] if a.startswith(home + "/") else a for a in self.argv[1:]]
+        command = " ".join([".venv/bin/python", f"bench/{Path(self.argv[0]).name}", *args])
         data = {
             "bench": self.name,
             "command": command,
