@@ -71,6 +71,7 @@ class Recorder:
         self.argv = list(sys.argv if argv is None else argv)
         self.started = datetime.datetime.now(datetime.timezone.utc)
         self.machine = machine()
+        self.commit = _commit()  # the code that runs is the code at the start
 
     def write(self, figures: dict[str, Any], out_dir: Path | None = None, file_name: str | None = None) -> Path:
         ended = datetime.datetime.now(datetime.timezone.utc)
@@ -83,7 +84,7 @@ class Recorder:
             "command": command,
             "date": self.started.strftime("%Y-%m-%dT%H:%M:%SZ"),
             "duration_s": round((ended - self.started).total_seconds(), 1),
-            "commit": _commit(),
+            "commit": self.commit,
             "machine": facts,
             "figures": figures,
         }
