@@ -26,7 +26,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH_DIR = ROOT / "docs" / "bench"
-BLOCK = re.compile(r"(<!-- BEGIN published:(?P<name>[\w-]+) [^\n]*-->\n)(?P<body>.*?)(<!-- END published:(?P=name) -->)", re.S)
+# A block may be indented (inside a list item): its lines get the BEGIN marker's indentation.
+BLOCK = re.compile(r"^(?P<indent>[ \t]*)(?P<begin><!-- BEGIN published:(?P<name>[\w-]+) [^\n]*-->\n)(?P<body>.*?)"
+                   r"^(?P=indent)(?P<end><!-- END published:(?P=name) -->)", re.S | re.M)
 
 
 def load(file: str) -> dict[str, Any]:
@@ -41,7 +43,7 @@ def conditions(data: dict[str, Any], link: str = "docs/bench") -> str:
     return (f"Measured {data['date'][:10]} on a {busy} {m['cpus']}-CPU machine ({m['cpu_model']}; load average "
             f"{start:.1f} at the start, {end:.1f} at the end{': other work shared the CPUs' if busy == 'loaded' else ''}), "
             f"commit {data['commit']}; "
-            f"`{data['command']}` repeats it ([{data['bench']}.json]({link}/{Path(data['_file']).name})).")
+            f"`{data['command']}` repeats it ([{Path(data['_file']).name}]({link}/{Path(data['_file']).name})).")
 
 
 def with_file(file: str) -> dict[str, Any]:
@@ -300,7 +302,9 @@ def render(path: Path, text: str) -> str:
         name = match["name"]
         if name not in RENDERERS:
             raise SystemExit(f"{path.relative_to(ROOT)}: unknown published block {name!r} (known: {', '.join(RENDERERS)})")
-        return f"{match.group(1)}{RENDERERS[name](link)}\n{match.group(4)}"
+        indent = match["indent"]
+        body = "".join(f"{indent}{line}\n" if line else "\n" for line in RENDERERS[name](link).split("\n"))
+        return f"{indent}{match['begin']}{body}{indent}{match['end']}"
 
     return BLOCK.sub(one, text)
 
