@@ -62,6 +62,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from result import Recorder  # noqa: E402  (bench/result.py: docs/bench/<name>.json)
 from vllm_bench import VSUP, Layout, add_model_options, free_port, free_ports, resolve_model, stream_once  # noqa: E402
 
 POLICIES = ("round_robin", "least_outstanding", "prefix_affinity")
@@ -361,6 +362,42 @@ def report(phases: list[Phase], instances: list[str], capacities: list[str], arg
     return "\n".join(lines)
 
 
+def figures(phases: list[Phase], instances: list[str], capacities: list[str], args) -> dict:
+    """What docs/bench/affinity_bench.json holds: the settings, and per workload and policy (over all rounds) the
+    figures of the table, per instance included, and the issue's ratios of the same run."""
+    names = {url: f"i{n}" for n, url in enumerate(instances)}
+
+    def r(value: float | None, digits: int) -> float | None:
+        return None if value is None or value != value else round(value, digits)
+
+    rows, summary = [], {}
+    for workload in WORKLOADS:
+        for policy in args.policies:
+            m = summary[(workload, policy)] = merged(phases, workload, policy)
+            rows.append({"workload": workload, "policy": policy, "requests": m.requests, "errors": m.errors,
+                         "ttft_p50_s": r(m.ttft(0.5), 3), "ttft_p90_s": r(m.ttft(0.9), 3),
+                         "tokens_per_s": r(m.tokens_per_s, 2), "hit_rate": r(m.hit_rate(), 3),
+                         "instances": {names[url]: {"requests": int(m.instances.get(url, {}).get("requests", 0)),
+                                                    "hit_rate": r(m.hit_rate(url) if url in m.instances else None, 3)}
+                                       for url in instances}})
+    out: dict = {
+        "settings": {"instances": len(instances), "kv_cache": capacities, "api": args.api, "sessions": args.sessions,
+                     "questions": args.questions, "prefix_tokens_min": args.prefix_tokens_seen,
+                     "distinct_tokens": args.distinct_tokens, "max_tokens": args.max_tokens,
+                     "concurrency": args.concurrency, "rounds": args.rounds, "seed": args.seed,
+                     "affinity_prefix_chars": args.affinity_prefix_chars,
+                     "affinity_max_imbalance": args.affinity_max_imbalance},
+        "rows": rows,
+    }
+    rr, pa = "round_robin", "prefix_affinity"
+    if rr in args.policies and pa in args.policies:
+        s_rr, s_pa, d_rr, d_pa = summary[("shared", rr)], summary[("shared", pa)], summary[("distinct", rr)], summary[("distinct", pa)]
+        out["ratios"] = {"shared_ttft_p50_rr_over_pa": r(ratio(s_rr.ttft(0.5), s_pa.ttft(0.5)), 2),
+                         "shared_tokens_per_s_pa_over_rr": r(ratio(s_pa.tokens_per_s, s_rr.tokens_per_s), 2),
+                         "distinct_tokens_per_s_pa_over_rr": r(ratio(d_pa.tokens_per_s, d_rr.tokens_per_s), 2)}
+    return out
+
+
 def fmt_rate(rate: float | None) -> str:
     return "n/a" if rate is None else f"{rate * 100:.0f} %"
 
@@ -398,6 +435,9 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--seed", default=None, help="salt of all generated text (default: a new one per run, so a "
                         "second run never meets the first one's prefixes in the instances' caches; printed)")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the phases as JSON")
+    parser.add_argument("--result", type=Path, default=None, metavar="PATH",
+                        help="the result file (bench/result.py's format; default docs/bench/affinity_bench.json when the "
+                        "bench starts vLLM itself, none with --upstream: those servers are not the published set-up)")
     add_model_options(parser)
     args = parser.parse_args(argv)
     args.seed = args.seed or random.Random().randbytes(4).hex()
@@ -420,6 +460,7 @@ def parse_args(argv: list[str] | None):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    recorder = Recorder("affinity_bench", [sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the cleanup below
     with tempfile.TemporaryDirectory(prefix="affinity-bench-") as tmp:
         workdir = Path(tmp)
@@ -465,6 +506,9 @@ def main(argv: list[str] | None = None) -> int:
     print(report(phases, instances, capacities, args))
     if args.json:
         args.json.write_text(json.dumps([phase.__dict__ for phase in phases], indent=1))
+    if args.result or not args.upstream:
+        result = figures(phases, instances, capacities, args)
+        recorder.write(result, args.result.parent if args.result else None, args.result.name if args.result else None)
     return 0
 
 

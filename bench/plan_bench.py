@@ -21,6 +21,9 @@ from vsup.topology.cpulist import format_list  # noqa: E402
 from vsup.topology.plan_model import PlanSettings  # noqa: E402
 from vsup.topology.planner import plan  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from result import Recorder  # noqa: E402  (bench/result.py: docs/bench/<name>.json)
+
 REPEATS = 21
 TARGET_S = 0.050
 
@@ -47,18 +50,26 @@ def main() -> int:
     print(f"machine: {len(machine.cpus_usable)} CPUs, {len(machine.nodes)} nodes, {len(machine.cores)} cores, SMT2")
     print(f"{'instances':>44}  {'plan (ms)':>9}  {'round-robin (ms)':>16}  {'ratio':>6}")
     worst = 0.0
+    recorder = Recorder("plan_bench")
+    rows = []
     cases = [("auto", {}), (8, {}), (16, {}), (64, {}), (128, {}), (255, {}), (60, {"cores_per_instance": 4}),
              (4, {}), (16, {"housekeeping_core": True, "smt": True})]
     for count, extra in cases:
         settings = PlanSettings(instances=count, model_size_bytes=GiB, kvcache_gib=0.5, **extra)
-        planned = median_time(lambda: plan(machine, settings))
+        planned = median_time(lambda settings=settings: plan(machine, settings))
         n = len(plan(machine, settings).instances)
-        baseline = median_time(lambda: round_robin(machine, n))
+        baseline = median_time(lambda n=n: round_robin(machine, n))
         worst = max(worst, planned)
         label = f"{count}" + (f" {extra}" if extra else "")
+        rows.append({"instances": label, "planned": n, "plan_ms": round(planned * 1000, 3),
+                     "round_robin_ms": round(baseline * 1000, 4), "ratio": round(planned / baseline, 1)})
         print(f"{label:>44}  {planned * 1000:9.2f}  {baseline * 1000:16.3f}  {planned / baseline:6.1f}x")
     verdict = "within" if worst <= TARGET_S else "OVER"
     print(f"slowest plan {worst * 1000:.1f} ms: {verdict} the {TARGET_S * 1000:.0f} ms target")
+    recorder.write({"machine_planned": {"cpus": len(machine.cpus_usable), "nodes": len(machine.nodes),
+                                        "cores": len(machine.cores), "smt": 2},
+                    "repeats": REPEATS, "target_ms": TARGET_S * 1000, "rows": rows,
+                    "fastest_ms": min(r["plan_ms"] for r in rows), "slowest_ms": round(worst * 1000, 3)})
     return 0
 
 

@@ -149,7 +149,7 @@ def run_proxy(port: int, upstreams: list[str], pids: list[int], interval: float)
         await proxy.start()
         if interval > 0:
             session = aiohttp.ClientSession()
-            targets = [Target(str(i), f"{url}/metrics", (0,), leader=pid) for i, (url, pid) in enumerate(zip(upstreams, pids))]
+            targets = [Target(str(i), f"{url}/metrics", (0,), leader=pid) for i, (url, pid) in enumerate(zip(upstreams, pids, strict=True))]
             collector = Collector(lambda: targets, session, interval=interval, timeout=2.0, pids=tree_pids)
             proxy.extra_metrics = collector.text
             asyncio.get_running_loop().create_task(collector.run())
@@ -402,7 +402,7 @@ async def bench(args) -> None:
             wait_http(port)
         direct = [f"http://127.0.0.1:{p}" for p in ports]
 
-        proxies = [(name, REPO, policy) for name, policy in zip(args.policy_rows, args.policies)]
+        proxies = [(name, REPO, policy) for name, policy in zip(args.policy_rows, args.policies, strict=True)]
         if args.baseline:
             proxies.append(("vsup (baseline)", Path(args.baseline).resolve(), args.policies[0]))
         started: list[tuple[str, subprocess.Popen, int]] = []
@@ -467,17 +467,30 @@ async def bench(args) -> None:
     args.loadavg_after = " ".join(f"{x:.2f}" for x in os.getloadavg())
     summary = summarize(runs)
     print_table(summary, args)
+    ratios: dict[str, dict] = {}
     first = args.policy_rows[0]
     for other in args.policy_rows[1:]:
-        print_ratios(runs, other, first, f"{other} / {first}")
+        ratios[f"{other} / {first}"] = print_ratios(runs, other, first, f"{other} / {first}")
     if args.baseline:
-        print_ratios(runs, first, "vsup (baseline)", "this tree / baseline")
+        ratios["this tree / baseline"] = print_ratios(runs, first, "vsup (baseline)", "this tree / baseline")
     if args.json:
         print(json.dumps({"summary": summary, "runs": runs}))
+    settings = {key: getattr(args, key) for key in ("concurrency", "requests", "streams", "chunks", "pace", "upstreams",
+                                                     "runs", "pin", "scrape", "policies", "system_chars")}
+    settings["nginx"] = nginx is not None
+    args.recorder.write({"settings": settings, "summary": summary, "ratios": ratios, "runs": runs}, file_name=result_name(args))
 
 
-def print_ratios(runs: list[list[dict]], target: str, reference: str, what: str) -> None:
+def result_name(args) -> str:
+    """docs/bench/proxy_bench[-pin][-scrape][-policy][-baseline].json: one file per kind of run the docs quote."""
+    parts = ["proxy_bench"] + (["pin"] if args.pin else []) + (["scrape"] if args.scrape else []) + \
+        (["policy"] if len(args.policies) > 1 else []) + (["baseline"] if args.baseline else [])
+    return "-".join(parts) + ".json"
+
+
+def print_ratios(runs: list[list[dict]], target: str, reference: str, what: str) -> dict:
     """One proxy's CPU over another's, per run (both measured in turn in each run)."""
+    out = {}
     for key, label in (("us_per_request", "CPU per request"), ("us_per_chunk", "CPU per chunk")):
         ratios = []
         for run in runs:
@@ -485,6 +498,8 @@ def print_ratios(runs: list[list[dict]], target: str, reference: str, what: str)
             ratios.append(rows[target][key] / rows[reference][key])
         shown = ", ".join(f"{r:.2f}" for r in ratios)
         print(f"{label}, {what}: median {median(ratios):.2f} (runs: {shown})")
+        out[key] = {"median": round(median(ratios), 3), "runs": [round(r, 3) for r in ratios]}
+    return out
 
 
 def format_cpus(cpus: set[int]) -> str:
@@ -531,6 +546,10 @@ def main() -> None:
     # one policy: the row keeps its old name; several: one row per policy
     args.policy_rows = ["vsup proxy"] if len(args.policies) == 1 else [f"vsup {p}" for p in args.policies]
     args.loadavg = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    sys.path.insert(0, str(REPO / "bench"))
+    from result import Recorder  # bench/result.py: docs/bench/<name>.json
+
+    args.recorder = Recorder("proxy_bench")
     try:
         import uvloop
 

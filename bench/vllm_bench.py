@@ -40,6 +40,9 @@ import yaml
 
 from vsup.topology.cpulist import format_list, parse_list
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from result import Recorder  # noqa: E402  (bench/result.py: docs/bench/<name>.json)
+
 ROOT = Path(__file__).resolve().parents[1]
 VSUP = str(ROOT / ".venv" / "bin" / "vsup") if (ROOT / ".venv" / "bin" / "vsup").exists() else "vsup"
 SERVED_NAME = "bench-llama"
@@ -350,6 +353,27 @@ def table(results: list[Result], args) -> str:
     return "\n".join(lines)
 
 
+def figures(results: list[Result], args) -> dict:
+    """What docs/bench/vllm_bench.json holds: the settings, every layout and round, and the layouts over all rounds
+    with their ratios to (b) and to each other — ratios of one run are what the docs quote."""
+    def row(r: Result) -> dict:
+        return {"layout": r.layout, "round": r.round, "name": LAYOUTS[r.layout], "worker_cpus": r.worker_cpus,
+                "tokens_per_s": round(r.tokens_per_s, 1), "ttft_p50_s": round(r.ttft(0.5), 3),
+                "ttft_p90_s": round(r.ttft(0.9), 3), "requests": r.requests, "errors": r.errors,
+                "startup_s": round(r.startup, 1)}
+    merged = {}
+    for key in dict.fromkeys(r.layout for r in results):
+        mine = [r for r in results if r.layout == key]
+        merged[key] = row(Result(layout=key, tokens=sum(r.tokens for r in mine), elapsed=sum(r.elapsed for r in mine),
+                                 requests=sum(r.requests for r in mine), errors=sum(r.errors for r in mine),
+                                 ttfts=[t for r in mine for t in r.ttfts]))
+        del merged[key]["round"], merged[key]["startup_s"], merged[key]["worker_cpus"]
+    return {"settings": {"streams": args.streams, "max_tokens": args.max_tokens, "duration_s": args.duration,
+                         "rounds": args.rounds, "hidden": args.hidden, "layers": args.layers,
+                         "kvcache_gib": args.kvcache_gib},
+            "runs": [row(r) for r in results], "layouts": merged}
+
+
 def add_model_options(parser: argparse.ArgumentParser) -> None:
     """The bench model and vLLM install (shared with bench/affinity_bench.py)."""
     parser.add_argument("--hidden", type=int, default=1024)
@@ -389,11 +413,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--streams, --max-tokens, --duration and --rounds must be positive")
     resolve_model(args)
 
+    recorder = Recorder("vllm_bench", [sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
     results = []
     for round_no in range(1, args.rounds + 1):
         for key in keys:
             results.append(run_layout(key, args, round_no))
     print(table(results, args))
+    recorder.write(figures(results, args))
     return 0
 
 

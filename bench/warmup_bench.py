@@ -33,6 +33,7 @@ import aiohttp
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from result import Recorder  # noqa: E402  (bench/result.py: docs/bench/<name>.json)
 from vllm_bench import ROOT, SERVED_NAME, VSUP, Layout, ensure_model, free_port, free_ports, one_stream, prompts  # noqa: E402
 
 
@@ -131,6 +132,19 @@ def table(runs: list[Run], args) -> str:
     return "\n".join(lines)
 
 
+def figures(runs: list[Run], args) -> dict:
+    """What docs/bench/warmup_bench.json holds: the settings and, per run, the medians the table shows."""
+    return {
+        "settings": {"rounds": args.rounds, "restarts": args.restarts, "steady": args.steady, "max_tokens": args.max_tokens,
+                     "warmup_tokens": args.warmup_tokens, "hidden": args.hidden, "layers": args.layers, "fake": args.fake},
+        "runs": [{"warmup": run.mode, "round": run.round,
+                  "first_ttft_s": round(statistics.median(run.first), 4),
+                  "steady_ttft_s": round(statistics.median(run.steady), 4),
+                  "restart_s": round(statistics.median(run.restart_seconds), 2) if run.restart_seconds else None,
+                  "first_ttfts_s": [round(t, 4) for t in run.first]} for run in runs],
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     home = Path(os.environ.get("HOME", "."))
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -157,11 +171,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.model_dir is None:
             args.model_dir = home / ".cache" / "vsup" / f"bench-llama-h{args.hidden}-l{args.layers}"
         ensure_model(args)
+    recorder = Recorder("warmup_bench", [sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
     runs = []
     for round_no in range(1, args.rounds + 1):
         for mode in ("off", "on") if round_no % 2 else ("on", "off"):
             runs.append(one_run(mode, round_no, args))
     print(table(runs, args))
+    if not args.fake:  # the fake's numbers mean nothing: never overwrite the published ones with them
+        recorder.write(figures(runs, args))
     return 0
 
 

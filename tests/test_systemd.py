@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 import shutil
@@ -75,6 +76,16 @@ def test_security_exposure(tmp_path, analyze, vsup_path):
     assert match, out.stdout + out.stderr
     exposure = float(match.group(1))
     assert exposure <= MAX_EXPOSURE, f"exposure {exposure} > {MAX_EXPOSURE}:\n{out.stdout}"
+    # The README quotes docs/bench/systemd_security.json (bench/systemd_security.py): the unit of
+    # this tree must rate the same under the same systemd, and never worse under another one.
+    recorded = json.loads((REPO / "docs" / "bench" / "systemd_security.json").read_text())["figures"]
+    version = subprocess.run([analyze, "--version"], capture_output=True, text=True, timeout=30).stdout.splitlines()[0]
+    if version == recorded["systemd"]:
+        assert exposure == recorded["exposure"], (
+            f"exposure {exposure}, docs/bench/systemd_security.json says {recorded['exposure']}: "
+            "run bench/systemd_security.py and scripts/published_numbers.py")
+    else:
+        assert exposure <= recorded["exposure"], f"exposure {exposure} > the recorded {recorded['exposure']} ({version})"
 
 
 @functools.cache

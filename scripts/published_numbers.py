@@ -1,0 +1,330 @@
+"""Write the measured figures of README.md and docs/*.md from the benches' result files.
+
+Every bench in bench/ writes docs/bench/<name>.json (bench/result.py: command line, date, commit,
+the machine's CPUs and load average, the figures). The markdown quotes them only between markers
+
+    <!-- BEGIN published:NAME (scripts/published_numbers.py writes it from docs/bench/FILE) -->
+    ...
+    <!-- END published:NAME -->
+
+and this script rewrites what is between them from the JSON. Run it after a bench:
+
+    .venv/bin/python scripts/published_numbers.py           # rewrite the blocks
+    .venv/bin/python scripts/published_numbers.py --check   # exit 1 when a block is out of date
+
+tests/test_published_numbers.py fails until the blocks match the files.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH_DIR = ROOT / "docs" / "bench"
+# A block may be indented (inside a list item): its lines get the BEGIN marker's indentation.
+BLOCK = re.compile(r"^(?P<indent>[ \t]*)(?P<begin><!-- BEGIN published:(?P<name>[\w-]+) [^\n]*-->\n)(?P<body>.*?)"
+                   r"^(?P=indent)(?P<end><!-- END published:(?P=name) -->)", re.S | re.M)
+
+
+def load(file: str) -> dict[str, Any]:
+    return json.loads((BENCH_DIR / file).read_text())
+
+
+def conditions(data: dict[str, Any], link: str = "docs/bench") -> str:
+    """Where, when and under what load: every block says it, with the command that repeats it."""
+    m = data["machine"]
+    start, end = m["load_average_start"][0], m["load_average_end"][0]
+    busy = "loaded" if max(start, end) >= 0.5 * m["cpus"] else "quiet"
+    return (f"Measured {data['date'][:10]} on a {busy} {m['cpus']}-CPU machine ({m['cpu_model']}; load average "
+            f"{start:.1f} at the start, {end:.1f} at the end{': other work shared the CPUs' if busy == 'loaded' else ''}), "
+            f"commit {data['commit']}; "
+            f"`{data['command']}` repeats it ([{Path(data['_file']).name}]({link}/{Path(data['_file']).name})).")
+
+
+def with_file(file: str) -> dict[str, Any]:
+    data = load(file)
+    data["_file"] = file
+    return data
+
+
+def fmt_s(seconds: float) -> str:
+    return f"{seconds:.2f} s" if seconds < 10 else f"{seconds:.1f} s"
+
+
+def than(mine: float, other: float, less: str, more: str) -> str:
+    """`mine` against `other` as a factor ≥ 1 with its direction: "3.2× shorter", "1.4× longer"."""
+    return f"{other / mine:.1f}× {less}" if mine <= other else f"{mine / other:.1f}× {more}"
+
+
+# ---- bench/vllm_bench.py --------------------------------------------------------------------------
+
+def vllm_layouts(link: str) -> str:
+    data = with_file("vllm_bench.json")
+    f, s = data["figures"], data["figures"]["settings"]
+    lay = f["layouts"]
+    base = lay.get("b")
+    lines = [conditions(data, link), "",
+             f"{s['streams']} concurrent streams × {s['max_tokens']} tokens, random-weight Llama (hidden {s['hidden']}, "
+             f"{s['layers']} layers, fp32), {s['duration_s']:g} s per layout, {s['rounds']} round(s):", "",
+             "| layout | tok/s | vs (b) | TTFT p50 | TTFT p90 | requests | errors |", "|---|---|---|---|---|---|---|"]
+    for key, row in lay.items():
+        ratio = f"{row['tokens_per_s'] / base['tokens_per_s']:.2f}×" if base and base["tokens_per_s"] else "–"
+        lines.append(f"| ({key}) {row['name']} | {row['tokens_per_s']:.1f} | {ratio} | {fmt_s(row['ttft_p50_s'])} | "
+                     f"{fmt_s(row['ttft_p90_s'])} | {row['requests']} | {row['errors']} |")
+    waves = min(row["requests"] for row in lay.values()) / (s["streams"] * s["rounds"])
+    if waves < 3:
+        lines += ["", f"**Few requests per layout** (the fewest: {waves:.1f}× the {s['streams']} streams): each layout saw "
+                  "the machine under a different load, so these ratios show the load at least as much as the layout."]
+    if {"a", "b", "c"} <= set(lay):
+        a, b, c = lay["a"], lay["b"], lay["c"]
+        lines += ["", f"In this run the pinned instances (a) had {a['tokens_per_s'] / b['tokens_per_s']:.2f}× the throughput of "
+                  f"vLLM's default layout for two instances (b) and a "
+                  f"{than(a['ttft_p50_s'], b['ttft_p50_s'], 'shorter', 'longer')} median time to first token; one big "
+                  f"instance (c) had {c['tokens_per_s'] / a['tokens_per_s']:.2f}× the throughput of (a) with a "
+                  f"{than(c['ttft_p50_s'], a['ttft_p50_s'], 'shorter', 'longer')} median time to first token."]
+    return "\n".join(lines)
+
+
+def vllm_runs(link: str) -> str:
+    data = with_file("vllm_bench.json")
+    runs = data["figures"]["runs"]
+    lines = [conditions(data, link), "",
+             "| layout | round | Worker CPUs | tok/s | TTFT p50 | TTFT p90 | requests | errors | start-up |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        lines.append(f"| ({r['layout']}) {r['name']} | {r['round']} | {' / '.join(r['worker_cpus']) or '?'} | "
+                     f"{r['tokens_per_s']:.1f} | {r['ttft_p50_s'] * 1000:.0f} ms | {r['ttft_p90_s'] * 1000:.0f} ms | "
+                     f"{r['requests']} | {r['errors']} | {r['startup_s']:.0f} s |")
+    return "\n".join(lines)
+
+
+def layout_sentence(link: str) -> str:
+    data = with_file("vllm_bench.json")
+    lay = data["figures"]["layouts"]
+    a, c = lay["a"], lay["c"]
+    more = c["tokens_per_s"] / a["tokens_per_s"] - 1
+    return (f"On this project's 2-core machine, loaded by other work, in one run of `bench/vllm_bench.py` "
+            f"([numbers](#measured)), one instance on both cores gave {abs(more) * 100:.1f} % "
+            f"{'more' if more >= 0 else 'fewer'} tokens/s than two pinned instances of one core, which answered the "
+            f"first token {than(a['ttft_p50_s'], c['ttft_p50_s'], 'sooner', 'later')} (median).")
+
+
+# ---- bench/proxy_bench.py -------------------------------------------------------------------------
+
+def _row(data: dict[str, Any], target: str) -> dict[str, Any]:
+    return next(r for r in data["figures"]["summary"] if r["target"] == target)
+
+
+def proxy_readme(link: str) -> str:
+    pinned, floating = with_file("proxy_bench-pin.json"), with_file("proxy_bench.json")
+    lines = [conditions(pinned, link), conditions(floating, link), "",
+             "| target | req/s | added p50 | CPU µs / request | CPU µs / chunk |", "|---|---|---|---|---|"]
+    rows = []
+    for data, label in ((pinned, "pinned"), (floating, "not pinned")):
+        for r in data["figures"]["summary"][1:]:
+            rows.append((label, r))
+    for label, r in rows:
+        lines.append(f"| {r['target']}, {label} | {r['rps']:.0f} | {r['added_p50_ms']:.2f} ms | {r['us_per_request']:.0f} | "
+                     f"{r['us_per_chunk']:.1f} |")
+    p = _row(pinned, "vsup proxy")
+    floors = [("≤ 150 µs CPU per request", p["us_per_request"] <= 150), ("≤ 15 µs per chunk", p["us_per_chunk"] <= 15),
+              ("added p50 ≤ 1 ms", p["added_p50_ms"] <= 1.0)]
+    met = [what for what, ok in floors if ok]
+    missed = [what for what, ok in floors if not ok]
+    lines += ["", "Floors from the issue, for the proxy on its own core in this run: "
+              + (f"met: {', '.join(met)}" if met else "none met")
+              + (f"; missed: {', '.join(missed)}." if missed else ".")]
+    if not pinned["figures"]["settings"]["nginx"]:
+        lines.append("nginx was not installed on the machine: no nginx rows.")
+    return "\n".join(lines)
+
+
+def proxy_tables(link: str) -> str:
+    out = []
+    for file, title in (("proxy_bench.json", "Not pinned"), ("proxy_bench-pin.json", "`--pin` (proxy on the first CPU, client + upstreams on the others)")):
+        data = with_file(file)
+        out += [f"{title}. {conditions(data, link)}", "",
+                "| target | req/s | p50 ms | p99 ms | added p50 | added p99 | CPU µs / request (user+sys) | CPU µs / chunk (user+sys) |",
+                "|---|---|---|---|---|---|---|---|"]
+        for i, r in enumerate(data["figures"]["summary"]):
+            added = ("– | –" if i == 0 else f"{r['added_p50_ms']:.2f} ms | {r['added_p99_ms']:.2f} ms")
+            cpu = ("– | –" if "us_per_request" not in r else
+                   f"{r['us_per_request']:.0f} ({r['us_per_request_user']:.0f}+{r['us_per_request_sys']:.0f}) | "
+                   f"{r['us_per_chunk']:.1f} ({r['us_per_chunk_user']:.1f}+{r['us_per_chunk_sys']:.1f})")
+            out.append(f"| {r['target']} | {r['rps']:.0f} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {added} | {cpu} |")
+        out.append("")
+    return "\n".join(out).rstrip()
+
+
+def scrape(link: str) -> str:
+    data = with_file("proxy_bench-pin-scrape.json")
+    rows = data["figures"]["summary"]
+    off = next(r for r in rows if r["target"] == "proxy, no scrape")
+    on = next(r for r in rows if r["target"].startswith("proxy, scrape"))
+    interval = data["figures"]["settings"]["scrape"]
+    return "\n".join([
+        conditions(data, link), "",
+        "| proxy process | req/s | added p50 | CPU µs / request | CPU µs / chunk |", "|---|---|---|---|---|",
+        f"| no collection | {off['rps']:.0f} | {off['added_p50_ms']:.2f} ms | {off['us_per_request']:.0f} | {off['us_per_chunk']:.1f} |",
+        f"| collection every {interval:g} s, `/metrics` scraped every {interval:g} s | {on['rps']:.0f} | "
+        f"{on['added_p50_ms']:.2f} ms | {on['us_per_request']:.0f} | {on['us_per_chunk']:.1f} |",
+        "",
+        f"Collection over none, in the same run: {on['us_per_request'] / off['us_per_request']:.2f}× the CPU per request, "
+        f"{on['us_per_chunk'] / off['us_per_chunk']:.2f}× per chunk.",
+    ])
+
+
+def policy_cost(link: str) -> str:
+    data = with_file("proxy_bench-pin-policy.json")
+    f = data["figures"]
+    rr, pa = _row(data, "vsup round_robin"), _row(data, "vsup prefix_affinity")
+    ratio = f["ratios"]["vsup prefix_affinity / vsup round_robin"]["us_per_request"]
+    chunk = f["ratios"]["vsup prefix_affinity / vsup round_robin"]["us_per_chunk"]
+    runs = ratio["runs"]
+    return (f"{conditions(data, link)} Every request carries a {f['settings']['system_chars']:,}-character system prompt "
+            f"(the longest key): round_robin {rr['us_per_request']:.0f} µs CPU per request, prefix_affinity "
+            f"{pa['us_per_request']:.0f} µs; prefix_affinity / round_robin {ratio['median']:.2f} (median of the per-run "
+            f"ratios {min(runs):.2f}–{max(runs):.2f}); per chunk {chunk['median']:.2f} (the policy runs once per request).")
+
+
+# ---- bench/affinity_bench.py ----------------------------------------------------------------------
+
+def affinity(link: str) -> str:
+    data = with_file("affinity_bench.json")
+    f, s = data["figures"], data["figures"]["settings"]
+    lines = [conditions(data, link), "",
+             f"{s['instances']} instances (KV cache {' / '.join(s['kv_cache'])}); {s['api']} API; shared: {s['sessions']} sessions × "
+             f"{s['questions']} questions, prefixes ≥ {s['prefix_tokens_min']:,} tokens, interleaved; distinct: "
+             f"{s['sessions'] * s['questions']} prompts of {s['distinct_tokens']} tokens; {s['max_tokens']} tokens per answer; "
+             f"concurrency {s['concurrency']}; {s['rounds']} round(s).", "",
+             "| workload | policy | TTFT p50 | TTFT p90 | output tok/s | prefix-cache hit rate | per instance: requests, hit rate |",
+             "|---|---|---|---|---|---|---|"]
+
+    def pct(rate: float | None) -> str:
+        return "n/a" if rate is None else f"{rate * 100:.0f} %"
+
+    for r in f["rows"]:
+        per = ", ".join(f"{name} {i['requests']} / {pct(i['hit_rate'])}" for name, i in r["instances"].items())
+        lines.append(f"| {r['workload']} | {r['policy']} | {fmt_s(r['ttft_p50_s'])} | {fmt_s(r['ttft_p90_s'])} | "
+                     f"{r['tokens_per_s']:.1f} | {pct(r['hit_rate'])} | {per} |")
+    if "ratios" in f:
+        q = f["ratios"]
+        lines += ["", f"Ratios of this run: shared, TTFT p50 round_robin / prefix_affinity "
+                  f"**{q['shared_ttft_p50_rr_over_pa']:.2f}** (bar ≥ 1.5), output tok/s prefix_affinity / round_robin "
+                  f"{q['shared_tokens_per_s_pa_over_rr']:.2f} (bar ≥ 1.0); distinct, output tok/s prefix_affinity / "
+                  f"round_robin {q['distinct_tokens_per_s_pa_over_rr']:.2f} (bar ≥ 0.95)."]
+    return "\n".join(lines)
+
+
+# ---- the others ---------------------------------------------------------------------------------
+
+def plan(link: str) -> str:
+    data = with_file("plan_bench.json")
+    f = data["figures"]
+    counts = [r["planned"] for r in f["rows"]]
+    ratios = [r["ratio"] for r in f["rows"]]
+    return (f"A generated {f['machine_planned']['cpus']}-CPU, {f['machine_planned']['nodes']}-node, SMT2 machine plans in "
+            f"{f['fastest_ms']:.1f}–{f['slowest_ms']:.1f} ms for {min(counts)} to {max(counts)} instances (target ≤ "
+            f"{f['target_ms']:.0f} ms), {min(ratios):.0f}–{max(ratios):.0f}× a naive round-robin split of the same "
+            f"cores. {conditions(data, link)}")
+
+
+def warmup(link: str) -> str:
+    data = with_file("warmup_bench.json")
+    f, s = data["figures"], data["figures"]["settings"]
+
+    def median(values: list[float]) -> float:
+        values = sorted(values)
+        mid = len(values) // 2
+        return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+    by = {mode: [r for r in f["runs"] if r["warmup"] == mode] for mode in ("on", "off")}
+    first = {m: median([r["first_ttft_s"] for r in rs]) for m, rs in by.items()}
+    steady = {m: median([r["steady_ttft_s"] for r in rs]) for m, rs in by.items()}
+    restart = {m: median([r["restart_s"] for r in rs if r["restart_s"] is not None]) for m, rs in by.items()}
+    return (f"Measured with real vLLM CPU, the bench model with `--enforce-eager`, {s['max_tokens']}-token streams, "
+            f"{s['restarts']} (re)starts per mode: the first request after a (re)start had a median TTFT of "
+            f"{first['off'] * 1000:.0f} ms with the warm-up off and {first['on'] * 1000:.0f} ms with it on, against "
+            f"{steady['off'] * 1000:.0f} / {steady['on'] * 1000:.0f} ms steady (first / steady: "
+            f"{first['off'] / steady['off']:.2f}× off, {first['on'] / steady['on']:.2f}× on); `vsup restart` took "
+            f"{restart['off']:.1f} s off, {restart['on']:.1f} s on. {cold_start(first['off'] / steady['off'])} "
+            f"{conditions(data, link)}")
+
+
+def cold_start(first_over_steady: float) -> str:
+    """What the warm-up-off ratio says; within 25 % of steady is inside this loaded box's noise."""
+    if first_over_steady <= 1.25:
+        return "**With the warm-up off this eager-mode model showed no cold start in this run** (first within 25 % of steady)."
+    return f"With the warm-up off the first request paid {first_over_steady:.1f}× the steady TTFT."
+
+
+
+def systemd(link: str) -> str:
+    data = with_file("systemd_security.json")
+    f = data["figures"]
+    return (f"The generated unit's hardening is rated {f['exposure']} by `systemd-analyze security --offline=true` "
+            f"({f['systemd']}; `bench/systemd_security.py` measures it into "
+            f"[systemd_security.json]({link}/systemd_security.json), `tests/test_systemd.py` checks the unit still rates "
+            f"the same), with `/dev/shm` and the NUMA syscalls left usable.")
+
+
+# ---- the blocks -----------------------------------------------------------------------------------
+
+RENDERERS: dict[str, Callable[[str], str]] = {
+    "vllm-layouts": vllm_layouts,
+    "vllm-runs": vllm_runs,
+    "layout-sentence": layout_sentence,
+    "proxy-overhead": proxy_readme,
+    "proxy-tables": proxy_tables,
+    "proxy-scrape": scrape,
+    "proxy-policy-cost": policy_cost,
+    "affinity": affinity,
+    "plan": plan,
+    "warmup": warmup,
+    "systemd-exposure": systemd,
+}
+
+
+def documents() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def render(path: Path, text: str) -> str:
+    """`text` with every published block rewritten; an unknown block name is an error."""
+    link = "docs/bench" if path.parent == ROOT else "bench"
+
+    def one(match: re.Match[str]) -> str:
+        name = match["name"]
+        if name not in RENDERERS:
+            raise SystemExit(f"{path.relative_to(ROOT)}: unknown published block {name!r} (known: {', '.join(RENDERERS)})")
+        indent = match["indent"]
+        body = "".join(f"{indent}{line}\n" if line else "\n" for line in RENDERERS[name](link).split("\n"))
+        return f"{indent}{match['begin']}{body}{indent}{match['end']}"
+
+    return BLOCK.sub(one, text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    check = "--check" in (sys.argv[1:] if argv is None else argv)
+    stale = []
+    for path in documents():
+        text = path.read_text()
+        new = render(path, text)
+        if new != text:
+            stale.append(path)
+            if not check:
+                path.write_text(new)
+                print(f"{path.relative_to(ROOT)}: rewritten")
+    if check and stale:
+        print("out of date (run scripts/published_numbers.py): " + ", ".join(str(p.relative_to(ROOT)) for p in stale))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
