@@ -148,7 +148,7 @@ def run_proxy(port: int, upstreams: list[str], pids: list[int], interval: float)
         await proxy.start()
         if interval > 0:
             session = aiohttp.ClientSession()
-            targets = [Target(str(i), f"{url}/metrics", (0,), leader=pid) for i, (url, pid) in enumerate(zip(upstreams, pids))]
+            targets = [Target(str(i), f"{url}/metrics", (0,), leader=pid) for i, (url, pid) in enumerate(zip(upstreams, pids, strict=True))]
             collector = Collector(lambda: targets, session, interval=interval, timeout=2.0)
             proxy.extra_metrics = collector.text
             asyncio.get_running_loop().create_task(collector.run())
@@ -401,7 +401,7 @@ async def bench(args) -> None:
             wait_http(port)
         direct = [f"http://127.0.0.1:{p}" for p in ports]
 
-        proxies = [(name, REPO, policy) for name, policy in zip(args.policy_rows, args.policies)]
+        proxies = [(name, REPO, policy) for name, policy in zip(args.policy_rows, args.policies, strict=True)]
         if args.baseline:
             proxies.append(("vsup (baseline)", Path(args.baseline).resolve(), args.policies[0]))
         started: list[tuple[str, subprocess.Popen, int]] = []

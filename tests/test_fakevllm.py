@@ -20,10 +20,9 @@ from openai import OpenAI
 
 from tests.fakevllm import WRAPPER
 from tests.fakevllm.cli import UsageError, parse_args
-from tests.fakevllm.fixtures import (  # noqa: F401 (fake_vllm is a fixture)
+from tests.fakevllm.fixtures import (
     REPO_ROOT,
     fake_processes,
-    fake_vllm,
     free_port,
     group_pids,
     http_get,

@@ -18,7 +18,6 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
-from tests.fakevllm.fixtures import fake_vllm  # noqa: F401 (fixture)
 from tests.proxy_support import metrics_text, ready_pool, running_proxy, start_fakes, url
 from vsup.cli.status import render_instances
 from vsup.cli.top import view

@@ -211,7 +211,7 @@ async def test_reload_replaces_changed_instances_one_at_a_time_in_place_when_no_
     assert record["steps"][0]["why"] == "command line -float32 +bfloat16"
     assert record["steps"][0]["how"].startswith("in place, on port 41000: its CPUs")
     new = [i.child for i in f.sup.instances]
-    assert all(n is not o for n, o in zip(new, old)) and all(o.returncode is not None for o in old)
+    assert all(n is not o for n, o in zip(new, old, strict=True)) and all(o.returncode is not None for o in old)
     assert all(n.argv[-2:] == ["--dtype", "bfloat16"] for n in new)
     assert [i.name for i in f.sup.instances] == ["0", "1"] and [i.restarts for i in f.sup.instances] == [1, 1]
     assert min(f.rotation) == 1  # one instance fewer at most: there was no free core

@@ -142,7 +142,7 @@ def _instance_table(plan: Plan) -> list[str]:
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["instances:"]
     for row in rows:
-        lines.append("  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+        lines.append("  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
     prefixes = [(inst.index, " ".join(inst.argv)) for inst in plan.instances if inst.argv]
     if prefixes:
         lines.append("launch prefixes:")

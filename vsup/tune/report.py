@@ -128,7 +128,7 @@ def chart(result: SearchResult, path: Path, title: str) -> Path:
     names = sorted({lv.level for cid in result.ranking for lv in result.latest(cid).levels},
                    key=lambda n: (n[0], float(n[1:])))
     fig, axes = plt.subplots(1, max(1, len(names)), figsize=(6.5 * max(1, len(names)), 5), squeeze=False)
-    for ax, name in zip(axes[0], names or ["-"]):
+    for ax, name in zip(axes[0], names or ["-"], strict=True):
         ids, xs, p50, p99 = [], [], [], []
         for cid in result.ranking:
             lv = next((x for x in result.latest(cid).levels if x.level == name), None)
@@ -138,11 +138,11 @@ def chart(result: SearchResult, path: Path, title: str) -> Path:
             xs.append(lv.output_throughput)
             p50.append(lv.get("ttft", "p50"))
             p99.append(lv.get("ttft", "p99"))
-        for x, a, b in zip(xs, p50, p99):
+        for x, a, b in zip(xs, p50, p99, strict=True):
             ax.plot([x, x], [a, b], color="0.75", linewidth=1, zorder=1)
         ax.scatter(xs, p50, marker="o", color="tab:blue", label="TTFT p50", zorder=2)
         ax.scatter(xs, p99, marker="^", color="tab:orange", label="TTFT p99", zorder=2)
-        front = pareto(list(zip(xs, p50)))
+        front = pareto(list(zip(xs, p50, strict=True)))
         if front:
             ax.plot([xs[i] for i in front], [p50[i] for i in front], linestyle="--", color="tab:green",
                     label="Pareto front (p50)", zorder=1)
