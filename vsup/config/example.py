@@ -48,8 +48,10 @@ def example_yaml() -> str:
 
 
 def _section_lines(name: str, field: FieldInfo, indent: str) -> list[str]:
+    model = _section_model(field)
+    assert model is not None, f"{name} is not a section"
     lines = [_commented(f"{indent}{name}:", field.description)]
-    for key, subfield in _section_model(field).model_fields.items():
+    for key, subfield in model.model_fields.items():
         if _section_model(subfield) is None:
             lines.append(_key_line(key, subfield, indent + "  "))
         else:
@@ -66,6 +68,8 @@ def _key_line(name: str, field: FieldInfo, indent: str) -> str:
     if not field.description:
         raise ValueError(f"{name}: every config key needs a description (it is the key's documentation)")
     if field.is_required():
+        if not field.examples:
+            raise ValueError(f"{name}: a required config key needs an example (it is the example config's value)")
         value, comment = field.examples[0], f"REQUIRED: {field.description}"
     elif field.examples:
         default = field.get_default(call_default_factory=True)

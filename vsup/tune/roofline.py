@@ -23,7 +23,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING
 
 from vsup.topology.model import Machine
 from vsup.topology.plan_model import Plan
@@ -74,16 +74,16 @@ def _measure_node(cpus: Sequence[int], seconds: float) -> float:
              for cpu in cpus]
     try:
         for proc in procs:  # each pinned, its arrays allocated and touched on its own node
-            if proc.stdout.readline().strip() != "ready":
-                raise RuntimeError(f"triad worker failed: {proc.stderr.read().strip()[-300:]}")
+            if _pipe(proc.stdout).readline().strip() != "ready":
+                raise RuntimeError(f"triad worker failed: {_pipe(proc.stderr).read().strip()[-300:]}")
         for proc in procs:
-            proc.stdin.write("go\n")
-            proc.stdin.flush()
+            _pipe(proc.stdin).write("go\n")
+            _pipe(proc.stdin).flush()
         total = 0.0
         for proc in procs:
-            line = proc.stdout.readline()
+            line = _pipe(proc.stdout).readline()
             if not line:
-                raise RuntimeError(f"triad worker failed: {proc.stderr.read().strip()[-300:]}")
+                raise RuntimeError(f"triad worker failed: {_pipe(proc.stderr).read().strip()[-300:]}")
             result = json.loads(line)
             total += result["bytes"] / result["seconds"]
         return total
@@ -92,6 +92,11 @@ def _measure_node(cpus: Sequence[int], seconds: float) -> float:
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
+
+
+def _pipe(stream: IO[str] | None) -> IO[str]:
+    assert stream is not None, "the workers are started with every stream a pipe"
+    return stream
 
 
 def _worker(cpu: int, mib: int, seconds: float) -> None:
