@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.tools import unavailable
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -29,7 +31,7 @@ def _run_step(argv: list[str], what: str, timeout: float) -> str:
 def vllm_install() -> tuple[Path, Path]:
     """(vLLM venv, model directory), built once per machine."""
     if os.environ.get("VSUP_SKIP_VLLM") == "1":
-        pytest.skip("VSUP_SKIP_VLLM=1: real-vLLM tests skipped on request")
+        unavailable("VSUP_SKIP_VLLM=1: real-vLLM tests skipped on request")
     venv = Path(_run_step([str(ROOT / "scripts" / "vllm-env")], "scripts/vllm-env (the vLLM CPU venv)", 3600))
     model = Path(_run_step([str(venv / "bin" / "python"), str(ROOT / "scripts" / "build_tiny_model.py")],
                            "scripts/build_tiny_model.py", 900))
