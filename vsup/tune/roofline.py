@@ -92,6 +92,8 @@ def _measure_node(cpus: Sequence[int], seconds: float) -> float:
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
+            for stream in (proc.stdin, proc.stdout, proc.stderr):
+                _pipe(stream).close()
 
 
 def _pipe(stream: IO[str] | None) -> IO[str]:
