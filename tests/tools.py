@@ -20,7 +20,7 @@ IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 def unavailable(reason: str) -> NoReturn:
     """Skip with `reason`, or fail with it under CI."""
     if IN_CI:
-        pytest.fail(f"{reason} (CI=true: scripts/test installs it, so this fails instead of skipping)", pytrace=False)
+        pytest.fail(f"{reason} (CI=true: scripts/test provides what the tests need, so this fails instead of skipping)", pytrace=False)
     pytest.skip(reason)
 
 
