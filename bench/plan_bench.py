@@ -12,6 +12,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -56,9 +57,9 @@ def main() -> int:
              (4, {}), (16, {"housekeeping_core": True, "smt": True})]
     for count, extra in cases:
         settings = PlanSettings(instances=count, model_size_bytes=GiB, kvcache_gib=0.5, **extra)
-        planned = median_time(lambda settings=settings: plan(machine, settings))
+        planned = median_time(partial(plan, machine, settings))
         n = len(plan(machine, settings).instances)
-        baseline = median_time(lambda n=n: round_robin(machine, n))
+        baseline = median_time(partial(round_robin, machine, n))
         worst = max(worst, planned)
         label = f"{count}" + (f" {extra}" if extra else "")
         rows.append({"instances": label, "planned": n, "plan_ms": round(planned * 1000, 3),

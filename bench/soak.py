@@ -188,7 +188,7 @@ def chart(samples: list[dict], path: Path) -> None:
     minutes = [(s["t"] - t0) / 60 for s in samples]
     keys = [k for k in ("rss_mib", "fds", "threads", "tasks") if any(s[k] is not None for s in samples)]
     fig, axes = plt.subplots(len(keys), 1, figsize=(8, 2.2 * len(keys)), sharex=True)
-    for ax, key in zip(axes, keys):
+    for ax, key in zip(axes, keys, strict=True):
         ax.plot(minutes, [s[key] for s in samples], marker=".")
         ax.set_ylabel(key)
         ax.set_ylim(bottom=0)

@@ -33,15 +33,16 @@ def test_the_pin_in_pyproject_is_the_range_the_check_enforces():
     assert pin.split(";")[0].strip() == aiohttp_internals.REQUIREMENT
 
 
-@pytest.mark.parametrize("version, ok", [("3.9.0", True), ("3.14.5", True), ("3.15.0", False), ("4.0.0a1", False), ("3.8.6", False)])
+@pytest.mark.parametrize("version, ok", [("3.13.4", True), ("3.14.5", True), ("3.13.3", False), ("3.15.0", False), ("4.0.0a1", False),
+                                         ("3.9.5", False)])
 def test_versions_outside_the_tested_range_are_refused(version, ok):
     found = [p for p in aiohttp_internals.problems(version) if "outside the tested range" in p]
     assert (found == []) == ok
 
 
 def test_the_refusal_names_what_to_install(monkeypatch):
-    monkeypatch.setattr(aiohttp_internals, "problems", lambda: ["aiohttp 3.15.0 is outside the tested range aiohttp>=3.9,<3.15"])
-    with pytest.raises(VsupError, match=r"pip install 'aiohttp>=3\.9,<3\.15'"):
+    monkeypatch.setattr(aiohttp_internals, "problems", lambda: ["aiohttp 3.15.0 is outside the tested range aiohttp>=3.13.4,<3.15"])
+    with pytest.raises(VsupError, match=r"pip install 'aiohttp>=3\.13\.4,<3\.15'"):
         aiohttp_internals.check()
 
 

@@ -8,6 +8,7 @@ import os
 import re
 import shlex
 import subprocess
+from itertools import pairwise
 
 import pytest
 
@@ -29,7 +30,7 @@ def script_for(machine, config: str, hosts: int = 1):
 
 
 def srun_lines(script: str) -> list[str]:
-    return [line + " " + nxt for line, nxt in zip(script.splitlines(), script.splitlines()[1:]) if line.startswith("srun ")]
+    return [line + " " + nxt for line, nxt in pairwise(script.splitlines()) if line.startswith("srun ")]
 
 
 def test_one_step_per_numa_node_bound_to_the_plan_and_a_front_proxy():
@@ -39,7 +40,7 @@ def test_one_step_per_numa_node_bound_to_the_plan_and_a_front_proxy():
     assert "#SBATCH --nodes=3\n" in script and "#SBATCH --exclusive\n" in script and "#SBATCH --job-name=llm\n" in script
     steps = srun_lines(script)
     assert len(steps) == 3  # two NUMA nodes + the front proxy
-    for node_id, step in zip((0, 1), steps):
+    for node_id, step in zip((0, 1), steps[:2], strict=True):  # the last step is the front proxy
         cpus = sorted(cpu for inst in host_plan.instances if inst.cpu_nodes == (node_id,) for cpu in inst.cpus)
         assert f"--cpu-bind=verbose,mask_cpu:{cpu_mask(cpus)}" in step and "--mem-bind=verbose,local" in step
         assert f'"$VSUP" run --config "$CONF/node{node_id}.yaml" &' in step and "--nodes=3 --ntasks-per-node=1" in step

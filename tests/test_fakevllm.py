@@ -20,10 +20,9 @@ from openai import OpenAI
 
 from tests.fakevllm import WRAPPER
 from tests.fakevllm.cli import UsageError, parse_args
-from tests.fakevllm.fixtures import (  # noqa: F401 (fake_vllm is a fixture)
+from tests.fakevllm.fixtures import (
     REPO_ROOT,
     fake_processes,
-    fake_vllm,
     free_port,
     group_pids,
     http_get,
@@ -583,6 +582,7 @@ def test_a_full_stdout_pipe_blocks_the_server_like_vllm(tmp_path):
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+        proc.stdout.close()  # the reader thread, if any, has its EOF now
 
 
 def test_sigterm_still_stops_everything_after_the_reader_of_its_output_is_gone(tmp_path):

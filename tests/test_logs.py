@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+from itertools import pairwise
 
 import pytest
 from hypothesis import given, settings
@@ -63,7 +64,7 @@ def test_max_line_must_be_positive():
 def test_chunking_never_changes_the_lines(data, cuts, cap):
     """However the pipe happens to cut the bytes, the same lines come out."""
     bounds = sorted({0, len(data), *(c for c in cuts if c <= len(data))})
-    chunks = [data[a:b] for a, b in zip(bounds, bounds[1:])]
+    chunks = [data[a:b] for a, b in pairwise(bounds)]
     assert split_all(LineSplitter(cap), chunks) == split_all(LineSplitter(cap), [data])
     if cap >= len(data):  # no capping: exactly Python's own idea of lines
         expected = [line.decode("utf-8", "replace") for line in re.split(rb"\r\n|\r|\n", data)]

@@ -24,6 +24,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.tools import need_tool
 from tests.vsup_harness import VSUP, VsupRun, make_config
 
 pytestmark = pytest.mark.timeout(240)
@@ -238,15 +239,11 @@ def test_status_page_needs_the_key_and_lists_the_instances(fleet):
     assert page.count('<span class="state ready">ready</span>') >= 2
 
 
-def chromium() -> str | None:
-    return shutil.which("chromium") or shutil.which("chromium-browser")
-
-
-@pytest.mark.skipif(chromium() is None, reason="Chromium is not installed (apt-get install chromium)")
 def test_status_page_renders_in_headless_chromium(fleet, tmp_path):
+    browser = need_tool("chromium", "chromium-browser", package="chromium")
     run, _ = fleet
     address = f"http://ops:{KEY}@127.0.0.1:{run.proxy_port}/status"  # Basic auth, as a browser's login prompt sends it
-    flags = [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
+    flags = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
              f"--user-data-dir={tmp_path / 'profile'}"]
     dom = subprocess.run([*flags, "--dump-dom", address], capture_output=True, text=True, timeout=120).stdout
     rows = re.findall(r"<tr>(.*?)</tr>", dom.split('id="instances"', 1)[1].split("</table>", 1)[0], re.S)
@@ -268,8 +265,7 @@ def test_status_page_renders_in_headless_chromium(fleet, tmp_path):
 
 @pytest.fixture
 def tmux(tmp_path):
-    if shutil.which("tmux") is None:
-        pytest.skip("tmux is not installed (apt-get install tmux)")
+    need_tool("tmux")
     server = ["tmux", "-S", str(tmp_path / "tmux.sock"), "-f", "/dev/null"]  # a server of its own, its socket in tmp
 
     def tm(*args: str) -> str:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.tools import need_tool
 from vsup.errors import VsupError
 from vsup.supervisor.placement import ThreadPlacement, parse_mem_policy, placement_drift, read_placement
 
@@ -95,8 +95,7 @@ def test_wider_mask_is_drift_and_one_thread_per_cpu_is_not(started):
 
 
 def test_numactl_membind_shows_as_the_memory_policy(started):
-    if shutil.which("numactl") is None:
-        pytest.skip("numactl is not installed (apt-get install numactl)")
+    need_tool("numactl")
     cpu = CPUS[0]
     node = sorted(read_placement([os.getpid()])[0].mems_allowed)[0]
     child = started(["numactl", f"--physcpubind={cpu}", f"--membind={node}"])

@@ -12,8 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.topology_fixtures import corpus  # noqa: F401  (fixture)
-
 VSUP = [sys.executable, "-m", "vsup.cli.main"] if not (Path(sys.executable).parent / "vsup").exists() else [str(Path(sys.executable).parent / "vsup")]
 XEON = "32intel64-2p8co2t+8ve"  # 2 × Xeon 8 cores / 16 threads, 2 NUMA nodes of ~47 GiB
 
@@ -89,7 +87,7 @@ def test_omp_threads_flag_overrides_the_config_and_keeps_the_mask(xeon, tmp_path
     every = vsup("plan", "--fsroot", xeon, "-n", "2", "--model-size-gib", "1", "--format", "json")
     fewer = vsup("plan", "-c", str(config), "--fsroot", xeon, "--omp-threads", "3", "--format", "json")
     assert every.returncode == 0 and fewer.returncode == 0, every.stderr + fewer.stderr
-    for whole, inst in zip(json.loads(every.stdout)["instances"], json.loads(fewer.stdout)["instances"]):
+    for whole, inst in zip(json.loads(every.stdout)["instances"], json.loads(fewer.stdout)["instances"], strict=True):
         assert inst["cpus"] == whole["cpus"] and inst["env"]["OMP_NUM_THREADS"] == "3"
         assert inst["omp_cpus"] == whole["omp_cpus"][:3]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.test_planner_properties import check_plan_rules
-from tests.topology_fixtures import DUMP_NAMES, corpus  # noqa: F401  (corpus is a fixture)
+from tests.topology_fixtures import DUMP_NAMES
 from vsup.topology.errors import PlanError
 from vsup.topology.plan_model import GiB, PlanSettings
 from vsup.topology.planner import plan

@@ -15,7 +15,7 @@ import time
 import pytest
 import yaml
 
-from tests.test_supervisor import alive, cli, proxy_get, transitions, vsup  # noqa: F401 (vsup is a fixture)
+from tests.test_supervisor import alive, cli, proxy_get, transitions
 from tests.vsup_harness import VsupRun
 
 pytestmark = pytest.mark.timeout(240)
@@ -120,7 +120,7 @@ def test_reload_with_changed_args_replaces_every_instance_under_a_streaming_load
     assert load.failed == [] and len(load.results) > 10, load.results
     assert min(load.ready_counts) == 1 and set(load.proxy_ready) == {200}  # no free core: one fewer at most
     after = run.status()
-    for old, new in zip(before, after["instances"]):
+    for old, new in zip(before, after["instances"], strict=True):
         assert new["state"] == "ready" and new["pid"] != old["pid"] and not alive(old["pid"])
         assert new["last_exit"].startswith("reload: command line +--dtype bfloat16")
         assert [t["to"] for t in new["transitions"]][-5:] == ["draining", "stopping", "starting", "warming", "ready"]

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import threading
 import time
+from itertools import pairwise
 from pathlib import Path
 
 import psutil
@@ -21,29 +22,6 @@ from tests.fakevllm.fixtures import start_records
 from tests.vsup_harness import VSUP, VsupRun, make_config, port_is_free
 
 pytestmark = pytest.mark.timeout(180)
-
-
-@pytest.fixture
-def vsup(tmp_path):
-    """vsup(faults={index: {"START_DELAY": "2", ...}}, env={...}, **config sections) -> a started
-    VsupRun. Faults become FAKE_VLLM_* variables of that instance only (see tests/fake_per_port.py);
-    env is added to vsup's own environment."""
-    runs: list[VsupRun] = []
-
-    def start(faults: dict[int, dict[str, str]] | None = None, env: dict[str, str] | None = None, **sections) -> VsupRun:
-        config = make_config(tmp_path, **sections)
-        base = config["vllm"]["base_port"]
-        instance_env = dict(config["vllm"]["env"])
-        for index, values in (faults or {}).items():
-            instance_env.update({f"PORT{base + index}__FAKE_VLLM_{key}": str(value) for key, value in values.items()})
-        config["vllm"]["env"] = instance_env
-        run = VsupRun(tmp_path, config, env)
-        runs.append(run)
-        return run
-
-    yield start
-    for run in runs:
-        run.close()
 
 
 def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -240,9 +218,9 @@ def test_backoff_grows_and_is_capped_then_a_crash_loop_fails_only_that_instance(
     entered = transitions(one, None, "backoff")
     left = transitions(one, "backoff", "starting")
     assert len(entered) == len(left) == 4  # the 5th failure is the crash loop
-    waited = [b["at"] - a["at"] for a, b in zip(entered, left)]
+    waited = [b["at"] - a["at"] for a, b in zip(entered, left, strict=True)]
     planned = [0.2, 0.4, 0.8, 1.0]  # doubling from 0.2, capped at 1.0 (1.6 uncapped)
-    for got, want in zip(waited, planned):
+    for got, want in zip(waited, planned, strict=True):
         assert want - 0.02 <= got <= want + 1.0, (waited, planned)
     assert waited[2] > waited[0] + 0.3  # it grows ...
     assert waited[3] < 1.6  # ... and stops at the cap
@@ -395,7 +373,7 @@ def test_systemd_notify_ready_status_watchdog_and_stopping(vsup, tmp_path):
         ready = [m for _, m in messages if "READY=1" in m]
         assert len(ready) == 1 and "STATUS=2/2 instances ready, 0 in flight" in ready[0]
         pings = [t for t, m in messages if m == "WATCHDOG=1" and t > listening]
-        assert len(pings) >= 3 and max(b - a for a, b in zip(pings, pings[1:])) < 2.0  # within WATCHDOG_USEC
+        assert len(pings) >= 3 and max(b - a for a, b in pairwise(pings)) < 2.0  # within WATCHDOG_USEC
         for inst in run.status()["instances"]:
             environ = Path(f"/proc/{inst['pid']}/environ").read_bytes().split(b"\0")
             assert not [v for v in environ if v.startswith((b"NOTIFY_SOCKET=", b"WATCHDOG_"))]

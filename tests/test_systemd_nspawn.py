@@ -13,7 +13,7 @@ on the 2-CPU development machine — so it is marked `slow` (`-m 'not slow'` lea
 stays in the default run. Needs root, systemd-nspawn,
 debootstrap and nsenter (`apt-get install systemd-container debootstrap`), a Debian mirror for the
 first debootstrap and the package index for the dependencies' wheels; skipped, saying which is
-missing, otherwise. The container's root is cached in $VSUP_NSPAWN_CACHE (default
+missing, otherwise (failed under CI: tests/tools.py). The container's root is cached in $VSUP_NSPAWN_CACHE (default
 ~/.cache/vsup-tests) and booted with --volatile=overlay, so no run changes it.
 """
 
@@ -35,6 +35,7 @@ import psutil
 import pytest
 import yaml
 
+from tests.tools import unavailable
 from tests.wheel import build_wheel
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,8 +58,11 @@ def missing() -> str | None:
     return None
 
 
-if missing() is not None:
-    pytestmark.append(pytest.mark.skip(reason=missing()))
+@pytest.fixture(autouse=True, scope="module")
+def _machine_can_boot_a_container() -> None:
+    reason = missing()
+    if reason is not None:
+        unavailable(reason)
 
 
 def debian_mirror() -> str:
@@ -89,7 +93,7 @@ def cached_root() -> Path:
                            debian_mirror()], capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
     if done.returncode != 0:
         shutil.rmtree(partial, ignore_errors=True)
-        pytest.skip(f"debootstrap of {SUITE} failed (no Debian mirror reachable?): {(done.stdout + done.stderr)[-500:]}")
+        unavailable(f"debootstrap of {SUITE} failed (no Debian mirror reachable?): {(done.stdout + done.stderr)[-500:]}")
     partial.rename(root)
     return root
 
@@ -106,7 +110,7 @@ def dependency_wheels(target: Path) -> None:
                            "--platform", "manylinux2010_x86_64", *requirements],
                           capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
     if done.returncode != 0:
-        pytest.skip(f"the dependencies' wheels could not be fetched (package index unreachable?): {done.stderr[-500:]}")
+        unavailable(f"the dependencies' wheels could not be fetched (package index unreachable?): {done.stderr[-500:]}")
 
 
 class Container:

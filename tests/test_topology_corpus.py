@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.topology_fixtures import DUMP_NAMES, corpus  # noqa: F401  (fixture)
+from tests.topology_fixtures import DUMP_NAMES
 from vsup.topology.cpulist import parse_list
 from vsup.topology.model import EFFICIENCY, PERFORMANCE, UNIFORM
 from vsup.topology.sysfs import read_machine

@@ -8,7 +8,6 @@ import json
 import pytest
 import yaml
 
-from tests.fakevllm.fixtures import fake_vllm  # noqa: F401 (fixture)
 from tests.machines import GiB, make_machine
 from vsup.config.schema import parse_config
 from vsup.errors import VsupError

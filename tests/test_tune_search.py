@@ -61,7 +61,7 @@ def test_the_fastest_layout_wins_and_runs_longest():
     assert result.best == "i4-t2"
     assert result.ranking[0] == "i4-t2" and result.ranking[1] == "i2"
     durations = {}
-    for cid, stage, duration in bench.calls:
+    for cid, _stage, duration in bench.calls:
         durations.setdefault(cid, []).append(duration)
     assert len(durations["i4-t2"]) == len(rung_sizes(len(kept), 2))  # promoted through every rung
     assert durations["i4-t2"] == sorted(durations["i4-t2"]) and durations["i4-t2"][-1] > durations["i4-t2"][0]

@@ -52,28 +52,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(3600)]
 
 # ---- the vLLM venv and the model ----------------------------------------------------------------
 
-def _run_step(argv: list[str], what: str, timeout: float) -> str:
-    """Run a set-up script; its last stdout line is a path. Fails the test with its output otherwise."""
-    try:
-        done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"{what} did not finish within {timeout:.0f}s: {' '.join(argv)}")
-    if done.returncode != 0 or not done.stdout.strip():
-        pytest.fail(f"{what} failed (exit {done.returncode}): {' '.join(argv)}\n{done.stderr[-4000:]}")
-    return done.stdout.strip().splitlines()[-1]
-
-
-@pytest.fixture(scope="session")
-def vllm_install() -> tuple[Path, Path]:
-    """(vLLM venv, model directory), built once per machine."""
-    if os.environ.get("VSUP_SKIP_VLLM") == "1":
-        pytest.skip("VSUP_SKIP_VLLM=1: real-vLLM tests skipped on request")
-    venv = Path(_run_step([str(ROOT / "scripts" / "vllm-env")], "scripts/vllm-env (the vLLM CPU venv)", 3600))
-    model = Path(_run_step([str(venv / "bin" / "python"), str(ROOT / "scripts" / "build_tiny_model.py")],
-                           "scripts/build_tiny_model.py", 900))
-    return venv, model
-
-
 @pytest.fixture(scope="session")
 def vsup_in_vllm_venv(vllm_install, tmp_path_factory) -> list[str]:
     """This checkout's vsup installed into the vLLM venv itself (the README's simplest path); the
@@ -349,7 +327,7 @@ def test_requests_reach_both_instances(served):
     for n in range(2 * len(ports)):
         client.completions.create(model=MODEL_NAME, prompt=f"request {n}", max_tokens=2)
     after = [metric_total(port, "vllm:request_success_total") for port in ports]
-    assert all(a > b for a, b in zip(after, before)), f"requests per instance before {before}, after {after}"
+    assert all(a > b for a, b in zip(after, before, strict=True)), f"requests per instance before {before}, after {after}"
 
 
 def test_models_endpoint_lists_the_served_name(served):

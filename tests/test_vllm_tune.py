@@ -19,7 +19,7 @@ import psutil
 import pytest
 import yaml
 
-from tests.test_vllm_e2e import processes_with_env, vllm_install  # noqa: F401 (fixture)
+from tests.test_vllm_e2e import processes_with_env
 from tests.vsup_harness import VSUP
 from vsup.config.planning import plan_from_config
 from vsup.config.schema import load_config

@@ -5,7 +5,7 @@ BSD-3-Clause, COPYING.hwloc beside them; truth.json is ours). A missing corpus F
 need it, with the path it looked at: a silently skipped corpus would let a broken reader pass.
 
 Use in a test module:
-    from tests.topology_fixtures import DUMP_NAMES, corpus  # noqa: F401  (corpus is a fixture)
+    from tests.topology_fixtures import DUMP_NAMES   # the `corpus` fixture is registered by tests/conftest.py
 
     @pytest.mark.parametrize("name", DUMP_NAMES)
     def test_x(corpus, name):
@@ -105,8 +105,7 @@ _shared: Corpus | None = None
 
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> Corpus:
-    # Each test module that imports this fixture gets its own fixture definition; the module-level
-    # instance makes them share one unpacked copy of the corpus.
+    # one unpacked copy per session, however the fixture is reached
     global _shared
     if _shared is not None:
         return _shared

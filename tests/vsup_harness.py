@@ -25,7 +25,9 @@ import yaml
 from vsup.supervisor.shm import files_in_use, remove_unused
 
 ROOT = Path(__file__).resolve().parents[1]
-VSUP = [sys.executable, "-m", "vsup"] if not (ROOT / ".venv/bin/vsup").exists() else [str(ROOT / ".venv/bin/vsup")]
+# the `vsup` console script of the environment running the tests (.venv, or scripts/test's aiohttp-floor venv)
+_SCRIPT = Path(sys.executable).with_name("vsup")
+VSUP = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "vsup"]
 FAKE = [sys.executable, str(ROOT / "tests" / "fake_per_port.py"), "serve"]
 
 

@@ -1,6 +1,6 @@
 """Helpers for tests that run the fake vLLM server as a real process (see docs/fakevllm.md).
 
-    from tests.fakevllm.fixtures import fake_vllm   # the pytest fixture (a factory)
+    # the pytest fixture `fake_vllm` (a factory) is registered for every test module by tests/conftest.py
 
     def test_x(fake_vllm):
         srv = fake_vllm(env={"FAKE_VLLM_START_DELAY": "1"})

@@ -31,7 +31,7 @@ class SharedMemoryFiles:
         token = secrets.token_hex(4)
         self.paths = [os.path.join(directory, f"psm_{token}"), os.path.join(directory, f"sem.mp-{token}")]
         self._maps: list[mmap.mmap] = []
-        for path, size in zip(self.paths, (1 << 20, 32)):
+        for path, size in zip(self.paths, (1 << 20, 32), strict=True):
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:
                 os.ftruncate(fd, size)  # sparse on tmpfs: no real memory used

@@ -77,7 +77,7 @@ def _core_map(machine: Machine, plan: Plan) -> list[str]:
     lines = ["core map: [owner cores] — iN instance N, R reserved, - unused; 1+17 = SMT siblings, h housekeeping, * unusable CPU"
              + ("; P: performance, E: efficiency core" if hybrid else "")]
     for node_id in sorted(by_node, key=lambda n: -1 if n is None else n):
-        lines.append(_node_header(machine, node_id, by_node[node_id], memory.get(node_id)))
+        lines.append(_node_header(machine, node_id, by_node[node_id], memory.get(node_id) if node_id is not None else None))
         by_l3: dict[int | None, list[Core]] = defaultdict(list)
         for core in by_node[node_id]:
             by_l3[core.l3].append(core)
@@ -142,7 +142,7 @@ def _instance_table(plan: Plan) -> list[str]:
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["instances:"]
     for row in rows:
-        lines.append("  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+        lines.append("  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
     prefixes = [(inst.index, " ".join(inst.argv)) for inst in plan.instances if inst.argv]
     if prefixes:
         lines.append("launch prefixes:")

@@ -47,7 +47,7 @@ def render_instances(instances: list[dict]) -> list[str]:
             placement_word(e), *fmt.figures(e).values(), e.get("last_exit") or "-",
         ))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header) - 1)]
-    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[-1] for row in rows]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row[:-1], widths, strict=True)) + "  " + row[-1] for row in rows]
     for e in instances:
         for drift in e.get("placement_drift", []):
             lines.append(f"  instance {e['index']} placement drift: {drift}")

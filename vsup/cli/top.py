@@ -22,7 +22,7 @@ from typing import Any
 
 import click
 from rich import box
-from rich.console import Console, Group, RenderableType
+from rich.console import Console, Group, JustifyMethod, RenderableType
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
@@ -63,12 +63,15 @@ def header(status: Mapping[str, Any], error: str | None, interval: float) -> Tex
     return text
 
 
+COLUMNS: tuple[tuple[str, JustifyMethod], ...] = (
+    ("#", "right"), ("STATE", "left"), ("PID", "right"), ("CPUS", "left"), ("NODE", "left"), ("UP", "right"), ("RST", "right"),
+    ("INFL", "right"), ("TOK/S", "right"), ("RUN", "right"), ("WAIT", "right"), ("KV", "right"), ("CPU%", "right"),
+    ("RSS", "right"), ("LOCAL", "right"), ("PLACE", "left"), ("LAST EXIT", "left"))
+
+
 def table(status: Mapping[str, Any]) -> Table:
     t = Table(box=box.SIMPLE_HEAD, pad_edge=False, expand=False)
-    for name, justify in (("#", "right"), ("STATE", "left"), ("PID", "right"), ("CPUS", "left"), ("NODE", "left"),
-                          ("UP", "right"), ("RST", "right"), ("INFL", "right"), ("TOK/S", "right"), ("RUN", "right"),
-                          ("WAIT", "right"), ("KV", "right"), ("CPU%", "right"), ("RSS", "right"), ("LOCAL", "right"),
-                          ("PLACE", "left"), ("LAST EXIT", "left")):
+    for name, justify in COLUMNS:
         t.add_column(name, justify=justify, no_wrap=name != "LAST EXIT", overflow="ellipsis")
     for e in status.get("instances", ()):
         f = fmt.figures(e)

@@ -54,9 +54,9 @@ def example_yaml() -> str:
 
 
 def _section_lines(name: str, field: FieldInfo, indent: str, prefix: str = "") -> list[str]:
-    lines = [_commented(f"{indent}{name}:", field.description)]
     model = _section_model(field)
-    assert model is not None
+    assert model is not None, f"{name} is not a section"
+    lines = [_commented(f"{indent}{name}:", field.description)]
     for key, subfield in model.model_fields.items():
         if _section_model(subfield) is None:
             lines.append(_key_line(key, subfield, indent + "  ", f"{prefix}{name}.{key}"))
@@ -74,7 +74,8 @@ def _key_line(name: str, field: FieldInfo, indent: str, key: str) -> str:
     if not field.description:
         raise ValueError(f"{name}: every config key needs a description (it is the key's documentation)")
     if field.is_required():
-        assert field.examples, f"{key}: a required key needs an example"
+        if not field.examples:
+            raise ValueError(f"{key}: a required config key needs an example (it is the example config's value)")
         value, comment = field.examples[0], f"REQUIRED: {field.description}"
     elif field.examples:
         default = field.get_default(call_default_factory=True)

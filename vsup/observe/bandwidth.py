@@ -74,6 +74,9 @@ def _measure_node(cpus: Sequence[int], seconds: float) -> float:
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
+            for stream in (proc.stdin, proc.stdout, proc.stderr):
+                if stream is not None:
+                    stream.close()  # else each worker leaves three pipes open until GC (ResourceWarning)
 
 
 # The workers' three pipes are always there (Popen with PIPE); these keep the types honest.

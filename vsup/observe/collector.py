@@ -127,7 +127,7 @@ class Collector:
         now = time.monotonic()
         figures: dict[str, dict[str, Any]] = {}
         scraped = []
-        for target, (text, error) in zip(targets, texts):
+        for target, (text, error) in zip(targets, texts, strict=True):
             f: dict[str, Any] = {"nodes": list(target.nodes)}
             if text is not None:
                 try:

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 WINDOW = 60.0  # seconds
 
 
 def increase(values: list[float]) -> float:
     total = 0.0
-    for before, after in zip(values, values[1:]):
+    for before, after in pairwise(values):
         total += after - before if after >= before else after
     return total
 

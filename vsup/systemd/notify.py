@@ -70,7 +70,8 @@ class Notifier:
 
     def send(self, *lines: str) -> bool:
         """Send KEY=VALUE lines as one datagram; True when it left, False when disabled or failed."""
-        if not self.enabled:
+        address = self.address
+        if address is None:  # not enabled
             return False
         message = "\n".join(lines).encode()
         try:
@@ -79,7 +80,7 @@ class Notifier:
                 # systemd drains its socket at once; the bound only matters if the receiver is stuck,
                 # and then the event loop must not wait on it for long.
                 self._sock.settimeout(1.0)
-            self._sock.sendto(message, self.address)
+            self._sock.sendto(message, address)
             return True
         except OSError as exc:
             if not self._warned:

@@ -90,7 +90,11 @@ class Pruned:
 
     @property
     def id(self) -> str:
-        return self.label or self.candidate.id
+        if self.label:
+            return self.label
+        if self.candidate is None:
+            raise ValueError("a Pruned without a candidate needs a label")
+        return self.candidate.id
 
 
 @dataclass(frozen=True)

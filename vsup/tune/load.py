@@ -43,9 +43,14 @@ class Client:
         if self.session is not None:
             await self.session.close()
 
+    def _session(self) -> aiohttp.ClientSession:
+        if self.session is None:
+            raise RuntimeError("Client used outside `async with`")
+        return self.session
+
     async def tokenize(self, text: str) -> int:
         """Token count of `text` by the server itself (vLLM's /tokenize, reached through the proxy)."""
-        async with self.session.post(f"{self.base_url}/tokenize", json={"model": self.model, "prompt": text}) as response:
+        async with self._session().post(f"{self.base_url}/tokenize", json={"model": self.model, "prompt": text}) as response:
             body = await response.json(content_type=None)
             if response.status != 200 or not isinstance(body, dict) or "count" not in body:
                 raise RuntimeError(f"/tokenize answered HTTP {response.status}: {str(body)[:200]}")
@@ -54,7 +59,7 @@ class Client:
     async def stream(self, item: WorkItem) -> RequestRecord:
         record = RequestRecord(sent=time.perf_counter())
         try:
-            async with self.session.post(f"{self.base_url}{item.path}", json=item.body(self.model)) as response:
+            async with self._session().post(f"{self.base_url}{item.path}", json=item.body(self.model)) as response:
                 if response.status != 200:
                     text = (await response.text())[:200].strip()
                     record.error = f"HTTP {response.status}: {text}"

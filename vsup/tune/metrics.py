@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -87,7 +88,7 @@ def level_metrics(level: str, records: Sequence[RequestRecord], duration_s: floa
     ok = [r for r in records if r.ok]
     ttft = [r.chunks[0] - r.sent for r in ok]
     e2el = [r.chunks[-1] - r.sent for r in ok]
-    itl = [b - a for r in ok for a, b in zip(r.chunks, r.chunks[1:])]
+    itl = [b - a for r in ok for a, b in pairwise(r.chunks)]
     tpot = [(r.chunks[-1] - r.chunks[0]) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     output = sum(r.output_tokens for r in ok)
     samples = tuple(dict.fromkeys(r.error for r in records if r.error))[:3]

@@ -38,7 +38,7 @@ class Row:
 def rows(result: SearchResult, layouts: Mapping[str, str], objective: Objective) -> list[Row]:
     out: list[Row] = []
     for rank, cid in enumerate(result.ranking, 1):
-        o = result.latest(cid)
+        o = result.ranked(cid)
         lv = o.levels
         roof = (o.extra.get("roofline") or {}).get("fraction")
         note = "; ".join(objective.violations(lv))
@@ -103,7 +103,7 @@ def levels_table(result: SearchResult) -> str:
     lines = ["| candidate | level | tok/s | req/s | TTFT p50 | TTFT p90 | TTFT p99 | TPOT p50 | ITL p50 | ITL p90 | ITL p99 | "
              "requests | errors |", "|" + "---|" * 13]
     for cid in result.ranking:
-        for lv in result.latest(cid).levels:
+        for lv in result.ranked(cid).levels:
             lines.append(f"| {cid} | {lv.level} | {lv.output_throughput:.1f} | {lv.request_throughput:.2f} | "
                          + " | ".join(format_seconds(lv.get(m, s)) for m, s in (("ttft", "p50"), ("ttft", "p90"), ("ttft", "p99"),
                                                                                  ("tpot", "p50"), ("itl", "p50"), ("itl", "p90"),
@@ -125,24 +125,24 @@ def chart(result: SearchResult, path: Path, title: str) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = sorted({lv.level for cid in result.ranking for lv in result.latest(cid).levels},
+    names = sorted({lv.level for cid in result.ranking for lv in result.ranked(cid).levels},
                    key=lambda n: (n[0], float(n[1:])))
     fig, axes = plt.subplots(1, max(1, len(names)), figsize=(6.5 * max(1, len(names)), 5), squeeze=False)
-    for ax, name in zip(axes[0], names or ["-"]):
+    for ax, name in zip(axes[0], names or ["-"], strict=True):
         ids, xs, p50, p99 = [], [], [], []
         for cid in result.ranking:
-            lv = next((x for x in result.latest(cid).levels if x.level == name), None)
+            lv = next((x for x in result.ranked(cid).levels if x.level == name), None)
             if lv is None or not math.isfinite(lv.get("ttft", "p50")):
                 continue
             ids.append(cid)
             xs.append(lv.output_throughput)
             p50.append(lv.get("ttft", "p50"))
             p99.append(lv.get("ttft", "p99"))
-        for x, a, b in zip(xs, p50, p99):
+        for x, a, b in zip(xs, p50, p99, strict=True):
             ax.plot([x, x], [a, b], color="0.75", linewidth=1, zorder=1)
         ax.scatter(xs, p50, marker="o", color="tab:blue", label="TTFT p50", zorder=2)
         ax.scatter(xs, p99, marker="^", color="tab:orange", label="TTFT p99", zorder=2)
-        front = pareto(list(zip(xs, p50)))
+        front = pareto(list(zip(xs, p50, strict=True)))
         if front:
             ax.plot([xs[i] for i in front], [p50[i] for i in front], linestyle="--", color="tab:green",
                     label="Pareto front (p50)", zorder=1)

@@ -103,8 +103,13 @@ class CandidateRun:
             remove_unused(shm)
             self.left_behind = sorted(p.pid for p in survivors)
 
+    def _started(self) -> subprocess.Popen:
+        if self.proc is None:
+            raise RuntimeError("CandidateRun used outside `with`")
+        return self.proc
+
     def _remember_family(self, pids: Sequence[int] = ()) -> None:
-        for pid in (self.proc.pid, *pids):
+        for pid in (self._started().pid, *pids):
             try:
                 top = psutil.Process(pid)
                 for p in (top, *top.children(recursive=True)):
@@ -145,9 +150,10 @@ class CandidateRun:
 
     def check(self, status: dict | None, during: str) -> None:
         """CandidateFailed when vsup exited or an instance failed/restarted."""
-        if self.proc.poll() is not None:
+        proc = self._started()
+        if proc.poll() is not None:
             tail = self.log_tail()
-            raise CandidateFailed(f"vsup exited with code {self.proc.returncode} {during}" + (f": {tail}" if tail else ""))
+            raise CandidateFailed(f"vsup exited with code {proc.returncode} {during}" + (f": {tail}" if tail else ""))
         if status is None:
             return
         self._remember_family([inst["pid"] for inst in status.get("instances", []) if inst.get("pid")])

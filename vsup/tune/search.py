@@ -21,7 +21,7 @@ with their recorded cost, so the decisions and the budget come out as they would
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -88,6 +88,13 @@ class SearchResult:
         """The longest successful run of a candidate (its last one)."""
         runs = [o for o in self.outcomes if o.candidate_id == candidate_id and o.ok]
         return runs[-1] if runs else None
+
+    def ranked(self, candidate_id: str) -> Outcome:
+        """The latest run of a candidate in `ranking` (each has a successful one)."""
+        found = self.latest(candidate_id)
+        if found is None:
+            raise KeyError(f"{candidate_id}: no successful run")
+        return found
 
 
 Measure = Callable[[Trial], Outcome]
@@ -168,7 +175,7 @@ class Search:
         self.listener("replayed" if replayed else "outcome", outcome)
         return outcome
 
-    def _rank(self, outcomes: Sequence[Outcome]) -> list[Outcome]:
+    def _rank(self, outcomes: Iterable[Outcome]) -> list[Outcome]:
         return sorted((o for o in outcomes if o.ok), key=lambda o: self.objective.rank_key(o.levels))
 
     def run(self, layouts: Sequence[Planned], tweak_dims: TweakDims, make: Make, pruned: Sequence[Pruned] = ()) -> SearchResult:

@@ -250,8 +250,8 @@ class Tune:
             self.out.print(f"  {p.id:<24} {p.describe()}")
         if pruned:
             self.out.print(f"{len(pruned)} pruned:")
-            for p in pruned:
-                self.out.print(f"  {p.id:<24} {p.reason}", markup=False, soft_wrap=True)
+            for q in pruned:
+                self.out.print(f"  {q.id:<24} {q.reason}", markup=False, soft_wrap=True)
         dims = self.tweak_dims(preloads)(self.kept[0]) if self.kept else []
         self.out.print("then on the best layout, one at a time: "
                        + ("; ".join(f"{name} {values}" for name, values in dims) if dims else "no tweaks"), markup=False, soft_wrap=True)
@@ -282,21 +282,21 @@ class Tune:
             self.console.print("[red]no candidate could be measured[/red] (see the failed rows and the logs)")
             return 1
         if self.o.write_config:
-            self._write_config(result)
+            self._write_config(result, result.best, self.o.write_config)
         return 0
 
-    def _write_config(self, result: SearchResult) -> None:
-        best = result.latest(result.best)
-        cand = self._candidate(result.best)
+    def _write_config(self, result: SearchResult, best_id: str, path: Path) -> None:
+        best = result.ranked(best_id)
+        cand = self._candidate(best_id)
         data = configs.apply_candidate(self.o.data, cand, self.libraries)
         comments = [f"Written by `vsup tune` on {time.strftime('%Y-%m-%d %H:%M')} for {socket.gethostname()}, from {self.o.config_path}.",
-                    f"Best of {len(self.kept)} layout(s) for {self.o.objective.kind}: {result.best} ({self.layout_text.get(result.best, '')}).",
+                    f"Best of {len(self.kept)} layout(s) for {self.o.objective.kind}: {best_id} ({self.layout_text.get(best_id, '')}).",
                     "Measured (" + ", ".join(self.levels) + f", {best.duration_s:.0f} s per level):",
                     *[f"  {line}" for line in report.outcome_figures(best)],
                     f"Report: {self.o.report_dir / 'summary.md'}", ""]
-        self.o.write_config.parent.mkdir(parents=True, exist_ok=True)
-        self.o.write_config.write_text(configs.render(data, comments))
-        self.console.print(f"wrote {self.o.write_config}")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(configs.render(data, comments))
+        self.console.print(f"wrote {path}")
 
     def _candidate(self, cid: str) -> Candidate:
         return {**{p.id: p.candidate for p in self.kept}, **self.made}[cid]

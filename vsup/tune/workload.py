@@ -102,5 +102,6 @@ async def synthetic(count: int, input_len: int, output_len: int, tokenize: Calla
             ratio = words / tokens
             step = round((input_len - tokens) * ratio) or (1 if tokens < input_len else -1)
             words = max(1, words + step)
+        assert best is not None  # the loop above ran at least once
         items.append(WorkItem(prompt=best[1], max_tokens=output_len))
     return items
