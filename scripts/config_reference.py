@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:
-    example = ROOT / "vsup" / "supervisor" / "data" / "vsup.yaml"
+    example = ROOT / "vsup" / "config" / "data" / "vsup.yaml"
     readme = ROOT / "README.md"
     for path, text in ((example, example_yaml()), (readme, with_readme_reference(readme.read_text()))):
         if path.read_text() != text:
