@@ -18,7 +18,8 @@ vsup, and refuses to run on another.
 
 `stop_tree`: SIGTERM to the group (and to members that left it), `timeout` seconds of grace for
 all of them, SIGKILL for what is left (again for anything forked meanwhile), reap the orphans
-handed to us, then remove the /dev/shm files the tree had mapped or open. It works as well when
+handed to us, then remove the /dev/shm files the tree had mapped or open and Intel OpenMP's files
+named after its pids (shm.py). It works as well when
 the leader is already dead. See docs/processes.md.
 """
 
@@ -337,7 +338,7 @@ async def stop_tree(child: Child, timeout: float, *, shm_dir: str | Path = shm.S
     if not await child.output_closed(OUTPUT_WAIT):
         logger.warning("pid %d: its output pipes are still held open after the tree was stopped", leader)
     child._protocol.transport.close()  # pipes and transport; the leader is reaped, nothing is killed
-    shm_removed = shm.remove_unused(shm_files, shm_dir)
+    shm_removed = shm.remove_unused(shm_files, shm_dir) + shm.remove_openmp_files(child.seen, shm_dir)
     if not survivors:
         _active.pop(leader, None)
     report = StopReport(
