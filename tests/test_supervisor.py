@@ -220,7 +220,8 @@ def test_kill9_of_the_api_server_restarts_it_and_removes_its_orphans_while_the_o
     status = run.wait_for(lambda s: s["instances"][0]["state"] == "ready" and s["instances"][0]["pid"] not in (None, zero["pid"]),
                           40, "instance 0 restarted")
     again, other = status["instances"]
-    assert again["restarts"] == 1 and "SIGKILL" in again["last_exit"]
+    assert again["restarts"] == 1
+    assert again["last_exit"].startswith("killed by SIGKILL from outside vsup (not the OOM killer: oom_kill unchanged at ")
     (exit_transition,) = transitions(again, "ready", "stopping")
     assert exit_transition["event"] == "exited"
     assert not any(alive(p) for p in orphans), "the killed server's EngineCore/Worker survived"
@@ -240,9 +241,9 @@ def test_backoff_grows_and_is_capped_then_a_crash_loop_fails_only_that_instance(
     entered = transitions(one, None, "backoff")
     left = transitions(one, "backoff", "starting")
     assert len(entered) == len(left) == 4  # the 5th failure is the crash loop
-    waited = [b["at"] - a["at"] for a, b in zip(entered, left)]
+    waited = [b["at"] - a["at"] for a, b in zip(entered, left, strict=True)]
     planned = [0.2, 0.4, 0.8, 1.0]  # doubling from 0.2, capped at 1.0 (1.6 uncapped)
-    for got, want in zip(waited, planned):
+    for got, want in zip(waited, planned, strict=True):
         assert want - 0.02 <= got <= want + 1.0, (waited, planned)
     assert waited[2] > waited[0] + 0.3  # it grows ...
     assert waited[3] < 1.6  # ... and stops at the cap
@@ -395,7 +396,7 @@ def test_systemd_notify_ready_status_watchdog_and_stopping(vsup, tmp_path):
         ready = [m for _, m in messages if "READY=1" in m]
         assert len(ready) == 1 and "STATUS=2/2 instances ready, 0 in flight" in ready[0]
         pings = [t for t, m in messages if m == "WATCHDOG=1" and t > listening]
-        assert len(pings) >= 3 and max(b - a for a, b in zip(pings, pings[1:])) < 2.0  # within WATCHDOG_USEC
+        assert len(pings) >= 3 and max(b - a for a, b in zip(pings, pings[1:], strict=False)) < 2.0  # within WATCHDOG_USEC
         for inst in run.status()["instances"]:
             environ = Path(f"/proc/{inst['pid']}/environ").read_bytes().split(b"\0")
             assert not [v for v in environ if v.startswith((b"NOTIFY_SOCKET=", b"WATCHDOG_"))]

@@ -38,10 +38,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vsup.errors import VsupError
-from vsup.supervisor import proctree, shm
+from vsup.supervisor import oomkill, proctree, shm
 from vsup.supervisor.logs import InstanceLog, LineSplitter
 from vsup.supervisor.proctree import become_subreaper  # noqa: F401 (re-exported)
 from vsup.supervisor.shm import sweep_stale_shm  # noqa: F401 (re-exported)
+from vsup.topology.fsroot import FsRoot
 
 logger = logging.getLogger("vsup.processes")
 
@@ -103,7 +104,12 @@ class Child:
     token: str = ""  # VSUP_TREE=<token> in the environment of every process of the tree
     seen: dict[int, int] = field(default_factory=dict)  # pid -> start time of tree members seen so far
     shm_seen: set[str] = field(default_factory=set)  # /dev/shm files the tree was seen using
+    oom_before: oomkill.OomCounts | None = None  # the OOM-kill counters when it started
     _protocol: _OutputProtocol | None = field(default=None, repr=False)
+
+    def sigkill_cause(self) -> str:
+        """After the leader died of SIGKILL: the kernel's OOM killer, or someone else (oomkill.py)."""
+        return oomkill.sigkill_cause(FsRoot("/"), self.pid, self.oom_before)
 
     @property
     def returncode(self) -> int | None:
@@ -226,11 +232,13 @@ async def spawn(argv: list[str], env: dict[str, str], *, log: InstanceLog, cwd: 
         await protocol.exited  # it exits right after writing; reaped by the loop's child watcher
         transport.close()
         raise _cannot_start(argv, child_env, int(report))
+    pid = transport.get_pid()
     child = Child(
-        pid=transport.get_pid(),
+        pid=pid,
         argv=list(argv),
         started_at=time.monotonic(),
         token=token,
+        oom_before=oomkill.read_counts(FsRoot("/"), pid),
         _protocol=protocol,
     )
     _active[child.pid] = child
