@@ -8,6 +8,7 @@ from their owners at scrape time too. Single event loop: no locks needed.
 
 from __future__ import annotations
 
+import asyncio
 from bisect import bisect_left
 from collections.abc import Callable, Mapping
 
@@ -58,11 +59,18 @@ class _Histogram:
 
     def buckets(self) -> list[tuple[str, int]]:
         out, running = [], 0
-        for bound, count in zip(self.bounds, self.counts):
+        for bound, count in zip(self.bounds, self.counts, strict=False):  # counts has one more: above the last bound
             running += count
             out.append((repr(float(bound)), running))
         out.append(("+Inf", self.total))
         return out
+
+
+def _asyncio_tasks() -> int:
+    try:
+        return len(asyncio.all_tasks())
+    except RuntimeError:  # rendered outside a running loop
+        return 0
 
 
 class ProxyMetrics:
@@ -179,6 +187,8 @@ class ProxyMetrics:
             ready.add_metric([name], 1 if self._ready(name) else 0)
         yield state
         yield ready
+        yield GaugeMetricFamily("vsup_asyncio_tasks", "asyncio tasks alive in vsup's event loop (flat over time: nothing piles up)",
+                                value=_asyncio_tasks())
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
