@@ -77,8 +77,10 @@ class _OutputProtocol(asyncio.SubprocessProtocol):
             self.closed.set_result(None)
 
     def process_exited(self) -> None:
-        if not self.exited.done():
-            self.exited.set_result(self.transport.get_returncode())
+        assert self.transport is not None  # connection_made comes first
+        status = self.transport.get_returncode()
+        if not self.exited.done() and status is not None:
+            self.exited.set_result(status)
 
     def _write(self, fd: int, lines: list[str]) -> None:
         if not lines:
@@ -107,23 +109,28 @@ class Child:
     oom_before: oomkill.OomCounts | None = None  # the OOM-kill counters when it started
     _protocol: _OutputProtocol | None = field(default=None, repr=False)
 
+    @property
+    def _out(self) -> _OutputProtocol:
+        assert self._protocol is not None, "a Child comes from spawn()"
+        return self._protocol
+
     def sigkill_cause(self) -> str:
         """After the leader died of SIGKILL: the kernel's OOM killer, or someone else (oomkill.py)."""
         return oomkill.sigkill_cause(FsRoot("/"), self.pid, self.oom_before)
 
     @property
     def returncode(self) -> int | None:
-        exited = self._protocol.exited
+        exited = self._out.exited
         return exited.result() if exited.done() else None
 
     async def wait(self) -> int:
         """Exit status of the leader; negative = killed by that signal. Cancelling a waiter is safe."""
-        return await asyncio.shield(self._protocol.exited)
+        return await asyncio.shield(self._out.exited)
 
     async def output_closed(self, timeout: float | None = None) -> bool:
         """Wait until every process holding stdout/stderr is gone and the last line is logged."""
         try:
-            await asyncio.wait_for(asyncio.shield(self._protocol.closed), timeout)
+            await asyncio.wait_for(asyncio.shield(self._out.closed), timeout)
             return True
         except asyncio.TimeoutError:
             return False
@@ -345,7 +352,7 @@ async def stop_tree(child: Child, timeout: float, *, shm_dir: str | Path = shm.S
     reaped = proctree.reap_zombies(_still_seen(child) | _zombie_orphans({leader}), exclude=[leader])
     if not await child.output_closed(OUTPUT_WAIT):
         logger.warning("pid %d: its output pipes are still held open after the tree was stopped", leader)
-    child._protocol.transport.close()  # pipes and transport; the leader is reaped, nothing is killed
+    child._out.transport.close()  # type: ignore[union-attr]  # pipes and transport; the leader is reaped, nothing is killed
     shm_removed = shm.remove_unused(shm_files, shm_dir) + shm.remove_openmp_files(child.seen, shm_dir)
     if not survivors:
         _active.pop(leader, None)
@@ -361,7 +368,7 @@ async def stop_tree(child: Child, timeout: float, *, shm_dir: str | Path = shm.S
     )
     if report.survivors:
         logger.error("pid %d: processes %s survived SIGKILL (uninterruptible sleep?)", leader, report.survivors)
-    child._protocol.log.note(_describe(report))
+    child._out.log.note(_describe(report))
     return report
 
 
