@@ -7,7 +7,7 @@ import pytest
 from tests.machines import GiB, make_machine
 from vsup.config.schema import parse_config
 from vsup.errors import ConfigError
-from vsup.supervisor.launch import build_command, child_environment
+from vsup.supervisor.launch import access_log_args, build_command, child_environment
 from vsup.topology.plan_model import PlanSettings
 from vsup.topology.planner import plan
 
@@ -31,7 +31,7 @@ def test_argv_is_prefix_command_model_host_port_then_args():
     assert argv == [
         "numactl", "--physcpubind=4-7,12-15", "--membind=1",
         "vllm", "serve", "/models/tiny", "--host", "127.0.0.1", "--port", "8101",
-        "--served-model-name", "tiny", "--dtype", "float32",
+        "--served-model-name", "tiny", "--disable-access-log-for-endpoints", "/health,/metrics", "--dtype", "float32",
     ]
 
 
@@ -93,3 +93,24 @@ def test_default_command_puts_the_model_right_after_it():
     model_at = argv.index("/models/tiny")
     assert argv[model_at - 1] in ("serve", "--model")
     assert argv[model_at + 1 :][:4] == ["--host", "127.0.0.1", "--port", "8101"]
+
+
+@pytest.mark.parametrize("extra, expected", [
+    ("", ["--disable-access-log-for-endpoints", "/health,/metrics"]),  # default: clients
+    ("  access_log: clients\n", ["--disable-access-log-for-endpoints", "/health,/metrics"]),
+    ("  access_log: all\n", []),
+    ("  access_log: off\n", ["--disable-uvicorn-access-log"]),
+    ("  access_log: off\n  args: [--disable-access-log-for-endpoints, /ping]\n", []),  # the user's own wins
+    ("  args: [--disable_uvicorn_access_log]\n", []),  # vLLM takes underscores too
+    ("  args: ['--disable-access-log-for-endpoints=/health']\n", []),
+])
+def test_access_log_leaves_out_vsups_own_polls_unless_the_user_chose(extra, expected):
+    cfg = config(extra)
+    assert access_log_args(cfg) == expected
+    argv, _ = build_command(instance(launcher="none"), cfg, {})
+    assert argv[argv.index("8101") + 1:][:len(expected)] == expected  # before the user's args
+
+
+def test_a_bad_access_log_value_names_the_key():
+    with pytest.raises(ConfigError, match="vllm.access_log"):
+        config("  access_log: some\n")

@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 
 USAGE = "usage: fakevllm serve MODEL [--host H] [--port P] [--served-model-name NAME ...] [--flag VALUE ...]"
 _NUMBER = re.compile(r"^-\d")
+_BOOLEAN = {"--disable-uvicorn-access-log"}
+_KNOWN = ("--model", "--host", "--port", "--served-model-name", "--max-model-len", "--max-num-seqs",
+          "--disable-access-log-for-endpoints")
 
 
 class UsageError(Exception):
@@ -28,6 +31,10 @@ class ServeArgs:
     served_model_names: tuple[str, ...] = ()
     max_model_len: int = 2048
     max_num_seqs: int | None = None
+    # vLLM's uvicorn access log: off with --disable-uvicorn-access-log, or without the paths of
+    # --disable-access-log-for-endpoints (one comma-separated string, matched without the query)
+    access_log: bool = True
+    access_log_excluded: frozenset[str] = frozenset()
     ignored: tuple[str, ...] = field(default=())
 
     @property
@@ -77,16 +84,21 @@ def parse_args(argv: list[str]) -> ServeArgs:
                 j += 1
             values = tokens[i + 1 : j]
             i = j
+        elif key in _BOOLEAN:  # store_true in vLLM: never takes the next word
+            values = []
+            i += 1
         elif i + 1 < len(tokens) and _is_value(tokens[i + 1]):
             values = [tokens[i + 1]]
             i += 2
         else:
             values = []
             i += 1
-        if key in ("--model", "--host", "--port", "--served-model-name", "--max-model-len", "--max-num-seqs"):
+        if key in _KNOWN:
             if not values:
                 raise UsageError(f"{key} needs a value")
             options[key] = values
+        elif key in _BOOLEAN:
+            options[key] = []
         else:
             ignored.append(key)
     model = positional[0] if positional else (options.get("--model") or [None])[0]
@@ -107,5 +119,8 @@ def parse_args(argv: list[str]) -> ServeArgs:
         max_num_seqs=(
             _int("--max-num-seqs", options["--max-num-seqs"][0], 1, 1 << 20) if "--max-num-seqs" in options else None
         ),
+        access_log="--disable-uvicorn-access-log" not in options,
+        access_log_excluded=frozenset(
+            p.strip() for p in options.get("--disable-access-log-for-endpoints", [""])[0].split(",") if p.strip()),
         ignored=tuple(ignored),
     )

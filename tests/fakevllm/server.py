@@ -346,7 +346,8 @@ class FakeVllm:
             response = web.json_response({"detail": "Not Found"}, status=404)
         except web.HTTPMethodNotAllowed:
             response = web.json_response({"detail": "Method Not Allowed"}, status=405)
-        if self.faults.access_log:
+        if self.faults.access_log and self.args.access_log and request.path not in self.args.access_log_excluded:
+            # uvicorn's access line on stdout, as vLLM's log config writes it (vllm/logging_utils/uvicorn_logging.py)
             peer = request.transport.get_extra_info("peername") if request.transport else None
             where = f"{peer[0]}:{peer[1]}" if peer else "-"
             say(f'INFO:     {where} - "{request.method} {request.path_qs} HTTP/1.1" {response.status}')

@@ -67,6 +67,7 @@ class VllmConfig(_Section):
     args: list[str] = Field(default_factory=list, description='extra vLLM options, e.g. [--dtype, float32, --max-model-len, "4096"] (not --host/--port: vsup sets those)', json_schema_extra=relaunch())
     env: dict[str, str] = Field(default_factory=dict, description="extra environment for every instance (placement variables come from the plan)", json_schema_extra=relaunch())
     base_port: int = Field(8100, ge=1, le=65535, description="instance i listens on 127.0.0.1:<base_port + i>", json_schema_extra=relaunch(plan="base_port"))
+    access_log: Literal["clients", "all", "off"] = Field("clients", description="vLLM's per-request access log lines: clients (all but vsup's own polls of /health and /metrics), all, or off (--disable-uvicorn-access-log); a --disable-access-log-for-endpoints or --disable-uvicorn-access-log in args wins", json_schema_extra=relaunch())
     spare_base_port: int | None = Field(None, ge=1, le=65535, description="a replacement started beside the instance it replaces (vsup reload with free cores) listens on <spare_base_port + i> and stays there until its next replacement, which goes back to base_port + i; null: base_port + 100", json_schema_extra=relaunch())
 
     @field_validator("command")
@@ -75,6 +76,11 @@ class VllmConfig(_Section):
         if value is not None and not value:
             raise ValueError("must name a program, e.g. [vllm, serve]")
         return value
+
+    @field_validator("access_log", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        return {False: "off", True: "all"}.get(value, value) if isinstance(value, bool) else value  # YAML reads off as false
 
     @field_validator("venv")
     @classmethod

@@ -8,6 +8,7 @@ from their owners at scrape time too. Single event loop: no locks needed.
 
 from __future__ import annotations
 
+import asyncio
 from bisect import bisect_left
 from collections.abc import Callable, Mapping
 
@@ -63,6 +64,13 @@ class _Histogram:
             out.append((repr(float(bound)), running))
         out.append(("+Inf", self.total))
         return out
+
+
+def _asyncio_tasks() -> int:
+    try:
+        return len(asyncio.all_tasks())
+    except RuntimeError:  # rendered outside a running loop
+        return 0
 
 
 class ProxyMetrics:
@@ -179,6 +187,8 @@ class ProxyMetrics:
             ready.add_metric([name], 1 if self._ready(name) else 0)
         yield state
         yield ready
+        yield GaugeMetricFamily("vsup_asyncio_tasks", "asyncio tasks alive in vsup's event loop (flat over time: nothing piles up)",
+                                value=_asyncio_tasks())
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,7 +1,7 @@
 """One planned instance + the config -> the argv and environment that are exec'd.
 
     argv = <plan prefix: numactl/taskset> <vLLM command> <model> --host 127.0.0.1 --port P
-           [--served-model-name NAME] <plan's vLLM args> <vllm.args>
+           [--served-model-name NAME] [access-log options] <plan's vLLM args> <vllm.args>
     env  = inherited env - systemd's per-service variables + the plan's variables + vllm.env
 
 The model goes right after the vLLM command: `vllm serve MODEL`, or `python -m
@@ -37,6 +37,10 @@ PLACEMENT_VARIABLES = {
     "CPU_VISIBLE_MEMORY_NODES": "placement.nodes",
     "VLLM_CPU_KVCACHE_SPACE": "placement.kvcache_gib",
 }
+# What vsup polls on every instance: /health every health.interval, /metrics every metrics.interval.
+# vLLM writes an access line for each (uvicorn, stdout) unless told not to: vllm.access_log.
+OWN_POLLS = ("/health", "/metrics")
+ACCESS_LOG_OPTIONS = ("--disable-access-log-for-endpoints", "--disable-uvicorn-access-log")
 # vLLM options vsup sets itself for every instance.
 _OWNED_OPTIONS = {
     "--host": "vsup binds every instance to 127.0.0.1; proxy.host sets the public address",
@@ -78,8 +82,20 @@ def build_command(instance: InstancePlan, cfg: VsupConfig, base_env: Mapping[str
     argv = [*instance.argv, *vllm_command(cfg, base_env), cfg.model, "--host", LOOPBACK, "--port", str(instance.port)]
     if cfg.served_model_name:
         argv += ["--served-model-name", cfg.served_model_name]
-    argv += [*instance.vllm_args, *cfg.vllm.args]
+    argv += [*access_log_args(cfg), *instance.vllm_args, *cfg.vllm.args]
     return argv, env
+
+
+def access_log_args(cfg: VsupConfig) -> list[str]:
+    """vLLM's access-log options for vllm.access_log, unless vllm.args sets its own. vsup's
+    warm-up (one POST /v1/completions per start) stays in the log: the path is a client's too."""
+    if {arg.split("=", 1)[0].replace("_", "-") for arg in cfg.vllm.args} & set(ACCESS_LOG_OPTIONS):
+        return []
+    if cfg.vllm.access_log == "off":
+        return ["--disable-uvicorn-access-log"]
+    if cfg.vllm.access_log == "clients":
+        return ["--disable-access-log-for-endpoints", ",".join(OWN_POLLS)]
+    return []
 
 
 def _check_user_env(instance: InstancePlan, plan_env: Mapping[str, str], cfg: VsupConfig) -> None:

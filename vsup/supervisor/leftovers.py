@@ -142,7 +142,7 @@ async def remove_leftovers(directory: Path, grace: float, shm_dir: str | Path = 
         files = shm.files_in_use(found, shm_dir)  # before they go: the names carry no pid
         if found:
             removal.killed, removal.survivors = await _stop(found, grace)
-        removal.shm_removed = shm.remove_unused(files, shm_dir)
+        removal.shm_removed = shm.remove_unused(files, shm_dir) + shm.remove_openmp_files(found, shm_dir)
         if removal.processes or removal.shm_removed:
             logger.warning("leftovers: %s", removal.describe())
             removals.append(removal)

@@ -65,8 +65,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("vsup.lifecycle")
 
 
-def describe_exit(status: int | None) -> str:
-    """An exit status in words (negative: killed by that signal, asyncio's convention)."""
+def describe_exit(status: int | None, sigkill: Callable[[], str] | None = None) -> str:
+    """An exit status in words (negative: killed by that signal, asyncio's convention); `sigkill`
+    tells who sent a SIGKILL (the process's `sigkill_cause`: the OOM killer or not)."""
     if status is None:
         return "exit status unknown"
     if status == 0:
@@ -77,6 +78,8 @@ def describe_exit(status: int | None) -> str:
         name = signal.Signals(-status).name
     except ValueError:
         name = f"signal {-status}"
+    if status == -signal.SIGKILL and sigkill is not None:
+        return sigkill()
     hint = " (out of memory? check the memory plan)" if status == -signal.SIGKILL else ""
     return f"killed by {name}{hint}"
 
@@ -315,7 +318,7 @@ class Instance:
     def _interrupted(self, wake: Wake, value: Any) -> bool:
         """Handle an exit or an intent that arrived while the process runs; True when the state changed."""
         if wake is Wake.EXITED:
-            self._fail(Event.EXITED, describe_exit(value))
+            self._fail(Event.EXITED, describe_exit(value, getattr(self.child, "sigkill_cause", None)))
             return True
         if wake is Wake.ASKED:
             return self._apply_intent()

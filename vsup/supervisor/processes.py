@@ -18,7 +18,8 @@ vsup, and refuses to run on another.
 
 `stop_tree`: SIGTERM to the group (and to members that left it), `timeout` seconds of grace for
 all of them, SIGKILL for what is left (again for anything forked meanwhile), reap the orphans
-handed to us, then remove the /dev/shm files the tree had mapped or open. It works as well when
+handed to us, then remove the /dev/shm files the tree had mapped or open and Intel OpenMP's files
+named after its pids (shm.py). It works as well when
 the leader is already dead. See docs/processes.md.
 """
 
@@ -37,10 +38,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vsup.errors import VsupError
-from vsup.supervisor import proctree, shm
+from vsup.supervisor import oomkill, proctree, shm
 from vsup.supervisor.logs import InstanceLog, LineSplitter
 from vsup.supervisor.proctree import become_subreaper  # noqa: F401 (re-exported)
 from vsup.supervisor.shm import sweep_stale_shm  # noqa: F401 (re-exported)
+from vsup.topology.fsroot import FsRoot
 
 logger = logging.getLogger("vsup.processes")
 
@@ -103,7 +105,12 @@ class Child:
     token: str = ""  # VSUP_TREE=<token> in the environment of every process of the tree
     seen: dict[int, int] = field(default_factory=dict)  # pid -> start time of tree members seen so far
     shm_seen: set[str] = field(default_factory=set)  # /dev/shm files the tree was seen using
+    oom_before: oomkill.OomCounts | None = None  # the OOM-kill counters when it started
     _protocol: _OutputProtocol = field(repr=False, kw_only=True)  # only spawn() makes a Child
+
+    def sigkill_cause(self) -> str:
+        """After the leader died of SIGKILL: the kernel's OOM killer, or someone else (oomkill.py)."""
+        return oomkill.sigkill_cause(FsRoot("/"), self.pid, self.oom_before)
 
     @property
     def returncode(self) -> int | None:
@@ -226,11 +233,13 @@ async def spawn(argv: list[str], env: dict[str, str], *, log: InstanceLog, cwd: 
         await protocol.exited  # it exits right after writing; reaped by the loop's child watcher
         transport.close()
         raise _cannot_start(argv, child_env, int(report))
+    pid = transport.get_pid()
     child = Child(
-        pid=transport.get_pid(),
+        pid=pid,
         argv=list(argv),
         started_at=time.monotonic(),
         token=token,
+        oom_before=oomkill.read_counts(FsRoot("/"), pid),
         _protocol=protocol,
     )
     _active[child.pid] = child
@@ -339,7 +348,7 @@ async def stop_tree(child: Child, timeout: float, *, shm_dir: str | Path = shm.S
         logger.warning("pid %d: its output pipes are still held open after the tree was stopped", leader)
     if child._protocol.transport is not None:  # pipes and transport; the leader is reaped, nothing is killed
         child._protocol.transport.close()
-    shm_removed = shm.remove_unused(shm_files, shm_dir)
+    shm_removed = shm.remove_unused(shm_files, shm_dir) + shm.remove_openmp_files(child.seen, shm_dir)
     if not survivors:
         _active.pop(leader, None)
     report = StopReport(

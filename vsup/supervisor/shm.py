@@ -6,20 +6,28 @@ process has mapped (/proc/<pid>/maps) or open (/proc/<pid>/fd). `files_in_use(pi
 before a tree is killed; `remove_unused(paths)` deletes those no live process still uses. For an
 instance whose processes were already gone, `sweep_stale_shm` removes matching files that are
 ours (uid), older than `min_age` and used by no live process at all.
+
+Intel OpenMP (libiomp5, LD_PRELOADed by vsup tune's `iomp` candidate) registers every process
+that initializes it as `__KMP_REGISTERED_LIB_<pid>[_<uid>]` and maps it only for that moment, so
+maps/fd cannot find it; a process that is killed leaves it. Its name carries the pid:
+`remove_openmp_files(pids)` deletes those of processes that are gone, and the stale sweep those of
+any dead pid (libiomp itself treats a dead pid's file as stale).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from vsup.supervisor.proctree import all_pids
+from vsup.supervisor.proctree import all_pids, read_stat
 
 SHM_DIR = Path("/dev/shm")
 PREFIXES = ("psm_", "sem.mp-")
+OPENMP_NAME = re.compile(r"__KMP_REGISTERED_LIB_(\d+)(?:_\d+)?")  # Intel OpenMP's; the suffix: a uid
 
 logger = logging.getLogger("vsup.shm")
 
@@ -98,19 +106,50 @@ def sweep_stale_shm(
             continue
         if st.st_uid == uid and now - st.st_mtime >= min_age:
             candidates.append(path)
-    return _unlink_unused(candidates, directory, prefixes)
+    return _unlink_unused(candidates, directory, prefixes) + _unlink(_stale_openmp_files(directory, names, uid, now - min_age))
 
 
-def _unlink_unused(candidates: Iterable[str], shm_dir: str | Path, prefixes: tuple[str, ...]) -> list[str]:
-    """Delete those of `candidates` (in sorted order) that no live process maps or holds open."""
-    candidates = sorted(candidates)
-    if not candidates:
+def _gone(pid: int) -> bool:
+    st = read_stat(pid)
+    return st is None or st.zombie
+
+
+def _openmp_pid(name: str) -> int | None:
+    match = OPENMP_NAME.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+def remove_openmp_files(pids: Iterable[int], shm_dir: str | Path = SHM_DIR) -> list[str]:
+    """Delete Intel OpenMP's registration files of those of `pids` that are gone."""
+    wanted = set(pids)
+    directory = os.path.realpath(shm_dir)
+    try:
+        names = os.listdir(directory)
+    except OSError:
         return []
-    busy = files_in_use(all_pids(), shm_dir, prefixes)
-    removed = []
-    for path in candidates:
-        if path in busy:
+    found = [os.path.join(directory, n) for n in names if (pid := _openmp_pid(n)) in wanted and _gone(pid)]
+    return _unlink(sorted(found))
+
+
+def _stale_openmp_files(directory: str, names: list[str], uid: int, oldest: float) -> list[str]:
+    stale = []
+    for name in names:
+        pid = _openmp_pid(name)
+        if pid is None or not _gone(pid):
             continue
+        path = os.path.join(directory, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if st.st_uid == uid and st.st_mtime <= oldest:
+            stale.append(path)
+    return stale
+
+
+def _unlink(paths: list[str]) -> list[str]:
+    removed = []
+    for path in paths:
         try:
             os.unlink(path)
             removed.append(path)
@@ -119,3 +158,12 @@ def _unlink_unused(candidates: Iterable[str], shm_dir: str | Path, prefixes: tup
         except OSError as exc:
             logger.warning("cannot remove %s: %s", path, exc.strerror)
     return removed
+
+
+def _unlink_unused(candidates: Iterable[str], shm_dir: str | Path, prefixes: tuple[str, ...]) -> list[str]:
+    """Delete those of `candidates` (in sorted order) that no live process maps or holds open."""
+    candidates = sorted(candidates)
+    if not candidates:
+        return []
+    busy = files_in_use(all_pids(), shm_dir, prefixes)
+    return _unlink([path for path in candidates if path not in busy])
