@@ -3,7 +3,7 @@
 killed now and then. Does vsup itself stay flat, and is every request either answered or told?
 
     .venv/bin/python bench/soak.py                         # 30 min, a kill -9 every 4 min
-    .venv/bin/python bench/soak.py --duration 120 --kill-every 30 --json docs/bench/soak.json --chart soak.png
+    .venv/bin/python bench/soak.py --duration 120 --kill-every 30 --json /tmp/soak.json --chart soak.png
 
 The load: --concurrency closed-loop clients through vsup's proxy, half streamed chat completions
 (20-120 tokens) and half plain ones, each from a fresh or a reused connection. Every --kill-every
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import signal
@@ -42,6 +41,9 @@ sys.path.insert(0, str(REPO))
 
 from tests.vsup_harness import VsupRun, make_config, port_is_free  # noqa: E402  (the fake vLLM set-up)
 from vsup.supervisor.shm import files_in_use  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from result import Recorder  # noqa: E402  (bench/result.py: docs/bench/<name>.json)
 
 
 @dataclass
@@ -205,12 +207,11 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--instances", type=int, default=2)
     parser.add_argument("--sample", type=float, default=10.0, help="seconds between resource samples")
-    parser.add_argument("--json", type=Path, help="write the figures here (the convention: docs/bench/soak.json)")
+    parser.add_argument("--json", type=Path, help="write the result file here instead of docs/bench/soak.json")
     parser.add_argument("--chart", type=Path, help="write a PNG of vsup's resources over time (needs matplotlib)")
     args = parser.parse_args()
 
-    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    load_start = list(os.getloadavg())
+    recorder = Recorder("soak")
     with tempfile.TemporaryDirectory(prefix="vsup-soak-") as tmp:
         config = make_config(Path(tmp), instances=args.instances,
                              health={"startup_timeout": 60},
@@ -232,9 +233,7 @@ def main() -> int:
 
     t0 = samples[0]["t"]
     after_10 = next((s["rss_mib"] for s in samples if s["t"] - t0 >= 600), None)
-    figures = {"command": " ".join(["bench/soak.py", *sys.argv[1:]]), "date": started,
-               "machine": {"cpus": os.cpu_count(), "load_avg_start": load_start, "load_avg_end": list(os.getloadavg())},
-               "rss_mib_after_10_min": after_10, "rss_mib_end": samples[-1]["rss_mib"],
+    figures = {"rss_mib_after_10_min": after_10, "rss_mib_end": samples[-1]["rss_mib"],
                "rss_mib_series": [[round(s["t"] - t0), round(s["rss_mib"], 2)] for s in samples],
                "duration_s": args.duration, "kills": kills, "requests": {"ok": outcomes.ok, "told": outcomes.told,
                "lost": outcomes.lost, "told_by": outcomes.told_by, "lost_by": outcomes.lost_by},
@@ -244,8 +243,7 @@ def main() -> int:
         print(f"| {key} | {v['start']:.1f} | {v['end']:.1f} | {v['max']:.1f} |")
     print(f"\nrequests: {outcomes.ok} ok, {outcomes.told} told ({outcomes.told_by}), {outcomes.lost} lost "
           f"({outcomes.lost_by}); {kills} kill -9; left behind: {problems or 'nothing'}")
-    if args.json:
-        args.json.write_text(json.dumps(figures, indent=1))
+    recorder.write(figures, *((args.json.parent, args.json.name) if args.json else ()))
     if args.chart:
         chart(samples, args.chart)
     return 0 if outcomes.lost == 0 and not problems else 1

@@ -273,6 +273,24 @@ def systemd(link: str) -> str:
             f"the same), with `/dev/shm` and the NUMA syscalls left usable.")
 
 
+def soak(link: str) -> str:
+    data = with_file("soak.json")
+    f = data["figures"]
+    r, v = f["requests"], f["vsup"]
+    told = ", ".join(f"{n} {why}" for why, n in sorted(r["told_by"].items())) or "none"
+    rows = "\n".join(f"| {what} | {v[key]['start']:.{p}f}{unit} | {v[key]['end']:.{p}f}{unit} | {v[key]['max']:.{p}f}{unit} |"
+                     for what, key, unit, p in (("RSS", "rss_mib", " MiB", 1), ("open file descriptors", "fds", "", 0),
+                                                ("threads", "threads", "", 0)) if key in v)
+    left = "nothing" if not f["left_behind"] else "; ".join(f["left_behind"])
+    return (f"{f['duration_s'] / 60:.0f} minutes of `vsup run` over fake vLLM instances (real processes, real ports), "
+            f"a `kill -9` of an instance's API server {f['kills']} times:\n\n"
+            f"| vsup's own | start | end | max |\n|---|---|---|---|\n{rows}\n\n"
+            f"{r['ok']:,} requests answered, {r['told']} told ({told}), **{r['lost']} lost**; RSS "
+            f"{f['rss_mib_after_10_min']:.2f} MiB after 10 minutes and {f['rss_mib_end']:.2f} MiB at the end "
+            f"({f['rss_mib_end'] - f['rss_mib_after_10_min']:+.2f} MiB); left behind after SIGTERM: {left}. "
+            f"{conditions(data, link)}")
+
+
 # ---- the blocks -----------------------------------------------------------------------------------
 
 RENDERERS: dict[str, Callable[[str], str]] = {
@@ -287,6 +305,7 @@ RENDERERS: dict[str, Callable[[str], str]] = {
     "plan": plan,
     "warmup": warmup,
     "systemd-exposure": systemd,
+    "soak": soak,
 }
 
 
