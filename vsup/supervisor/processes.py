@@ -1,5 +1,8 @@
 """Start an instance process with its output drained into an InstanceLog; stop its whole tree.
 
+(Just over 400 lines for a reason: spawn and stop_tree share the Child and its output protocol;
+finding the tree is proctree.py, /dev/shm is shm.py, the OOM verdict is oomkill.py.)
+
 `spawn` runs the command in a new session (its pid is its process group and session id), stdin
 from /dev/null, stdout/stderr read by a protocol as the bytes arrive: nothing ever buffers in a
 pipe, whatever the child writes. It uses loop.subprocess_exec (what asyncio.create_subprocess_exec

@@ -1,5 +1,8 @@
 """`vsup run`: N instances, the proxy and the control endpoint in one event loop.
 
+(Just over 400 lines for a reason: it is the wiring itself; each piece it wires is its own module:
+fleet.py, reloading.py, status.py, metrics.py, memwatch.py, host.py.)
+
 The `Supervisor` owns the pieces and the wiring between them:
 - the instances (`fleet.Fleet`; each an `Instance` of lifecycle.py driving one vLLM process through
   the state machine of states.py): every transition reaches `on_transition`, which updates the
