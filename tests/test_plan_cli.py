@@ -66,7 +66,9 @@ def test_shell_lines_are_runnable_commands(xeon, tmp_path):
     start = words.index("numactl")
     assert words[start:] == [
         "numactl", "--physcpubind=8-15,24-31", "--membind=1", "vllm", "serve", "/models/my model",
-        "--host", "127.0.0.1", "--port", "8101", "--kv-cache-memory-bytes", str(2**29), "--dtype", "float32",
+        "--host", "127.0.0.1", "--port", "8101",
+        "--disable-access-log-for-endpoints", "/health,/metrics",  # vllm.access_log: clients (the default)
+        "--kv-cache-memory-bytes", str(2**29), "--dtype", "float32",
     ]
 
 
