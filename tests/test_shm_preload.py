@@ -47,8 +47,20 @@ def openmp_files(pid: int) -> list[str]:
     return sorted(n for n in os.listdir(shm.SHM_DIR) if (m := shm.OPENMP_NAME.fullmatch(n)) and int(m.group(1)) == pid)
 
 
+_LOGS: list[InstanceLog] = []
+
+
+@pytest.fixture(autouse=True)
+def close_logs():
+    yield
+    while _LOGS:
+        _LOGS.pop().close()
+
+
 async def start(tmp_path, preload: str) -> processes.Child:
+    tmp_path.mkdir(exist_ok=True)
     log = InstanceLog("0", tmp_path, max_bytes=1 << 20, backups=0, echo=False, logger=logging.getLogger("test"))
+    _LOGS.append(log)
     env = {**os.environ, "LD_PRELOAD": preload}
     child = await processes.spawn([sys.executable, "-c", CHILD], env, log=log)
     deadline = time.monotonic() + 20
@@ -77,8 +89,8 @@ async def test_nothing_is_left_in_dev_shm_after_a_killed_instance_is_stopped(tmp
 
 async def test_the_stale_sweep_removes_a_dead_processs_openmp_file_and_keeps_a_live_ones(tmp_path):
     iomp = library("iomp")
-    dead = await start(tmp_path / "dead", iomp) if (tmp_path / "dead").mkdir() is None else None
-    live = await start(tmp_path / "live", iomp) if (tmp_path / "live").mkdir() is None else None
+    dead = await start(tmp_path / "dead", iomp)
+    live = await start(tmp_path / "live", iomp)
     os.kill(dead.pid, signal.SIGKILL)
     await dead.wait()
     removed = shm.sweep_stale_shm(min_age=0)
