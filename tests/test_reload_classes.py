@@ -19,7 +19,7 @@ from pydantic import BaseModel, Field
 from tests import test_reload_proxy
 from tests.test_reload_proxy import black_hole
 from tests.test_supervisor_inprocess import Fleet as InProcessFleet
-from tests.test_supervisor_inprocess import reload_config
+from tests.test_supervisor_inprocess import fleet_fixture, reload_config
 from vsup.config.example import example_yaml
 from vsup.config.planning import CONFIG_KEYS
 from vsup.config.reloading import LIVE, Reload, reload_table
@@ -108,20 +108,7 @@ class Fleet(InProcessFleet):
         self.path.write_text(yaml.safe_dump(config))
 
 
-@pytest.fixture
-async def fleet(tmp_path):
-    made: list[Fleet] = []
-
-    async def make(**sections) -> Fleet:
-        f = Fleet(tmp_path, **sections)
-        made.append(f)
-        await f.start()
-        return f
-
-    yield make
-    for f in made:
-        if f.task is not None and not f.task.done():
-            await f.stop()
+fleet = fleet_fixture(Fleet)
 
 
 async def reload(f: Fleet, **sections) -> dict:

@@ -213,20 +213,28 @@ class Fleet:
         return self.task.result()
 
 
-@pytest.fixture
-async def fleet(tmp_path):
-    made: list[Fleet] = []
+def fleet_fixture(kind: type[Fleet]):
+    """A fixture that starts fleets of `kind` on demand and stops each one the test left running."""
 
-    async def make(**sections) -> Fleet:
-        f = Fleet(tmp_path, **sections)
-        made.append(f)
-        await f.start()
-        return f
+    @pytest.fixture
+    async def fleet(tmp_path):
+        made: list[Fleet] = []
 
-    yield make
-    for f in made:
-        if f.task is not None and not f.task.done():
-            await f.stop()
+        async def make(**sections) -> Fleet:
+            f = kind(tmp_path, **sections)
+            made.append(f)
+            await f.start()
+            return f
+
+        yield make
+        for f in made:
+            if f.task is not None and not f.task.done():
+                await f.stop()
+
+    return fleet
+
+
+fleet = fleet_fixture(Fleet)
 
 
 async def test_reload_replaces_changed_instances_one_at_a_time_in_place_when_no_core_is_free(fleet):
