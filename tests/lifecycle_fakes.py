@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 from vsup.errors import VsupError
 from vsup.proxy.health import HealthResult
+from vsup.supervisor import oomkill
 from vsup.supervisor.processes import StopReport
 
 SETTLE = 60  # event-loop turns that let every ready task run before the clock may move
@@ -92,6 +93,9 @@ class FakeProcess:
     @property
     def returncode(self) -> int | None:
         return self._exit.result() if self._exit.done() else None
+
+    def sigkill_cause(self) -> str:
+        return oomkill.UNKNOWN  # no kernel to ask: the words of an unreadable one
 
     async def wait(self) -> int:
         return await asyncio.shield(self._exit)

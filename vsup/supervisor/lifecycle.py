@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from vsup.config.schema import VsupConfig
 from vsup.errors import VsupError
+from vsup.supervisor import oomkill
 from vsup.supervisor.backoff import RestartPolicy
 from vsup.supervisor.states import (
     AFTER_STOP,
@@ -78,10 +79,9 @@ def describe_exit(status: int | None, sigkill: Callable[[], str] | None = None) 
         name = signal.Signals(-status).name
     except ValueError:
         name = f"signal {-status}"
-    if status == -signal.SIGKILL and sigkill is not None:
-        return sigkill()
-    hint = " (out of memory? check the memory plan)" if status == -signal.SIGKILL else ""
-    return f"killed by {name}{hint}"
+    if status == -signal.SIGKILL:
+        return sigkill() if sigkill is not None else oomkill.UNKNOWN
+    return f"killed by {name}"
 
 
 class Wake(Enum):
@@ -318,7 +318,7 @@ class Instance:
     def _interrupted(self, wake: Wake, value: Any) -> bool:
         """Handle an exit or an intent that arrived while the process runs; True when the state changed."""
         if wake is Wake.EXITED:
-            self._fail(Event.EXITED, describe_exit(value, getattr(self.child, "sigkill_cause", None)))
+            self._fail(Event.EXITED, describe_exit(value, self.child.sigkill_cause if self.child is not None else None))
             return True
         if wake is Wake.ASKED:
             return self._apply_intent()

@@ -42,6 +42,9 @@ class Process(Protocol):
     async def wait(self) -> int:
         """Wait for the exit; cancelling a waiter must not disturb the process or other waiters."""
 
+    def sigkill_cause(self) -> str:
+        """After it died of SIGKILL: who sent it, in words (the kernel's OOM killer or not)."""
+
 
 class Operations(Protocol):
     def now(self) -> float:
