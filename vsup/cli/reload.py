@@ -8,8 +8,7 @@ import sys
 
 import click
 
-from vsup.errors import ConfigError
-from vsup.supervisor.control import find_socket, request
+from vsup.supervisor.control import request
 
 from .options import format_option
 from .rollout_view import render_rollout
@@ -29,14 +28,12 @@ def reload_command(no_wait: bool, config_path: str | None, socket_path: str | No
     restart and stop settings apply at once; instances whose command line, environment, CPUs or
     memory binding changed are replaced one at a time (warmed up before they serve, the old one
     drained). Waits until it is done; exit code 1 if an instance did not come up. Same as SIGHUP
-    and `systemctl reload vsup`. --config only helps find the running vsup's control socket.
+    and `systemctl reload vsup`. --config only finds the running vsup's control socket (a file
+    that cannot be read or is invalid is refused here, exit 2); with --socket it is not read.
     """
-    try:
-        path = socket_for(config_path, socket_path)
-    except ConfigError:
-        # the file is only read here to find the socket: the running vsup re-reads it, refuses it
-        # with the same error, and records the refusal for `vsup status`
-        path = find_socket(socket_path, None)
+    # a --config that cannot be read is its one-line error (exit 2): never a guess at the default
+    # sockets, where another vsup may be the one that answers
+    path = socket_for(config_path, socket_path)
     data = asyncio.run(request(path, "POST", "/reload", {"wait": not no_wait}))
     record = data["rollout"]
     if output_format == "json":

@@ -22,8 +22,13 @@ socket_option = click.option("--socket", "socket_path", type=click.Path(dir_okay
 
 
 def socket_for(config_path: str | None, socket_path: str | None):
+    """--socket as given; else where --config's vsup (or, without one, a default vsup) listens.
+    A --config that cannot be read or validated is a ConfigError: never a fall-back to the default
+    sockets (another vsup may answer there)."""
+    if socket_path:
+        return find_socket(socket_path, None)
     config = load_config(config_path, require_model=False) if config_path else None
-    return find_socket(socket_path, config)
+    return find_socket(None, config)
 
 
 def placement_word(entry: dict) -> str:

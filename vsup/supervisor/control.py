@@ -23,16 +23,23 @@ ExecReload=), the private `control-<proxy.port>.sock` of this user, and the inst
 `/run/vsup/control.sock` (RuntimeDirectory=vsup: a root shell beside the service) — that one only
 when its vsup serves the config's proxy port. Nothing answering is one line naming every place
 looked at and what was found there.
+
+The server replaces only a stale socket (one that refuses connections: a killed vsup's) at its
+path; anything else there (a file, a directory, a symlink) is refused, and at stop it removes
+the path only while it is still the socket it bound (a typo in control.socket never deletes a
+real file, even as root).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import errno
 import http.client
 import json
+import logging
 import os
 import socket
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -43,6 +50,8 @@ from aiohttp import web
 from vsup.config.schema import VsupConfig
 from vsup.errors import VsupError
 from vsup.supervisor.rundir import ensure_private, private_dir, systemd_dir
+
+logger = logging.getLogger("vsup.supervisor")
 
 
 class Controlled(Protocol):
@@ -87,14 +96,40 @@ def _prepare_directory(path: Path, environ: Mapping[str, str]) -> None:
         raise VsupError(f"control.socket {str(path)!r}: directory {directory} does not exist; create it or choose another path")
 
 
-def _answers(path: Path) -> bool:
+def _connect_errno(path: Path) -> int:
+    """0 when something answers on the socket `path`, else the errno of the failed connect."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
         probe.settimeout(1.0)
         try:
             probe.connect(str(path))
-            return True
-        except OSError:
-            return False
+            return 0
+        except TimeoutError:
+            return errno.ETIMEDOUT
+        except OSError as exc:
+            return exc.errno or errno.EIO
+
+
+FILE_TYPES = ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symlink"),
+              (stat.S_ISFIFO, "a named pipe"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def file_type(mode: int) -> str:
+    return next((words for test, words in FILE_TYPES if test(mode)), "not a regular file")
+
+
+def socket_problem(path: Path) -> str | None:
+    """Why a client cannot use `path` as a control socket, in words; None when it is a socket."""
+    try:
+        found = os.stat(path)
+    except FileNotFoundError:
+        return "no such socket"
+    except NotADirectoryError:
+        return "a part of the path is not a directory"
+    except PermissionError:
+        return "permission denied: run as the service's user or root"
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None if stat.S_ISSOCK(found.st_mode) else f"not a socket but {file_type(found.st_mode)}"
 
 
 class ControlServer:
@@ -105,16 +140,33 @@ class ControlServer:
         self._runner: web.AppRunner | None = None
         self._sock: socket.socket | None = None
         self._jobs: set[asyncio.Task] = set()
+        self._bound: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket we bound
+
+    def _replace_stale(self) -> None:
+        """Remove what a killed vsup left at the path (a socket nobody listens on); refuse anything
+        else: a live vsup's socket, or a file that is not a socket at all (lstat: a symlink is
+        not followed)."""
+        try:
+            found = os.lstat(self.path)
+        except FileNotFoundError:
+            return
+        if not stat.S_ISSOCK(found.st_mode):
+            raise VsupError(f"control.socket {str(self.path)!r} is {file_type(found.st_mode)}, not a socket: vsup "
+                            "replaces only a socket a killed vsup left behind; remove it or choose another path")
+        error = _connect_errno(self.path)
+        if error == 0:
+            raise VsupError(f"another vsup is already running here: it answers on the control socket {self.path} "
+                            "(stop it, or give this one another proxy.port or control.socket)")
+        if error != errno.ECONNREFUSED:
+            raise VsupError(f"control.socket {str(self.path)!r}: a socket is there and connecting to it fails with "
+                            f"{os.strerror(error)}, not as a stale one would; remove it or choose another path")
+        self.path.unlink()  # left behind by a vsup that was killed
 
     async def start(self) -> None:
         if len(os.fsencode(self.path)) > 107:
             raise VsupError(f"control.socket {str(self.path)!r} is longer than the 107 bytes a unix socket path may have")
         _prepare_directory(self.path, self.environ)
-        if self.path.exists() or self.path.is_symlink():
-            if _answers(self.path):
-                raise VsupError(f"another vsup is already running here: it answers on the control socket {self.path} "
-                                "(stop it, or give this one another proxy.port or control.socket)")
-            self.path.unlink()  # left behind by a vsup that was killed
+        self._replace_stale()
         app = web.Application()
         app.router.add_get("/status", self._status)
         app.router.add_post("/restart", self._restart)
@@ -131,6 +183,8 @@ class ControlServer:
         finally:
             os.umask(old_umask)
         os.chmod(self.path, 0o600)
+        bound = os.lstat(self.path)
+        self._bound = (bound.st_dev, bound.st_ino)
         self._sock = sock
         await web.SockSite(self._runner, sock).start()
 
@@ -143,8 +197,22 @@ class ControlServer:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
-        with contextlib.suppress(FileNotFoundError):
+        if self._bound is not None:
+            self._unlink_ours(self._bound)
+            self._bound = None
+
+    def _unlink_ours(self, bound: tuple[int, int]) -> None:
+        """Remove the path only while it is still the socket we bound (someone may have put
+        something else there since)."""
+        try:
+            found = os.lstat(self.path)
+        except FileNotFoundError:
+            return
+        if stat.S_ISSOCK(found.st_mode) and (found.st_dev, found.st_ino) == bound:
             self.path.unlink()
+        else:
+            logger.warning("control socket %s was replaced by %s while vsup ran; left as it is",
+                           self.path, file_type(found.st_mode) if not stat.S_ISSOCK(found.st_mode) else "another socket")
 
     async def _status(self, request: web.Request) -> web.Response:
         return web.json_response(self.target.status())
@@ -249,8 +317,9 @@ def find_socket(socket_path: str | None, config: VsupConfig | None, environ: Map
 def _probe(path: Path) -> int | str:
     """The proxy port of the vsup answering on `path` (-1: it answers, port unknown), or what
     was found there instead."""
-    if not path.exists():
-        return "no such socket"
+    problem = socket_problem(path)
+    if problem is not None:
+        return problem
     client = http.client.HTTPConnection("vsup", timeout=5)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -272,9 +341,13 @@ def _probe(path: Path) -> int | str:
 
 
 async def request(path: Path, method: str, route: str, body: Any = None, timeout: float | None = None) -> Any:
-    """One request to a running vsup; VsupError (one line) when it is not there or says no."""
-    if not path.exists():
+    """One request to a running vsup; VsupError (one line naming `path`) when it is not there,
+    cannot be used, or says no."""
+    problem = socket_problem(path)
+    if problem == "no such socket":
         raise VsupError(f"vsup is not running: no control socket at {path}")
+    if problem is not None:
+        raise VsupError(f"cannot use the control socket {path}: {problem}")
     connector = aiohttp.UnixConnector(path=str(path))
     try:
         async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout)) as session:
@@ -284,6 +357,9 @@ async def request(path: Path, method: str, route: str, body: Any = None, timeout
                     raise VsupError(data.get("error") if isinstance(data, dict) else f"HTTP {response.status}")
                 return data
     except aiohttp.ClientConnectorError as exc:
+        if isinstance(exc.os_error, PermissionError):
+            raise VsupError(f"cannot connect to the control socket {path}: permission denied: "
+                            "run as the service's user or root") from None
         raise VsupError(f"vsup is not running: the control socket {path} does not answer ({exc.os_error.strerror if exc.os_error else exc})") from None
     except (aiohttp.ClientError, json.JSONDecodeError) as exc:
         raise VsupError(f"talking to vsup over {path} failed: {exc}") from None
