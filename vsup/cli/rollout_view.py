@@ -15,7 +15,11 @@ def render_rollout(record: dict | None, *, steps: bool = True) -> list[str]:
         return []
     when = f"{duration(record['took'])}"
     state = record["state"]
-    if state == "running":
+    if state == "pending":  # a SIGHUP came during the last change: what it did is for an older file
+        return [f"{record['kind']} ({record['pending']}) pending: the file is re-read once the last change has ended"]
+    if state == "running" and not record["steps"] and record["kind"] == "reload":
+        head = f"{record['kind']} ({record['trigger']}) running for {when}: reading and checking the file"
+    elif state == "running":
         head = f"{record['kind']} ({record['trigger']}) running for {when}: step {record['step']} of {len(record['steps'])}"
     else:
         head = f"last {record['kind']} ({record['trigger']}): {state.upper() if state in ('failed', 'rejected') else state}"
@@ -23,6 +27,8 @@ def render_rollout(record: dict | None, *, steps: bool = True) -> list[str]:
     counts = _counts(record)
     if counts and state != "rejected":
         head += f"; {counts}"
+    if record.get("pending"):
+        head += f"; then another reload ({record['pending']}: the file changed during this one)"
     lines = [head]
     if record.get("error"):
         lines.append(f"  error: {record['error']}")

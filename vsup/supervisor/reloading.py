@@ -5,14 +5,21 @@ in a thread), applies at once what needs no process (`Changes.apply_settings`), 
 turns the rest into rollout steps (`reload_steps`: replace, add, remove) that rollout.py carries
 out one instance at a time. Refused with VsupError — and nothing changed — while vsup stops or
 another rollout runs, and for an invalid file, an impossible plan or a key that cannot change
-while vsup runs. `Changes` holds the one rollout (its record is what `vsup status` shows).
+while vsup runs, or a TCP port a moved or new instance needs is taken (reload_ports.py: checked
+before anything is stopped). `Changes` holds the one rollout (its record is what `vsup status` shows).
+
+SIGHUPs are coalesced (`Changes.signal`): one that arrives while a reload or rolling restart runs
+marks one follow-up reload, which re-reads the file as it is once that change ends — N signals
+meanwhile make one follow-up, and the status says `pending`, never `done` for a file that changed
+since. A `vsup reload` over the control socket while a change runs is refused instead ("a reload
+is running"): its client is there to read that and ask again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from vsup.config.schema import VsupConfig, load_config
@@ -21,6 +28,8 @@ from vsup.supervisor import rollout
 from vsup.supervisor.backoff import RestartPolicy
 from vsup.supervisor.launch import build_command
 from vsup.supervisor.lifecycle import Instance
+from vsup.supervisor.ports import port_is_free
+from vsup.supervisor.reload_ports import busy_port
 from vsup.supervisor.states import State
 from vsup.topology.cpulist import format_list
 from vsup.topology.errors import PlanError, TopologyError
@@ -32,9 +41,13 @@ if TYPE_CHECKING:
 logger = logging.getLogger("vsup.supervisor")
 
 
-def read_config(path: str, fsroot: str, environ: Mapping[str, str], running: VsupConfig) -> tuple[VsupConfig, Plan]:
+def read_config(path: str, fsroot: str, environ: Mapping[str, str], running: VsupConfig,
+                current: Sequence[int] = (), own: Mapping[int, str] | None = None) -> tuple[VsupConfig, Plan]:
     """The re-read configuration and its plan, checked as `vsup run` checks them (runs in a
-    thread: it reads sysfs, the model's files, and may run numactl)."""
+    thread: it reads sysfs, the model's files, and may run numactl), and the TCP ports the plan
+    moves instances to (`current`: the fleet's port by index; `own`: port -> name of every
+    instance of this vsup; see reload_ports.py)."""
+    from vsup.supervisor.leftovers import describe_port_holder
     from vsup.supervisor.preflight import check_programs, checked_plan
 
     config = load_config(path)
@@ -46,6 +59,9 @@ def read_config(path: str, fsroot: str, environ: Mapping[str, str], running: Vsu
     if fixed:
         raise VsupError(f"{path}: {'; '.join(fixed)}; a running vsup cannot change "
                         f"{'this' if len(fixed) == 1 else 'these'}: restart vsup to apply, or change back")
+    busy = busy_port(config, plan, current, own or {}, port_is_free, describe_port_holder)
+    if busy is not None:
+        raise VsupError(busy)
     return config, plan
 
 
@@ -83,11 +99,13 @@ class Changes:
         self.sup = sup
         self.record: rollout.Record | None = None  # the last reload or rolling restart
         self.task: asyncio.Task[None] | None = None
-        self._reading_config = False  # a reload is reading and checking the file
+        self._reading: asyncio.Future[None] | None = None  # a reload is reading and checking the file
+        self.pending: str | None = None  # the trigger of a follow-up reload (SIGHUP during a change)
+        self._signalled: asyncio.Task[None] | None = None  # carries out the signalled reloads, one by one
 
     def busy(self) -> str | None:
         """What runs now, in words; None when a change may begin."""
-        if self._reading_config:
+        if self._reading is not None:
             return "a reload is reading the configuration"
         if self.task is not None and not self.task.done() and self.record is not None:
             done = sum(step.state == "done" for step in self.record.steps)
@@ -111,6 +129,40 @@ class Changes:
         await asyncio.shield(self._start(record))  # a client that goes away does not cut it in half
         return record
 
+    def signal(self, trigger: str) -> None:
+        """SIGHUP: reload now, or once the change that runs has ended. Signals while one is
+        pending add nothing: the follow-up reads the file as it is when it begins."""
+        if self.sup.stopping:
+            return
+        if self.pending is None and self.busy() is not None:
+            logger.info("%s during %s: the file is re-read once it ends", trigger, self.busy())
+        self.pending = trigger
+        if self._signalled is None or self._signalled.done():
+            self._signalled = asyncio.create_task(self._signalled_reloads(), name="signalled reloads")
+
+    async def _signalled_reloads(self) -> None:
+        while self.pending is not None and not self.sup.stopping:
+            while self.busy() is not None:  # whatever runs (also a `vsup reload` or rolling restart) ends first
+                await asyncio.wait({future for future in (self._reading, self.task) if future is not None and not future.done()})
+            if self.sup.stopping:
+                return
+            trigger, self.pending = self.pending, None
+            try:
+                await self.reload(trigger, wait=True)
+            except VsupError as exc:
+                logger.error("reload (%s) refused: %s", trigger, exc)
+
+    def to_json(self) -> dict[str, Any] | None:
+        """The last rollout's record for `vsup status`; while a follow-up reload is pending and it
+        has ended, its state reads "pending" (what it did is for a file that changed since)."""
+        if self.record is None:
+            return None
+        entry = self.record.to_json(self.sup.started_at, self.sup.now())
+        entry["pending"] = self.pending
+        if self.pending is not None and entry["state"] != "running":
+            entry["state"] = "pending"
+        return entry
+
     async def reload(self, trigger: str, wait: bool) -> dict[str, Any]:
         """Re-read, re-plan, apply (see the module docstring). `wait`: return once it is done,
         else once it has begun. Returns the rollout's record."""
@@ -118,19 +170,30 @@ class Changes:
         self.check_free("nothing is reloaded")
         if sup.config_path is None:
             raise VsupError("this vsup was started without a configuration file: there is nothing to re-read")
-        began = sup.now()
-        self._reading_config = True
+        # the record from the start: while the file is read, `vsup status` shows a reload running
+        record = self.record = rollout.Record("reload", trigger, sup.now())
+        self._reading = asyncio.get_running_loop().create_future()
+        current = [inst.port for inst in sup.fleet.instances]
+        own = {inst.port: inst.name for inst in sup.fleet.drivers}
         try:
-            config, plan = await asyncio.to_thread(read_config, sup.config_path, sup.fsroot, sup.environ, sup.config)
+            config, plan = await asyncio.to_thread(read_config, sup.config_path, sup.fsroot, sup.environ, sup.config,
+                                                   current, own)
         except (VsupError, TopologyError, PlanError) as exc:
-            self.record = rollout.Record("reload", trigger, began)
-            self.record.finish("rejected", sup.now(), str(exc))
+            record.finish("rejected", sup.now(), str(exc))
             logger.error("reload (%s) refused, nothing was changed: %s", trigger, exc)
             raise VsupError(f"reload refused, nothing was changed: {exc}") from None
+        except asyncio.CancelledError:
+            record.finish("interrupted", sup.now(), "vsup stopped while it read the file")
+            raise
+        except Exception as exc:  # a bug: the record must not say "running" for ever
+            record.finish("failed", sup.now(), f"{type(exc).__name__}: {exc}")
+            raise
         finally:
-            self._reading_config = False
-        self.check_free("nothing is reloaded")  # a stop may have begun meanwhile
-        record = rollout.Record("reload", trigger, began)
+            self._reading.set_result(None)
+            self._reading = None
+        if sup.stopping:  # a stop began meanwhile
+            record.finish("interrupted", sup.now(), "vsup began to stop before it changed anything")
+            raise VsupError("vsup is stopping; nothing is reloaded")
         record.applied = rollout.live_changes(sup.config, config)
         record.not_applied = rollout.unapplied_changes(sup.config, config)
         if record.not_applied:
@@ -169,6 +232,10 @@ class Changes:
 
     async def cancel(self) -> None:
         """vsup stops: a running rollout ends here (its instances are stopped with the others)."""
+        self.pending = None
+        if self._signalled is not None and not self._signalled.done():
+            self._signalled.cancel()
+            await asyncio.gather(self._signalled, return_exceptions=True)
         if self.task is not None and not self.task.done():
             self.task.cancel()
             await asyncio.gather(self.task, return_exceptions=True)

@@ -23,7 +23,6 @@ logger = logging.getLogger("vsup.supervisor")
 def status(sup: Supervisor) -> dict[str, Any]:
     proxy, config = sup.proxy, sup.config
     now = sup.now()
-    record = sup.changes.record
     return {
         "vsup": {
             "pid": os.getpid(),
@@ -40,7 +39,7 @@ def status(sup: Supervisor) -> dict[str, Any]:
         "instances": [instance_status(sup, inst) for inst in sup.instances],
         # a rollout's new instance before it joins the fleet, a replaced one while it drains
         "changing": [instance_status(sup, inst) for inst in sup.fleet.outside()],
-        "rollout": record.to_json(sup.started_at, now) if record is not None else None,
+        "rollout": sup.changes.to_json(),  # its state "pending" while a SIGHUP's follow-up reload waits
     }
 
 

@@ -294,16 +294,7 @@ class Supervisor:
         if self.stopping:
             return
         logger.info("SIGHUP: reloading the configuration")
-
-        async def reload() -> None:
-            try:
-                await self.reload("SIGHUP", wait=False)
-            except VsupError as exc:
-                logger.error("reload (SIGHUP) refused: %s", exc)
-
-        task = asyncio.create_task(reload(), name="SIGHUP reload")
-        self._tasks.append(task)
-        task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
+        self.changes.signal("SIGHUP")  # coalesced: one follow-up for every SIGHUP during a reload
 
     # ---- fleet.Owner: reacting to instances --------------------------------------------------------
 
