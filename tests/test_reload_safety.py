@@ -10,12 +10,15 @@ import signal
 import socket
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from tests.test_reload import TOKENS, rewrite, stream_through_proxy
 from tests.test_supervisor import cli
 from tests.vsup_harness import free_ports
+from vsup.config.schema import VsupConfig
+from vsup.supervisor.reload_ports import busy_port
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -82,3 +85,30 @@ def test_a_reload_onto_a_busy_port_is_refused_naming_the_holder_and_the_fleet_ke
     result = cli("reload", "--socket", run.socket)
     assert result.returncode == 0, result.stdout + result.stderr
     assert [i["port"] for i in run.status()["instances"]] == [new_base, new_base + 1]
+
+
+# ---- which ports a reload needs (reload_ports.busy_port, pure) ------------------------------------------
+
+def planned(base: int, count: int) -> SimpleNamespace:
+    return SimpleNamespace(instances=[SimpleNamespace(index=i, port=base + i) for i in range(count)])
+
+
+def config_with(base: int) -> VsupConfig:
+    return VsupConfig.model_validate({"model": "m", "vllm": {"base_port": base, "spare_base_port": 9000}})
+
+
+def test_busy_port_follows_the_rollouts_slots():
+    free = lambda port: port not in {7001, 9002, 7002}  # noqa: E731
+    holder = lambda port: f"held by pid 42 (port {port})"  # noqa: E731
+    # instances on 8000, 8001 moving to 7000, 7001: 7001 is taken
+    assert busy_port(config_with(7000), planned(7000, 2), [8000, 8001], {8000: "0", 8001: "1"}, free, holder) == (
+        "vllm.base_port: port 7001 for instance 1 is held by pid 42 (port 7001); stop what uses it or choose another vllm.base_port")
+    # staying on their own ports (or on the spare one): nothing to check
+    assert busy_port(config_with(7000), planned(7000, 2), [7000, 9001], {}, free, holder) is None
+    # a new index needs one of its two slots: 7002 and 9002 are both taken
+    assert busy_port(config_with(7000), planned(7000, 3), [7000, 7001], {}, free, holder) == (
+        "vllm.base_port: port 7002 for the new instance 2 is held by pid 42 (port 7002), and its spare port 9002 is "
+        "held by pid 42 (port 9002); stop what uses them or choose other ports")
+    # moving onto a port another instance of this vsup still holds
+    assert "is held by instance 1 of this vsup, which still runs when instance 0 moves there" in busy_port(
+        config_with(8001), planned(8001, 2), [8000, 8001], {8000: "0", 8001: "1"}, lambda port: True, holder)

@@ -45,3 +45,13 @@ def test_instances_outside_the_fleet_say_which_side_they_are_on():
                             {"index": 0, "name": "0", "port": 8100, "pid": 98, "state": "draining"}]) == [
         "  instance 1 (1b, port 8201, pid 99): warming (its replacement)",
         "  instance 0 (0, port 8100, pid 98): draining (being replaced)"]
+
+
+def test_a_follow_up_reload_waiting_or_reading_never_reads_done():
+    running = render_rollout(record(state="running", pending="SIGHUP"), steps=False)
+    assert running[0] == ("reload (SIGHUP) running for 41s: step 2 of 2; 2 replaced, 0 unchanged; then another reload "
+                          "(SIGHUP: the file changed during this one)")
+    assert render_rollout(record(state="pending", pending="SIGHUP")) == [
+        "reload (SIGHUP) pending: the file is re-read once the last change has ended"]
+    assert render_rollout(record(state="running", steps=[], step=0), steps=False) == [
+        "reload (SIGHUP) running for 41s: reading and checking the file"]

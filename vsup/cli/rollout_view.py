@@ -17,7 +17,8 @@ def render_rollout(record: dict | None, *, steps: bool = True) -> list[str]:
     state = record["state"]
     if state == "pending":  # a SIGHUP came during the last change: what it did is for an older file
         return [f"{record['kind']} ({record['pending']}) pending: the file is re-read once the last change has ended"]
-    if state == "running" and not record["steps"] and record["kind"] == "reload":
+    reading = state == "running" and not record["steps"] and record["kind"] == "reload"
+    if reading:
         head = f"{record['kind']} ({record['trigger']}) running for {when}: reading and checking the file"
     elif state == "running":
         head = f"{record['kind']} ({record['trigger']}) running for {when}: step {record['step']} of {len(record['steps'])}"
@@ -25,7 +26,7 @@ def render_rollout(record: dict | None, *, steps: bool = True) -> list[str]:
         head = f"last {record['kind']} ({record['trigger']}): {state.upper() if state in ('failed', 'rejected') else state}"
         head += f" after {when}"
     counts = _counts(record)
-    if counts and state != "rejected":
+    if counts and state != "rejected" and not reading:
         head += f"; {counts}"
     if record.get("pending"):
         head += f"; then another reload ({record['pending']}: the file changed during this one)"
