@@ -151,6 +151,8 @@ class Changes:
                 await self.reload(trigger, wait=True)
             except VsupError as exc:
                 logger.error("reload (%s) refused: %s", trigger, exc)
+            except Exception:  # a bug: its record says failed; later signals still get their reload
+                logger.exception("reload (%s) failed", trigger)
 
     def to_json(self) -> dict[str, Any] | None:
         """The last rollout's record for `vsup status`; while a follow-up reload is pending and it
