@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, PrivateAttr, TypeAdapter, ValidationError, field_validator
 
+from vsup.config import proxy_routes
 from vsup.config.loader import describe, load_yaml, read_text
 from vsup.config.loader import quote as quote  # re-exported: callers name keys and values with them
 from vsup.config.loader import where as where
@@ -102,6 +103,12 @@ class ProxyConfig(_Section):
     retries: int = Field(2, ge=0, description="other instances tried before the first byte on connect errors / 503", json_schema_extra=LIVE)
     drain_timeout: float = Field(30.0, ge=0, description="seconds in-flight requests may take to finish when vsup stops, and when one instance is drained (reload, rolling restart, memory watchdog)", json_schema_extra=LIVE)
     max_connections: int = Field(256, ge=1, description="upstream connection pool size, per instance", json_schema_extra=fixed("the proxy's upstream pools are built with it"))
+    admin_routes: list[str] = Field(default_factory=list, description="vLLM's admin routes the proxy forwards (LoRA loading, profiling, sleep, cache reset, ...: the table in docs/proxy.md), only with proxy.api_key set and sent; []: none, every route but the serving ones gets 404", json_schema_extra=LIVE)
+
+    @field_validator("admin_routes")
+    @classmethod
+    def _admin_routes(cls, value: list[str]) -> list[str]:
+        return proxy_routes.check_admin_routes(value)
 
 
 class WarmupConfig(_Section):
