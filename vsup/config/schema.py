@@ -179,6 +179,7 @@ class ControlConfig(_Section):
 class MetricsConfig(_Section):
     interval: float = Field(5.0, ge=0, description="seconds between two collections of every instance's vLLM /metrics and process figures (CPU, RSS/PSS, NUMA memory) for the proxy's /metrics, `vsup status`, `vsup top` and /status; 0: off", json_schema_extra=LIVE)
     timeout: float = Field(2.0, gt=0, description="seconds one instance's /metrics may take to answer; slower counts as a failed scrape", json_schema_extra=LIVE)
+    max_series_per_instance: int = Field(20000, ge=1, description="most series of one instance's /metrics the proxy's /metrics carries; its families past them are left out, counted in vsup_metrics_dropped_families_total (reason series_cap), and its body is read only up to 400 bytes per series", json_schema_extra=LIVE)
 
 
 class NotifyConfig(_Section):
