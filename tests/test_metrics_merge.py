@@ -202,3 +202,15 @@ async def test_a_huge_body_is_read_only_up_to_the_byte_limit():
     promtool_parses(text)
     assert "big_a{" not in text  # big_a is over the cap and was cut: left out whole
     assert metric_value(text, "vsup_metrics_dropped_families_total", instance="0", reason="series_cap") == 1
+
+
+async def test_names_that_render_alike_are_one_name():
+    """generate_latest writes a UTF-8 name (`{"a.b"}`) with underscores: beside a_b it would be a
+    second TYPE line for a_b, and labels x.y and x_y would be one label twice."""
+    text = '# TYPE a_b gauge\na_b 1\n# TYPE "a.b" gauge\n{"a.b"} 2\n# TYPE g gauge\ng{"x.y"="1",x_y="2"} 3\n# TYPE ok gauge\nok 1\n'
+    async with instances([text]) as urls:
+        merged = await proxy_metrics(urls)
+    promtool_parses(merged)
+    assert 'a_b{instance="0"} 1.0' in merged and 'ok{instance="0"} 1.0' in merged and "g{" not in merged
+    assert metric_value(merged, "vsup_metrics_dropped_families_total", instance="0", reason="clash") == 1
+    assert metric_value(merged, "vsup_metrics_dropped_families_total", instance="0", reason="duplicate") == 1

@@ -91,16 +91,20 @@ def names(family: Metric) -> set[str]:
     name = family.name
     found = {name, name + _TYPE_SUFFIX.get(family.type, "")}
     found.update(name + suffix for suffix in _UNDER_FAMILY.get(family.type, ()))
-    found.update(sample.name for sample in family.samples)
+    found.update({sample.name for sample in family.samples})
     return {_metric_name(n) for n in found}
 
 
 def _has_duplicate_series(family: Metric) -> bool:
-    keys = {(sample.name, frozenset((_label_name(k), v) for k, v in sample.labels.items())) for sample in family.samples}
-    if len(keys) != len(family.samples):
+    samples = family.samples
+    if len({(sample.name, frozenset(sample.labels.items())) for sample in samples}) != len(samples):
         return True
-    # two label names that render alike make one label twice
-    return any(len({_label_name(k) for k in sample.labels}) != len(sample.labels) for sample in family.samples)
+    label_names = {k for sample in samples for k in sample.labels}
+    if all(_label_name(k) == k for k in label_names):
+        return False
+    # some label name is written escaped: two may render alike (one label twice, or two series as one)
+    keys = {(sample.name, frozenset((_label_name(k), v) for k, v in sample.labels.items())) for sample in samples}
+    return len(keys) != len(samples) or any(len({_label_name(k) for k in s.labels}) != len(s.labels) for s in samples)
 
 
 def merge(per_instance: Iterable[tuple[str, Iterable[Metric]]]) -> tuple[list[Metric], list[Dropped]]:
@@ -113,12 +117,13 @@ def merge(per_instance: Iterable[tuple[str, Iterable[Metric]]]) -> tuple[list[Me
     for instance, families in per_instance:
         here: set[str] = set()
         for family in families:
-            reason = _refusal(family, merged, owner, here)
+            exposed = names(family)
+            reason = _refusal(family, exposed, merged, owner, here)
             if reason is not None:
                 dropped.append(Dropped(instance, family.name, reason))
                 continue
             here.add(family.name)
-            for name in names(family):
+            for name in exposed:
                 owner[name] = family.name
             into = merged.get(family.name)
             if into is None:
@@ -127,19 +132,18 @@ def merge(per_instance: Iterable[tuple[str, Iterable[Metric]]]) -> tuple[list[Me
     return list(merged.values()), dropped
 
 
-def _refusal(family: Metric, merged: dict[str, Metric], owner: dict[str, str], here: set[str]) -> str | None:
+def _refusal(family: Metric, exposed: set[str], merged: dict[str, Metric], owner: dict[str, str], here: set[str]) -> str | None:
     if family.name in here:  # e.g. vsup_x renamed onto the instance's own instance_vsup_x
         return "duplicate"
     into = merged.get(family.name)
     if into is not None and into.type != family.type:  # one name, two types (two vLLM versions)
         return "clash"
-    exposed = names(family)
     if any(name.startswith(RESERVED_PREFIX) for name in exposed):
         return "vsup_name"
     if any(owner.get(name, family.name) != family.name for name in exposed):
         return "clash"
     allowed = {family.name + suffix for suffix in _SAMPLE_SUFFIXES.get(family.type, ("",))}
-    if any(sample.name not in allowed for sample in family.samples):
+    if not {sample.name for sample in family.samples} <= allowed:
         return "invalid"
     if _has_duplicate_series(family):
         return "duplicate"
