@@ -5,6 +5,7 @@ them, and then only with the API key. Real sockets, real fake-vLLM processes."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -66,6 +67,11 @@ async def test_admin_and_unknown_routes_never_reach_an_instance(fake):
         async with session.get(url(proxy, "/v1/chat/completions")) as r:
             assert r.status == 405 and r.headers["Allow"] == "POST" and "X-Fake-Instance" not in r.headers
             assert (await r.json())["error"]["code"] == "method_not_allowed"
+        # spelled so that only the instance would see the admin route: refused all the same
+        for sneaky, status in (("/v1/load%5Flora%5Fadapter", 404), ("/v1/chat/completions%2F..%2Fload_lora_adapter", 400),
+                               ("/v1/chat/completions/../load_lora_adapter", 400), ("//v1/load_lora_adapter", 404)):
+            got, headers, _ = await asyncio.to_thread(request, proxy.port, "POST", sneaky, LORA)
+            assert (got, "X-Fake-Instance" in headers) == (status, False), sneaky
     assert _reached(fake, "/tokenize")  # the check below can see a request that got through
     for path in REFUSED:
         assert not _reached(fake, path), path
