@@ -131,7 +131,7 @@ class ProxyServer:
     def reconfigure(self, config: ProxyConfig, api_key: str | None) -> None:
         """Apply changed settings at once (`vsup reload`): timeouts (connect_timeout reaches the
         upstream pools and /v1/models), retries, policy and its affinity settings, API key (also
-        the /status page's). Requests already in flight keep the timeouts they were armed with.
+        the /status page's), admin routes (kept closed, with an error logged, when no key is set). Requests already in flight keep the timeouts they were armed with.
         host, port, max_connections and max_body_bytes are built into the listening socket and the
         pools: a reload refuses to change them (vsup/config/schema.py classes them fixed)."""
         self.config = config
