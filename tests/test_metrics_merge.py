@@ -111,12 +111,14 @@ async def test_vsups_own_names_and_duplicate_series_are_dropped():
     assert 'instance_vsup_x{instance="0"} 1.0' in text and "dup{" not in text and 'fine{instance="1"} 1.0' in text
 
 
-LE_1, LE_INF, QUANTILE = 'le="1.0"', 'le="+Inf"', 'quantile="0.5"'
+LE_INF = 'le="+Inf"'
 
 
 def _family(rng: random.Random, name: str) -> str:
     """One family of Prometheus text, of a random type, with random (sometimes clashing) samples."""
     kind = rng.choice(["counter", "gauge", "histogram", "summary", "untyped"])
+    bound = rng.choice(["1.0", "1.0", "1.0", "abc", "1_0", "NaN", "-Inf"])  # some no number: Prometheus refuses those
+    le, quantile = 'le="%s"' % bound, 'quantile="%s"' % bound
     labels = rng.choice(['', '{instance="x"}', '{a="1"}', '{a="1",exported_instance="y"}', '{a="2"}'])
     lines = [f"# HELP {name} help of {name}", f"# TYPE {name} {kind}"]
     inner = labels[1:-1]
@@ -125,10 +127,10 @@ def _family(rng: random.Random, name: str) -> str:
     if kind == "counter":
         lines.append(f"{name if name.endswith('_total') else name + '_total'}{labels} {rng.randint(0, 9)}")
     elif kind == "histogram":
-        lines += [f"{name}_bucket{with_label(LE_1)} 1", f"{name}_bucket{with_label(LE_INF)} 2",
+        lines += [f"{name}_bucket{with_label(le)} 1", f"{name}_bucket{with_label(LE_INF)} 2",
                   f"{name}_count{labels} 2", f"{name}_sum{labels} 1.5"]
     elif kind == "summary":
-        lines += [f"{name}{with_label(QUANTILE)} 1", f"{name}_count{labels} 2", f"{name}_sum{labels} 1.5"]
+        lines += [f"{name}{with_label(quantile)} 1", f"{name}_count{labels} 2", f"{name}_sum{labels} 1.5"]
     else:
         lines.append(f"{name}{labels} {rng.random()}")
     if rng.random() < 0.15:
@@ -214,3 +216,16 @@ async def test_names_that_render_alike_are_one_name():
     assert 'a_b{instance="0"} 1.0' in merged and 'ok{instance="0"} 1.0' in merged and "g{" not in merged
     assert metric_value(merged, "vsup_metrics_dropped_families_total", instance="0", reason="clash") == 1
     assert metric_value(merged, "vsup_metrics_dropped_families_total", instance="0", reason="duplicate") == 1
+
+
+async def test_bucket_bounds_that_are_no_number_are_dropped():
+    """Prometheus's parser wants a float in a bucket's le and a summary's quantile; prometheus_client's takes any string."""
+    text = ('# TYPE h histogram\nh_bucket{le="abc"} 1\nh_count 1\nh_sum 1\n'
+            '# TYPE s summary\ns{quantile="1_0"} 1\ns_count 1\ns_sum 1\n'
+            '# TYPE fine histogram\nfine_bucket{le="+Inf"} 1\nfine_bucket{le="1e3"} 1\nfine_count 1\nfine_sum 1\n')
+    async with instances([text]) as urls:
+        merged = await proxy_metrics(urls)
+    promtool_parses(merged)
+    lines = merged.splitlines()
+    assert not any(line.startswith(("h_", "s{", "s_")) for line in lines) and 'fine_bucket{instance="0",le="1e3"} 1.0' in lines
+    assert metric_value(merged, "vsup_metrics_dropped_families_total", instance="0", reason="invalid") == 2

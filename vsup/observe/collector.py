@@ -37,7 +37,7 @@ DEFAULT_MAX_SERIES = 20000
 WHY_DROPPED = {
     "clash": "{family} (its names clash with another family's)",
     "duplicate": "{family} (the same series twice)",
-    "invalid": "{family} (samples its type does not have)",
+    "invalid": "{family} (samples its type does not have, or a bucket bound that is no number)",
     "vsup_name": "{family} (a name in vsup's vsup_ namespace)",
     "series_cap": "the families past metrics.max_series_per_instance ({cap} series)",
 }

@@ -12,12 +12,13 @@ it drop the whole scrape, vsup's own families included): `merge` leaves out, and
 `Dropped`, an instance's family whose names another family already has in the text (a histogram
 `foo` writes foo_bucket, foo_count and foo_sum, so a gauge `foo_count` beside it is a second TYPE
 for `foo`; one name as a gauge and a counter), one in vsup's namespace after renaming, and one with
-the same series twice or samples its type does not have. `cap` bounds what one instance may cost before it is parsed.
+the same series twice, samples its type does not have, or a bucket bound that is no number. `cap` bounds what one instance may cost before it is parsed.
 """
 
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Iterable
 from typing import NamedTuple
 
@@ -84,6 +85,22 @@ _SAMPLE_SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", 
                     "info": ("_info",)}
 
 
+# The float Prometheus's parser takes as a bucket's `le` or a quantile (Go's ParseFloat; Python's
+# float() also takes "1_0" and spaces).
+_FLOAT = re.compile(r"[+-]?(?:inf|infinity|nan|(?:\d+\.?\d*|\.\d+)(?:e[+-]?\d+)?)", re.I)
+_BOUND_LABEL = {"histogram": ("_bucket", "le"), "gaugehistogram": ("_bucket", "le"), "summary": ("", "quantile")}
+
+
+def _bad_bounds(family: Metric) -> bool:
+    """A bucket whose `le`, or a quantile whose `quantile`, is no float: Prometheus refuses the text."""
+    bound = _BOUND_LABEL.get(family.type)
+    if bound is None:
+        return False
+    name, label = family.name + bound[0], bound[1]
+    return any(sample.name == name and label in sample.labels and not _FLOAT.fullmatch(sample.labels[label])
+               for sample in family.samples)
+
+
 def names(family: Metric) -> set[str]:
     """Every name `family` has in the rendered text: its TYPE line's (a counter's foo_total), its
     samples' (also _created, which generate_latest writes as a family of its own), the parsed
@@ -143,7 +160,7 @@ def _refusal(family: Metric, exposed: set[str], merged: dict[str, Metric], owner
     if any(owner.get(name, family.name) != family.name for name in exposed):
         return "clash"
     allowed = {family.name + suffix for suffix in _SAMPLE_SUFFIXES.get(family.type, ("",))}
-    if not {sample.name for sample in family.samples} <= allowed:
+    if not {sample.name for sample in family.samples} <= allowed or _bad_bounds(family):
         return "invalid"
     if _has_duplicate_series(family):
         return "duplicate"
