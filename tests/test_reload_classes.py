@@ -144,6 +144,13 @@ async def test_fixed_keys_are_refused_and_start_and_tune_keys_are_reported_not_a
     assert [(i, i.child) for i in f.sup.instances] == before
 
 
+async def test_admin_routes_without_a_key_are_refused_by_a_reload(fleet):
+    f = await fleet()
+    with pytest.raises(VsupError, match="reload refused, nothing was changed: proxy.admin_routes opens /start_profile, which need an API key"):
+        await reload(f, proxy={"admin_routes": ["/start_profile"], "retries": 5})
+    assert f.sup.proxy.config.retries == 2  # nothing of that file was applied
+
+
 async def test_a_relaunch_key_replaces_the_instances(fleet):
     f = await fleet()
     old = [i.child for i in f.sup.instances]
