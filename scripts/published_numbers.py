@@ -291,6 +291,16 @@ def soak(link: str) -> str:
             f"{conditions(data, link)}")
 
 
+def metrics_cap(link: str) -> str:
+    data = with_file("metrics_cap_bench.json")
+    f = data["figures"]
+    rows = "\n".join(f"| {r['setting']} ({r['max_series_per_instance']:,}) | {r['series_kept']:,} | {r['rss_before_mib']:.0f} MiB | "
+                     f"{r['rss_peak_mib']:.0f} MiB | {fmt_s(r['round_s'])} |" for r in f["rows"])
+    return (f"One instance serving {f['series']:,} series ({f['body_bytes'] / 2**20:.1f} MiB of text), one collection round in a "
+            f"fresh process:\n\n| metrics.max_series_per_instance | series kept | RSS before | peak RSS | round |\n"
+            f"|---|---|---|---|---|\n{rows}\n\n{conditions(data, link)}")
+
+
 # ---- the blocks -----------------------------------------------------------------------------------
 
 RENDERERS: dict[str, Callable[[str], str]] = {
@@ -306,6 +316,7 @@ RENDERERS: dict[str, Callable[[str], str]] = {
     "warmup": warmup,
     "systemd-exposure": systemd,
     "soak": soak,
+    "metrics-cap": metrics_cap,
 }
 
 

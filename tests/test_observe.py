@@ -200,7 +200,8 @@ def test_relabel_adds_instance_and_renames_only_what_clashes():
 
 
 def test_merged_text_has_each_family_once_and_parses_back():
-    merged = scrape.merge([scrape.relabel(scrape.parse(VLLM_TEXT), name) for name in ("0", "1")])
+    merged, dropped = scrape.merge([(name, scrape.relabel(scrape.parse(VLLM_TEXT), name)) for name in ("0", "1")])
+    assert dropped == []
     text = generate_latest(scrape.Families(merged)).decode()
     families = list(text_string_to_metric_families(text))
     names = [f.name for f in families]
@@ -213,8 +214,9 @@ def test_merged_text_has_each_family_once_and_parses_back():
 def test_a_family_whose_type_differs_between_instances_keeps_the_first():
     gauge = scrape.parse("# TYPE x gauge\nx 1\n")
     counter = scrape.parse("# TYPE x_total counter\nx_total 2\n")  # family "x", a counter
-    merged = scrape.merge([scrape.relabel(gauge, "0"), scrape.relabel(counter, "1")])
+    merged, dropped = scrape.merge([("0", scrape.relabel(gauge, "0")), ("1", scrape.relabel(counter, "1"))])
     assert [(f.name, f.type, len(f.samples)) for f in merged] == [("x", "gauge", 1)]
+    assert dropped == [scrape.Dropped("1", "x", "clash")]
 
 
 def test_text_that_is_not_prometheus_is_a_value_error():

@@ -134,7 +134,8 @@ async def test_dot_segment_paths_are_refused(fake, path):
 
 async def test_dots_inside_a_segment_are_forwarded(fake):
     async with running_proxy(ready_pool([fake])) as proxy, aiohttp.ClientSession() as session:
-        async with session.get(url(proxy, "/v1/models..x/a.b")) as r:
+        # a forwarded route with dots inside a segment (GET /v1/responses/{id}; only serving routes are forwarded)
+        async with session.get(url(proxy, "/v1/responses/resp..x.a.b")) as r:
             assert r.status == 404 and r.headers["X-Fake-Instance"] == "f"  # the instance's answer: forwarded
 
 

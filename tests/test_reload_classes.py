@@ -144,6 +144,13 @@ async def test_fixed_keys_are_refused_and_start_and_tune_keys_are_reported_not_a
     assert [(i, i.child) for i in f.sup.instances] == before
 
 
+async def test_admin_routes_without_a_key_are_refused_by_a_reload(fleet):
+    f = await fleet()
+    with pytest.raises(VsupError, match="reload refused, nothing was changed: proxy.admin_routes opens /start_profile, which need an API key"):
+        await reload(f, proxy={"admin_routes": ["/start_profile"], "retries": 5})
+    assert f.sup.proxy.config.retries == 2  # nothing of that file was applied
+
+
 async def test_a_relaunch_key_replaces_the_instances(fleet):
     f = await fleet()
     old = [i.child for i in f.sup.instances]
@@ -298,10 +305,15 @@ async def test_metrics_keys_apply_to_the_collection(tmp_path):
             record = await reload(f, instances=1, vllm={"base_port": port}, metrics={"interval": 0.5, "timeout": 0.3})
             assert record["applied"] == ["metrics.timeout"]
             await f.until(lambda: "no answer within 0.3s" in error(), "a scrape with the new timeout")
+            assert f.sup.metrics.collector.max_series == 20000
+            record = await reload(f, instances=1, vllm={"base_port": port},
+                                  metrics={"interval": 0.5, "timeout": 0.3, "max_series_per_instance": 7})
+            assert record["applied"] == ["metrics.max_series_per_instance"]
+            assert f.sup.metrics.collector.max_series == 7  # the next round reads and keeps at most 7 series
             async with aiohttp.ClientSession() as session:
                 async with session.get(f"http://127.0.0.1:{f.sup.proxy.port}/metrics") as response:
                     assert "vsup_metrics_collected_timestamp_seconds" in await f.run(response.text())
-            record = await reload(f, instances=1, vllm={"base_port": port}, metrics={"interval": 0, "timeout": 0.3})
+            record = await reload(f, instances=1, vllm={"base_port": port}, metrics={"interval": 0, "timeout": 0.3, "max_series_per_instance": 7})
             assert record["applied"] == ["metrics.interval"]
             async with aiohttp.ClientSession() as session:
                 async with session.get(f"http://127.0.0.1:{f.sup.proxy.port}/metrics") as response:
@@ -351,5 +363,6 @@ def test_every_live_key_has_a_behaviour_test_here_or_in_test_reload_proxy():
         "health.warmup.enabled", "health.warmup.prompt", "health.warmup.max_tokens", "health.warmup.timeout",
         *(f"restart.{k}" for k in ("initial_delay", "multiplier", "max_delay", "jitter", "crash_loop_failures",
                                    "crash_loop_window", "stable_after", "max_rss", "max_rss_for")),
-        "stop.timeout", "log.level", "metrics.interval", "metrics.timeout", "notify.ready_when"}
+        "stop.timeout", "log.level", "metrics.interval", "metrics.timeout", "metrics.max_series_per_instance",
+        "notify.ready_when"}
     assert covered == LIVE_KEYS

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.timeout(60)
 
 # what these tests cover; test_reload_classes.py checks it is every live proxy key but drain_timeout
 COVERED = {"proxy.connect_timeout", "proxy.first_byte_timeout", "proxy.idle_timeout", "proxy.retries", "proxy.policy",
-           "proxy.affinity_prefix_chars", "proxy.affinity_max_imbalance", "proxy.api_key"}
+           "proxy.affinity_prefix_chars", "proxy.affinity_max_imbalance", "proxy.api_key", "proxy.admin_routes"}
 
 
 @contextlib.contextmanager
@@ -86,6 +86,7 @@ class Upstream:
     async def start(self) -> Upstream:
         app = web.Application()
         app.router.add_post("/v1/completions", self.handle)
+        app.router.add_post("/v1/load_lora_adapter", self.handle)  # an admin route (proxy.admin_routes)
         self.runner = web.AppRunner(app, access_log=None)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
@@ -248,5 +249,30 @@ async def test_a_new_api_key_is_required_at_once_and_dropping_it_opens_the_proxy
             assert (await complete(proxy, session, key="sekret"))[0] == 200
             reconfigure(proxy)
             assert (await complete(proxy, session))[0] == 200
+    finally:
+        await upstream.stop()
+
+
+async def test_admin_routes_open_and_close_at_once():
+    upstream = await Upstream("0").start()
+    lora = {"prompt": "lora"}  # Upstream.handle records the prompt
+    try:
+        async with proxy_over({"0": upstream.url}) as (proxy, session):
+            target = f"http://127.0.0.1:{proxy.port}/v1/load_lora_adapter"
+            auth = {"Authorization": "Bearer k"}
+            async with session.post(target, json=lora, headers=auth) as response:
+                assert response.status == 404
+            reconfigure(proxy, api_key="k", admin_routes=["/v1/load_lora_adapter"])
+            async with session.post(target, json=lora, headers=auth) as response:
+                assert response.status == 200
+            assert upstream.hits == ["lora"]
+            reconfigure(proxy, api_key="k")
+            async with session.post(target, json=lora, headers=auth) as response:
+                assert response.status == 404
+            reconfigure(proxy, admin_routes=["/v1/load_lora_adapter"])  # no key: kept closed, logged
+            async with session.post(target, json=lora) as response:
+                assert response.status == 404
+            assert (await complete(proxy, session))[0] == 200  # the serving routes stay open
+            assert upstream.hits == ["lora", "hi"]
     finally:
         await upstream.stop()

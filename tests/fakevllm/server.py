@@ -328,6 +328,9 @@ class FakeVllm:
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_post("/fake/grow", self.grow)
+        # two of vLLM's admin routes (serve/lora/api_router.py), so tests can see whether the proxy lets them through
+        app.router.add_post("/v1/load_lora_adapter", self.lora_adapter)
+        app.router.add_post("/v1/unload_lora_adapter", self.lora_adapter)
         return app
 
     async def _tag_response(self, request: web.Request, response: web.StreamResponse) -> None:
@@ -419,6 +422,13 @@ class FakeVllm:
         grown = self.grow_by(mib)
         self.events.emit("grown", mib=grown)
         return web.json_response({"grown_mib": grown})
+
+    async def lora_adapter(self, request: web.Request) -> web.Response:
+        body = await self._read_json(request)
+        name = body.get("lora_name") if isinstance(body, dict) else None
+        verb = "added" if request.path.endswith("/load_lora_adapter") else "removed"
+        self.events.emit("lora_adapter", path=request.path, lora_name=name)
+        return web.Response(text=f"Success: LoRA adapter '{name}' {verb} successfully.")
 
     async def tokenize(self, request: web.Request) -> web.Response:
         try:

@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, PrivateAttr, TypeAdapter, ValidationError, field_validator
 
+from vsup.config import proxy_routes
 from vsup.config.loader import describe, load_yaml, read_text
 from vsup.config.loader import quote as quote  # re-exported: callers name keys and values with them
 from vsup.config.loader import where as where
@@ -102,6 +103,12 @@ class ProxyConfig(_Section):
     retries: int = Field(2, ge=0, description="other instances tried before the first byte on connect errors / 503", json_schema_extra=LIVE)
     drain_timeout: float = Field(30.0, ge=0, description="seconds in-flight requests may take to finish when vsup stops, and when one instance is drained (reload, rolling restart, memory watchdog)", json_schema_extra=LIVE)
     max_connections: int = Field(256, ge=1, description="upstream connection pool size, per instance", json_schema_extra=fixed("the proxy's upstream pools are built with it"))
+    admin_routes: list[str] = Field(default_factory=list, description="vLLM's admin routes the proxy forwards (LoRA loading, profiling, sleep, cache reset, ...: the table in docs/proxy.md), only with proxy.api_key set and sent; []: none, every route but the serving ones gets 404", json_schema_extra=LIVE)
+
+    @field_validator("admin_routes")
+    @classmethod
+    def _admin_routes(cls, value: list[str]) -> list[str]:
+        return proxy_routes.check_admin_routes(value)
 
 
 class WarmupConfig(_Section):
@@ -172,6 +179,7 @@ class ControlConfig(_Section):
 class MetricsConfig(_Section):
     interval: float = Field(5.0, ge=0, description="seconds between two collections of every instance's vLLM /metrics and process figures (CPU, RSS/PSS, NUMA memory) for the proxy's /metrics, `vsup status`, `vsup top` and /status; 0: off", json_schema_extra=LIVE)
     timeout: float = Field(2.0, gt=0, description="seconds one instance's /metrics may take to answer; slower counts as a failed scrape", json_schema_extra=LIVE)
+    max_series_per_instance: int = Field(20000, ge=1, description="most series of one instance's /metrics the proxy's /metrics carries; its families past them are left out, counted in vsup_metrics_dropped_families_total (reason series_cap), and its body is read only up to 400 bytes per series", json_schema_extra=LIVE)
 
 
 class NotifyConfig(_Section):

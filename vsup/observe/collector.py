@@ -22,12 +22,25 @@ import aiohttp
 from prometheus_client import generate_latest
 
 from vsup.observe import numa, procstats, scrape
-from vsup.observe.families import instance_families
+from vsup.observe.families import dropped_families, instance_families
 from vsup.observe.rates import CounterWindow
 
 log = logging.getLogger("vsup.observe")
 
-MAX_BODY = 16 * 1024 * 1024  # a vLLM /metrics is ~100 KiB; anything far larger is not one
+# A vLLM /metrics is ~100 KiB (~1,500 series). An instance's body is read up to this many bytes per
+# series of metrics.max_series_per_instance (a vLLM series line with a long model path is ~200
+# bytes), so a huge one costs a bounded read, not a parse of it all (200,000 series: ~400 MiB).
+BYTES_PER_SERIES = 400
+DEFAULT_MAX_SERIES = 20000
+
+
+WHY_DROPPED = {
+    "clash": "{family} (its names clash with another family's)",
+    "duplicate": "{family} (the same series twice)",
+    "invalid": "{family} (samples its type does not have, or a bucket bound that is no number)",
+    "vsup_name": "{family} (a name in vsup's vsup_ namespace)",
+    "series_cap": "the families past metrics.max_series_per_instance ({cap} series)",
+}
 
 
 @dataclass(frozen=True)
@@ -60,12 +73,16 @@ class Collector:
         interval: float,
         timeout: float,
         pids: Callable[[Target], list[int]],
+        max_series: int = DEFAULT_MAX_SERIES,
     ) -> None:
         self._targets = targets
         self._session = session
         self.interval = interval
         self.timeout = timeout
         self._pids = pids
+        self.max_series = max_series
+        self._dropped: dict[tuple[str, str], int] = {}  # (instance, reason) -> families left out, all rounds
+        self._dropping: dict[str, set[tuple[str, str]]] = {}  # instance -> (family, reason) of its last round
         self._trees: dict[str, procstats.TreeSample] = {}
         self._tokens: dict[str, dict[str, CounterWindow]] = {}
         self._scrape_state: dict[str, str] = {}
@@ -103,39 +120,48 @@ class Collector:
         self.snapshot = snapshot
         return snapshot
 
-    async def _fetch(self, target: Target) -> tuple[str | None, str | None]:
-        """(text, None), (None, why it failed), or (None, None) when the target is not scraped."""
+    async def _fetch(self, target: Target) -> tuple[str | None, str | None, bool]:
+        """(text, None, whole), (None, why it failed, True), or (None, None, True) when the target
+        is not scraped; whole: False when the body was cut off at the byte limit (at a line end)."""
         if target.metrics_url is None:
-            return None, None
+            return None, None, True
+        limit = self.max_series * BYTES_PER_SERIES
         try:
             async with self._session.get(target.metrics_url, timeout=aiohttp.ClientTimeout(total=self.timeout)) as response:
                 if response.status != 200:
-                    return None, f"HTTP {response.status}"
+                    return None, f"HTTP {response.status}", True
                 body = bytearray()
                 async for chunk in response.content.iter_chunked(65536):
                     body += chunk
-                    if len(body) > MAX_BODY:
-                        return None, f"larger than {MAX_BODY // (1024 * 1024)} MiB"
-                return body.decode("utf-8", "replace"), None
+                    if len(body) > limit:  # the rest is not read: the connection closes with the response
+                        del body[body.rfind(b"\n", 0, limit) + 1:]
+                        return body.decode("utf-8", "replace"), None, False
+                return body.decode("utf-8", "replace"), None, True
         except asyncio.TimeoutError:
-            return None, f"no answer within {self.timeout:g}s"
+            return None, f"no answer within {self.timeout:g}s", True
         except aiohttp.ClientError as exc:
-            return None, str(exc) or type(exc).__name__
+            return None, str(exc) or type(exc).__name__, True
 
-    def _build(self, targets: list[Target], texts: list[tuple[str | None, str | None]], began: float) -> Snapshot:
+    def _build(self, targets: list[Target], texts: list[tuple[str | None, str | None, bool]], began: float) -> Snapshot:
         """In the worker thread: parse, read /proc, render. The only place the state changes."""
         now = time.monotonic()
         figures: dict[str, dict[str, Any]] = {}
         scraped = []
-        for target, (text, error) in zip(targets, texts, strict=True):
+        dropped: list[scrape.Dropped] = []
+        for target, (text, error, whole) in zip(targets, texts, strict=True):
             f: dict[str, Any] = {"nodes": list(target.nodes)}
             if text is not None:
+                cut = scrape.cap(text, self.max_series, whole)
                 try:
-                    families = scrape.parse(text)
+                    families = scrape.parse(cut.text)
                 except ValueError as exc:
                     error = f"not Prometheus text: {exc}"
                 else:
-                    scraped.append(scrape.relabel(families, target.name))
+                    if cut.partial and families:
+                        families.pop()
+                    if cut.left_out:
+                        dropped.append(scrape.Dropped(target.name, "", "series_cap", cut.left_out))
+                    scraped.append((target.name, scrape.relabel(families, target.name)))
                     f.update(scrape.summarize(families))
                     self._count_tokens(target.name, f, now)
             f["scrape"] = "ok" if text is not None and error is None else error
@@ -147,7 +173,9 @@ class Collector:
             del self._trees[gone]
         took = time.monotonic() - began
         wall = time.time()
-        families = scrape.merge(scraped) + instance_families(figures, wall, took)
+        merged, refused = scrape.merge(scraped)
+        self._note_dropped(dropped + refused, {t.name for t in targets})
+        families = merged + instance_families(figures, wall, took) + [dropped_families(self._dropped)]
         return Snapshot(at=now, wall=wall, took=took, text=generate_latest(scrape.Families(families)), figures=figures)
 
     def _count_tokens(self, name: str, f: Mapping[str, Any], now: float) -> None:
@@ -190,6 +218,22 @@ class Collector:
             "numa_remote_bytes": remote if known else None,
             "numa_local_ratio": _round(numa.local_ratio(by_node, target.nodes), 4),
         }
+
+    def _note_dropped(self, dropped: list[scrape.Dropped], names: set[str]) -> None:
+        """Count this round's left-out families; warn about those an instance did not have left
+        out the round before (once, not every round)."""
+        now: dict[str, set[tuple[str, str]]] = {name: set() for name in names}
+        for item in dropped:
+            key = (item.instance, item.reason)
+            self._dropped[key] = self._dropped.get(key, 0) + item.number
+            now.setdefault(item.instance, set()).add((item.family, item.reason))
+        for name, items in now.items():
+            new = sorted(items - self._dropping.get(name, set()))
+            if new:
+                shown = ", ".join(WHY_DROPPED[reason].format(family=family, cap=self.max_series) for family, reason in new[:5])
+                more = f" (and {len(new) - 5} more)" if len(new) > 5 else ""
+                log.warning("instance %s: /metrics families left out of the proxy's /metrics: %s%s", name, shown, more)
+        self._dropping = now
 
     def _note_scrape(self, name: str, state: str | None) -> None:
         before = self._scrape_state.get(name, "ok")

@@ -45,3 +45,11 @@ def instance_families(figures: Mapping[str, Mapping[str, Any]], collected_at: fl
     duration = GaugeMetricFamily("vsup_metrics_collect_seconds", "How long the last collection took")
     duration.add_metric([], took)
     return [cpu, cpu_percent, rss, pss, processes, numa, ratio, up, stamp, duration]
+
+
+def dropped_families(counts: Mapping[tuple[str, str], int]) -> Metric:
+    """counts: (instance, reason) -> families left out of the merged text so far (scrape.merge, scrape.cap)."""
+    dropped = CounterMetricFamily("vsup_metrics_dropped_families", "Instance metric families left out of /metrics, per round: clash (their names clash with another family's), duplicate (the same series twice), invalid (samples its type does not have, or a bucket bound that is no number), vsup_name (in vsup's namespace), series_cap (past metrics.max_series_per_instance)", labels=["instance", "reason"])
+    for (instance, reason), count in sorted(counts.items()):
+        dropped.add_metric([instance, reason], count)
+    return dropped

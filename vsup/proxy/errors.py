@@ -54,7 +54,9 @@ def unauthorized() -> web.Response:
 def not_found(path: str) -> web.Response:
     return error_response(
         404,
-        f"no route for {path}: the proxy serves /v1/*, /tokenize, /detokenize, /health, /ready and /metrics",
+        f"no route for {path}: the proxy serves vLLM's OpenAI API routes (/v1/chat/completions, /v1/completions,"
+        " /v1/embeddings, /v1/models, ..., /tokenize; docs/proxy.md lists them), /health, /ready and /metrics;"
+        " vLLM's admin routes only where proxy.admin_routes opens them",
         "invalid_request_error",
         "not_found",
     )

@@ -60,7 +60,7 @@ WATCHDOG_TICK = 0.1
 
 
 class Forwarder:
-    """Sends /v1/* (and /tokenize, /detokenize) to a ready instance and relays the answer."""
+    """Sends a request on a forwarded route (vsup/config/proxy_routes.py) to a ready instance and relays the answer."""
 
     def __init__(
         self,

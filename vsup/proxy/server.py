@@ -1,9 +1,9 @@
 """ProxyServer: the aiohttp app, its own endpoints, start and drain.
 
-Routes: /v1/* and /tokenize, /detokenize -> an instance (forward.py); GET /v1/models -> merged
-from the ready instances (models.py); /health, /ready, /metrics (and pages added with add_page:
-vsup run's /status) -> answered here; anything else
--> 404 in the OpenAI error shape.
+Routes: the serving routes of vsup/config/proxy_routes.py (and the admin routes proxy.admin_routes
+opens, behind the API key) -> an instance (forward.py); GET /v1/models -> merged from the ready
+instances (models.py); /health, /ready, /metrics (and pages added with add_page: vsup run's
+/status) -> answered here; anything else -> 404 in the OpenAI error shape, never an instance.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 from aiohttp import web
 
+from vsup.config import proxy_routes
 from vsup.config.schema import ProxyConfig
 from vsup.errors import VsupError
 from vsup.proxy import aiohttp_internals, errors
@@ -40,8 +41,6 @@ log = logging.getLogger("vsup.proxy")
 # Shorter than uvicorn's 5 s keep-alive (vLLM's server): we drop an idle upstream connection
 # before the instance does, so a request never races a connection the instance is closing.
 UPSTREAM_KEEPALIVE = 4.0
-# vLLM endpoints outside /v1 that clients use through the proxy.
-_FORWARDED_OUTSIDE_V1 = frozenset({"/tokenize", "/detokenize"})
 # After the drain deadline, how long aborted streams get to write their error event.
 ABORT_GRACE = 2.0
 
@@ -59,6 +58,8 @@ class ProxyServer:
         self.config = config
         self.pool = pool
         self._auth = BearerAuth(api_key if api_key is not None else config.api_key)
+        proxy_routes.require_key(config.admin_routes, self._auth.enabled)
+        self._routes = proxy_routes.table(config.admin_routes)
         self._balancer = make_balancer(config.policy, config)
         self._forwarder: Forwarder | None = None
         self._client: UpstreamClient | None = None
@@ -130,11 +131,17 @@ class ProxyServer:
     def reconfigure(self, config: ProxyConfig, api_key: str | None) -> None:
         """Apply changed settings at once (`vsup reload`): timeouts (connect_timeout reaches the
         upstream pools and /v1/models), retries, policy and its affinity settings, API key (also
-        the /status page's). Requests already in flight keep the timeouts they were armed with.
+        the /status page's), admin routes (kept closed, with an error logged, when no key is set). Requests already in flight keep the timeouts they were armed with.
         host, port, max_connections and max_body_bytes are built into the listening socket and the
         pools: a reload refuses to change them (vsup/config/schema.py classes them fixed)."""
         self.config = config
         self._auth = BearerAuth(api_key if api_key is not None else config.api_key)
+        try:
+            proxy_routes.require_key(config.admin_routes, self._auth.enabled)
+            self._routes = proxy_routes.table(config.admin_routes)
+        except VsupError as exc:  # fail closed: the serving routes only, until a reload sets a key
+            log.error("%s; the admin routes stay closed", exc)
+            self._routes = proxy_routes.table([])
         if config.policy != self._balancer.name:
             self._balancer = make_balancer(config.policy, config)
             self.metrics.policy, self.metrics.policy_decisions = self._balancer.name, self._balancer.decisions
@@ -229,15 +236,21 @@ class ProxyServer:
             return errors.bad_request(
                 f"the path {_shown(request.raw_path)} has a '.' or '..' segment: send it without (the proxy does not resolve them)"
             )
-        if path.startswith("/v1/") or path in _FORWARDED_OUTSIDE_V1:
+        route = self._routes.get(path) or proxy_routes.templated(path)
+        if route is not None:
             if not self._auth.allows(request):
                 self.metrics.request("auth", 401, "")
                 return errors.unauthorized()
-            if path == "/v1/models" and request.method == "GET":
+            if request.method not in route.methods:
+                self.metrics.request("other", 405, "")
+                allow = ", ".join(sorted(route.methods))
+                return errors.error_response(405, f"{path} answers {allow} only", "invalid_request_error", "method_not_allowed", headers={"Allow": allow})
+            if path == "/v1/models":
                 return await self._models()
             return await self._forwarder.handle(request)  # type: ignore[union-attr]
         own = self._own.get(path)
         if own is None:
+            self.metrics.request("other", 404, "")
             return errors.not_found(path)
         if request.method not in ("GET", "HEAD"):
             return errors.error_response(405, f"{path} answers GET only", "invalid_request_error", "method_not_allowed", headers={"Allow": "GET"})

@@ -45,7 +45,7 @@ class Metrics:
         self.apply(config)
 
     def apply(self, config: VsupConfig) -> None:
-        """`metrics:` as in `config`: a new interval or timeout applies from the next round; 0 stops
+        """`metrics:` as in `config`: a new interval, timeout or series cap applies from the next round; 0 stops
         the collection (the proxy's /metrics keeps only its own), > 0 from 0 starts it."""
         interval, timeout = config.metrics.interval, config.metrics.timeout
         proxy = self._proxy
@@ -53,8 +53,10 @@ class Metrics:
             proxy.add_page("/status", status_page(self.status, interval))  # its refresh follows the interval
         if interval > 0 and self.collector is not None:
             self.collector.interval, self.collector.timeout = interval, timeout
+            self.collector.max_series = config.metrics.max_series_per_instance
         elif interval > 0 and self._session is not None:
-            collector = Collector(self.targets, self._session, interval=interval, timeout=timeout, pids=tree_pids)
+            collector = Collector(self.targets, self._session, interval=interval, timeout=timeout, pids=tree_pids,
+                                  max_series=config.metrics.max_series_per_instance)
             self.collector = collector
             self._task = asyncio.create_task(collector.run(), name="metrics")
             if proxy is not None:

@@ -22,6 +22,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from vsup.config import proxy_routes
 from vsup.config.schema import VsupConfig, load_config
 from vsup.errors import VsupError
 from vsup.supervisor import rollout
@@ -51,6 +52,8 @@ def read_config(path: str, fsroot: str, environ: Mapping[str, str], running: Vsu
     from vsup.supervisor.preflight import check_programs, checked_plan
 
     config = load_config(path)
+    # as ProxyServer refuses at start: admin routes only behind a key (the key may come from the environment)
+    proxy_routes.require_key(config.proxy.admin_routes, bool(environ.get("VSUP_API_KEY") or config.proxy.api_key))
     _machine, plan = checked_plan(config, fsroot, environ, runs_here=True)
     for inst in plan.instances:
         argv, _env = build_command(inst, config, environ)
