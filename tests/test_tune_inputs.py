@@ -170,3 +170,36 @@ def test_a_server_without_tokenize_is_named_not_a_traceback(tuning):
     assert last.startswith("vsup: error: the server at http://") and "/tokenize (HTTP 404)" in last, out.stderr[-3000:]
     assert "--workload" in last and "Traceback" not in out.stderr
     assert not t.leftovers()
+
+
+def test_tokenize_answers_that_are_not_json_are_named_not_a_json_error():
+    # a plain aiohttp server: its 404 is text ("404: Not Found"), which failed as JSONDecodeError
+    import asyncio
+
+    from aiohttp import web
+
+    from vsup.errors import VsupError
+    from vsup.tune import load
+
+    async def broken(_request):
+        return web.Response(status=500, text="<html>\x1b[2Joops</html>")
+
+    async def go():
+        app = web.Application()
+        app.router.add_post("/v2/tokenize", broken)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        try:
+            async with load.Client(f"http://127.0.0.1:{port}", "m") as client:
+                with pytest.raises(VsupError, match=r"has no /tokenize \(HTTP 404\)"):
+                    await client.tokenize("hello")
+            async with load.Client(f"http://127.0.0.1:{port}/v2", "m") as client:
+                with pytest.raises(RuntimeError, match=r"HTTP 500: <html>\\x1b\[2Joops</html>"):
+                    await client.tokenize("hello")
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(go())
