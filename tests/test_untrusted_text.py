@@ -14,6 +14,7 @@ import logging
 import re
 import subprocess
 import threading
+from pathlib import Path
 
 import pytest
 from rich.console import Console
@@ -66,50 +67,50 @@ def test_top_shows_an_instances_error_as_written_and_passes_no_escape_on():
     assert not re.search(r"\x1b\[[0-9;]*1;31m|\x1b\[1m\x1b\[31m", row.split("backoff", 1)[1]), repr(row)
 
 
-@pytest.fixture
-def control_socket(tmp_path):
-    """A control socket answering GET /status with the hostile status (a real unix socket)."""
+async def hostile_answer(_request):
     from aiohttp import web
 
-    path = tmp_path / "control.sock"
+    return web.json_response({**hostile_status(), "rollout": {
+        "kind": "reload", "trigger": "SIGHUP", "state": "failed", "started": 1.0, "took": 3.0, "step": 1,
+        "error": f"instance 1 did not become ready ({HOSTILE})", "unchanged": [], "applied": [],
+        "steps": [{"index": 1, "action": "replace", "why": "args", "state": "failed", "detail": HOSTILE}]}})
+
+
+@pytest.fixture
+def control_socket(tmp_path):
+    """serve(handler) -> the path of a control socket answering GET /status with it (a real unix socket)."""
+    from aiohttp import web
+
     loop = asyncio.new_event_loop()
-    started = threading.Event()
-
-    async def status(_request):
-        return web.json_response({**hostile_status(), "rollout": {
-            "kind": "reload", "trigger": "SIGHUP", "state": "failed", "started": 1.0, "took": 3.0, "step": 1,
-            "error": f"instance 1 did not become ready ({HOSTILE})", "unchanged": [], "applied": [],
-            "steps": [{"index": 1, "action": "replace", "why": "args", "state": "failed", "detail": HOSTILE}]}})
-
-    async def serve():
-        app = web.Application()
-        app.router.add_get("/status", status)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.UnixSite(runner, str(path)).start()
-        started.set()
-        return runner
-
-    runner = None
-
-    def main():
-        nonlocal runner
-        asyncio.set_event_loop(loop)
-        runner = loop.run_until_complete(serve())
-        loop.run_forever()
-
-    thread = threading.Thread(target=main, daemon=True)
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    assert started.wait(10)
-    yield path
-    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+    runners = []
+
+    def serve(handler) -> Path:
+        path = tmp_path / f"control{len(runners)}.sock"
+
+        async def start():
+            app = web.Application()
+            app.router.add_get("/status", handler)
+            runner = web.AppRunner(app)
+            await runner.setup()
+            await web.UnixSite(runner, str(path)).start()
+            return runner
+
+        runners.append(asyncio.run_coroutine_threadsafe(start(), loop).result(10))
+        return path
+
+    yield serve
+    for runner in runners:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
     loop.call_soon_threadsafe(loop.stop)
     thread.join(10)
     loop.close()
 
 
 def test_vsup_status_prints_instance_text_as_visible_escapes(control_socket):
-    out = subprocess.run([*VSUP, "status", "--socket", str(control_socket)], capture_output=True, timeout=60)
+    path = control_socket(hostile_answer)
+    out = subprocess.run([*VSUP, "status", "--socket", str(path)], capture_output=True, timeout=60)
     assert out.returncode == 0, out.stderr
     text = out.stdout.decode()
     assert "\x1b" not in text and "\x07" not in text and "\u202e" not in text and "\x9b" not in text, repr(text)
@@ -117,8 +118,19 @@ def test_vsup_status_prints_instance_text_as_visible_escapes(control_socket):
     assert last_exit.endswith("HTTP 500: " + " ".join(SHOWN))
     assert "  error: instance 1 did not become ready (" + " ".join(SHOWN) + ")" in text.splitlines()
     # JSON stays JSON: the text is there, escaped by JSON itself
-    raw = subprocess.run([*VSUP, "status", "--socket", str(control_socket), "--format", "json"], capture_output=True, timeout=60)
+    raw = subprocess.run([*VSUP, "status", "--socket", str(path), "--format", "json"], capture_output=True, timeout=60)
     assert b"\x1b" not in raw.stdout and HOSTILE in json.loads(raw.stdout)["instances"][1]["last_exit"]
+
+
+def test_an_error_quoting_an_instance_is_one_plain_line(control_socket):
+    from aiohttp import web
+
+    async def refuse(_request):
+        return web.json_response({"error": f"instance 1 is failed after the restart: {HOSTILE}\nvsup: forged"}, status=409)
+
+    out = subprocess.run([*VSUP, "status", "--socket", str(control_socket(refuse))], capture_output=True, timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.decode() == f"vsup: error: instance 1 is failed after the restart: {' '.join(SHOWN)}\\x0avsup: forged\n"
 
 
 def test_rollout_lines_for_vsup_reload_show_instance_text_as_written():

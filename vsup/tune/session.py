@@ -281,7 +281,7 @@ class Tune:
         ]
         (self.o.report_dir / "summary.md").write_text(report.summary(result, table_rows, title=title, settings_lines=settings_lines,
                                                                       bandwidth=self.bandwidth, chart_name=chart_name))
-        self.console.print(f"report: {self.o.report_dir / 'summary.md'}" + (f", {self.o.report_dir / 'chart.png'}" if chart_name else ""))
+        self.console.print(Text(f"report: {self.o.report_dir / 'summary.md'}" + (f", {self.o.report_dir / 'chart.png'}" if chart_name else "")))
         if result.best is None:
             self.console.print("[red]no candidate could be measured[/red] (see the failed rows and the logs)")
             return 1
@@ -300,7 +300,7 @@ class Tune:
                     f"Report: {self.o.report_dir / 'summary.md'}", ""]
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(configs.render(data, comments))
-        self.console.print(f"wrote {path}")
+        self.console.print(Text(f"wrote {path}"))  # a path may hold [brackets]: not markup
 
     def _candidate(self, cid: str) -> Candidate:
         return {**{p.id: p.candidate for p in self.kept}, **self.made}[cid]
