@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -37,7 +38,8 @@ def tuning(tmp_path):
 
 
 LAYOUTS = ("i1", "i1-t1", "i2")  # the kept layouts of the 2-core test machine (test_tune_cli)
-HOSTILE = "[/srv/models/x] not found; [bold red]x[/] [link=http://evil]y[/link] \x1b]0;pwned\x07\x1b[2J"
+HOSTILE = ("[/srv/models/x] not found; [bold red]x[/] [link=http://evil]y[/link] \x1b]0;pwned\x07\x1b[2J "
+           "![t](http://evil/t.png) <img src=http://evil/i>")
 
 
 def fingerprint(t: Tuning) -> dict:
@@ -81,7 +83,10 @@ def test_a_search_whose_errors_read_as_markup_reports_them_as_written(tuning):
     assert "[link=http://evil]y[/link]" in out.stdout and "\\x1b]0;pwned\\x07\\x1b[2J" in out.stdout
     assert "FAILED: [/srv/models/x] not found" in out.stderr and "\\x1b]0;pwned" in out.stderr
     summary = (t.report / "summary.md").read_text()
-    assert "**Best: `i1`**" in summary and "[/srv/models/x] not found" in summary and "\x1b" not in summary
+    assert "**Best: `i1`**" in summary and "\\[/srv/models/x\\] not found" in summary and "\x1b" not in summary
+    # rendered, the summary shows the error as text: no image fetched from elsewhere, no HTML
+    assert "\\!\\[t\\](http://evil/t.png) \\<img src=http://evil/i\\>" in summary and "](http://evil/t.png)" in summary
+    assert not re.search(r"(?<!\\)!\[t\]|(?<!\\)<img", summary)
     assert (t.report / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -9,6 +9,7 @@ figures) and the worst p99s; the summary has every level.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,8 +100,17 @@ def rich_table(table_rows: Sequence[Row], title: str = "vsup tune"):
 def markdown_table(table_rows: Sequence[Row]) -> str:
     lines = ["| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
     for r in table_rows:
-        lines.append("| " + " | ".join(printable(c).replace("|", "/") for c in _cells(r)) + " |")
+        lines.append("| " + " | ".join(_markdown(c) for c in _cells(r)) + " |")
     return "\n".join(lines)
+
+
+_MARKDOWN = re.compile(r"([\\`*_\[\]<>!])")
+
+
+def _markdown(cell: str) -> str:
+    """A cell as markdown text that reads as written: a candidate's error must not turn into a
+    link, an image fetched from elsewhere, HTML or emphasis when the summary is rendered."""
+    return _MARKDOWN.sub(r"\\\1", printable(cell)).replace("|", "/")
 
 
 def levels_table(result: SearchResult) -> str:
