@@ -78,7 +78,7 @@ async def hostile_answer(_request):
 
 @pytest.fixture
 def control_socket(tmp_path):
-    """serve(handler) -> the path of a control socket answering GET /status with it (a real unix socket)."""
+    """serve(handler) -> the path of a control socket answering every request with it (a real unix socket)."""
     from aiohttp import web
 
     loop = asyncio.new_event_loop()
@@ -91,7 +91,7 @@ def control_socket(tmp_path):
 
         async def start():
             app = web.Application()
-            app.router.add_get("/status", handler)
+            app.router.add_route("*", "/{route:.*}", handler)
             runner = web.AppRunner(app)
             await runner.setup()
             await web.UnixSite(runner, str(path)).start()
@@ -131,6 +131,18 @@ def test_an_error_quoting_an_instance_is_one_plain_line(control_socket):
     out = subprocess.run([*VSUP, "status", "--socket", str(control_socket(refuse))], capture_output=True, timeout=60)
     assert out.returncode == 2
     assert out.stderr.decode() == f"vsup: error: instance 1 is failed after the restart: {' '.join(SHOWN)}\\x0avsup: forged\n"
+
+
+def test_restart_and_reload_print_instance_text_plain(control_socket):
+    path = control_socket(hostile_answer)  # its instance 1 is in backoff with a hostile last exit; its rollout failed
+    restart = subprocess.run([*VSUP, "restart", "1", "--socket", str(path)], capture_output=True, timeout=60)
+    reload = subprocess.run([*VSUP, "reload", "--socket", str(path)], capture_output=True, timeout=60)
+    assert restart.returncode == 1 and reload.returncode == 1, (restart.stderr, reload.stderr)
+    for out in (restart, reload):
+        assert b"\x1b" not in out.stdout + out.stderr and b"\x07" not in out.stdout + out.stderr, out
+    assert restart.stderr.decode().startswith("vsup: error: instance 1 is backoff after the restart: warm-up failed")
+    assert restart.stderr.decode().splitlines()[0].endswith(" ".join(SHOWN))
+    assert reload.stderr.decode() == f"vsup: error: the reload stopped: instance 1 did not become ready ({' '.join(SHOWN)})\n"
 
 
 def test_rollout_lines_for_vsup_reload_show_instance_text_as_written():
