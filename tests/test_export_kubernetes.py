@@ -241,3 +241,32 @@ def test_unknown_model_size_is_named(tmp_path):
     result = vsup("export", "kubernetes", "--config", str(tmp_path / "vsup.yaml"), "--fsroot", str(root))
     assert result.returncode == 2
     assert "placement.model_size_gib: the model's size is unknown (org/some-model" in result.stderr
+
+
+@pytest.mark.parametrize("name", ["My-App", "vsup llm", "a/b", "vsup-", "-vsup", "1vsup", "x" * 53, "x" * 300, "vsup\nkind: Pod", ""])
+def test_a_name_kubernetes_would_refuse_is_one_line_naming_name(tmp_path, name):
+    root = build_sysfs(tmp_path / "m", nodes=(8, 8), smt=2, packages=2, node_memory=64 * GIB)
+    (tmp_path / "vsup.yaml").write_text("model: /m\nplacement:\n  model_size_gib: 2\n")
+    result = vsup("export", "kubernetes", "--config", str(tmp_path / "vsup.yaml"), "--fsroot", str(root), "--name", name)
+    assert result.returncode == 2, result.stdout
+    assert result.stderr.startswith(f"vsup: error: --name {name!r}: a Kubernetes name: lowercase letters") \
+        and result.stderr.count("\n") == 1, result.stderr
+
+
+def test_the_longest_name_allowed_makes_names_and_labels_kubernetes_takes():
+    name = "v" + "-x" * 25 + "9"  # 52 characters
+    cfg = parse_config("model: /m\nplacement:\n  model_size_gib: 2\n")
+    settings = settings_from_config(cfg, numactl_available=True)
+    machine = node_type(make_machine(sockets=2, cores_per_node=8, node_memory=64 * GIB))
+    shape = shape_pod(machine, plan(machine, settings), cfg, settings, shm_bytes=GIB)
+    result = export_kubernetes(machine, shape, cfg, name=name, image="i", replicas_per_host="auto", hosts=1)
+    label = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+    dns1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+    for obj in result.objects:
+        meta = obj["metadata"]["name"]
+        assert label.fullmatch(meta) and len(meta) <= 63, meta
+        if obj["kind"] == "Service":
+            assert dns1035.fullmatch(meta), meta
+        if obj["kind"] == "StatefulSet":
+            # the pods' controller-revision-hash label is NAME-<10-character hash>, a label value (<= 63)
+            assert len(f"{meta}-{'h' * 10}") <= 63

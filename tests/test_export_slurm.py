@@ -77,13 +77,7 @@ def test_running_the_script_writes_the_step_configs_and_asks_slurm_for_the_steps
     out = tmp_path / "out"
     result = vsup("export", "slurm", "--config", str(config), "--fsroot", str(root), "--hosts", "2", "-o", str(out))
     assert result.returncode == 0, result.stderr
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    for name, text in STUBS.items():
-        (bin_dir / name).write_text(text)
-        (bin_dir / name).chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "cpu-a[1-2]",
-           "SRUN_LOG": str(tmp_path / "srun.log"), "VSUP_CONF_DIR": str(tmp_path / "conf")}
+    env = stub_slurm(tmp_path)
     run = subprocess.run(["bash", str(out / "vsup.sbatch")], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=30)
     assert run.returncode == 0, run.stderr
     assert "clients connect to http://cpu-a1:9000" in run.stderr
@@ -111,15 +105,73 @@ def test_running_the_script_writes_the_step_configs_and_asks_slurm_for_the_steps
     assert proxy.health.interval == 2
 
 
-def test_the_api_key_is_checked_by_the_per_node_vsups_not_the_front():
-    # the front strips the Authorization it checks; without a key of its own it passes it on
-    machine = make_machine(sockets=2, cores_per_node=4)
-    _, script = script_for(machine, "model: /m\nplacement:\n  model_size_gib: 1\nproxy:\n  api_key: k3y\n")
-    def heredoc(name: str) -> str:
-        return script.split(f'cat > "$CONF/{name}" <<VSUP_EOF\n')[1].split("\nVSUP_EOF\n")[0]
+def stub_slurm(tmp_path) -> dict:
+    """srun and scontrol stand-ins on PATH; the environment the script runs in."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, text in STUBS.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "cpu-a[1-2]",
+            "SRUN_LOG": str(tmp_path / "srun.log"), "VSUP_CONF_DIR": str(tmp_path / "conf")}
 
-    assert "api_key: k3y" in heredoc("node0.yaml") and "api_key" not in heredoc("front.yaml")
-    assert "proxy:" in heredoc("front.yaml")
+
+def test_the_api_key_goes_by_environment_to_the_per_node_vsups_never_into_a_shared_file(tmp_path):
+    # the step configurations land on a filesystem every host (and user) sees: the key is in none
+    # of them nor in the script; the per-node vsups read VSUP_API_KEY; the front gets none (it
+    # strips the Authorization it checks, so it must pass it on to the per-node vsups)
+    root = build_sysfs(tmp_path / "m", nodes=(4, 4), smt=2, packages=2, node_memory=32 * GIB)
+    config = tmp_path / "vsup.yaml"
+    config.write_text("model: /m\nplacement:\n  model_size_gib: 1\nproxy:\n  api_key: s3cret-k3y\n")
+    out = tmp_path / "out"
+    result = vsup("export", "slurm", "--config", str(config), "--fsroot", str(root), "-o", str(out))
+    assert result.returncode == 0, result.stderr
+    script = (out / "vsup.sbatch").read_text()
+    assert "s3cret-k3y" not in script
+
+    env = stub_slurm(tmp_path)
+    env.pop("VSUP_API_KEY", None)
+    missing = subprocess.run(["bash", str(out / "vsup.sbatch")], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=30)
+    assert missing.returncode != 0 and "export VSUP_API_KEY=" in missing.stderr, missing.stderr
+    assert not (tmp_path / "srun.log").exists()  # refused before any step started
+
+    run = subprocess.run(["bash", str(out / "vsup.sbatch")], cwd=tmp_path, env={**env, "VSUP_API_KEY": "s3cret-k3y"},
+                         capture_output=True, text=True, timeout=30)
+    assert run.returncode == 0, run.stderr
+    written = sorted((tmp_path / "conf").iterdir())
+    assert [p.name for p in written] == ["front.yaml", "node0.yaml", "node1.yaml"]
+    for path in written:
+        assert "s3cret-k3y" not in path.read_text() and "api_key" not in path.read_text(), path
+    calls = [shlex.split(line) for line in (tmp_path / "srun.log").read_text().splitlines()]
+    [front] = [call for call in calls if "proxy" in call]
+    assert front[front.index("proxy") - 4:front.index("proxy")] == ["env", "-u", "VSUP_API_KEY", "vsup"]
+
+
+def test_without_a_key_the_script_asks_for_none():
+    machine = make_machine(sockets=2, cores_per_node=4)
+    _, script = script_for(machine, "model: /m\nplacement:\n  model_size_gib: 1\n")
+    assert "VSUP_API_KEY:?" not in script
+
+
+@pytest.mark.parametrize("name", ["x\nrm -rf ~", "my job", "a'b", 'a"b', "-x", "", "a" * 65, "a;b", "$(id)", "é"])
+def test_a_job_name_the_script_cannot_carry_is_refused_in_one_line(tmp_path, name):
+    root = build_sysfs(tmp_path / "m", nodes=(4,), node_memory=32 * GIB)
+    (tmp_path / "vsup.yaml").write_text("model: /m\nplacement:\n  model_size_gib: 1\n")
+    result = vsup("export", "slurm", "--config", str(tmp_path / "vsup.yaml"), "--fsroot", str(root), "--job-name", name)
+    assert result.returncode == 2, result.stdout
+    assert result.stderr.startswith(f"vsup: error: --job-name {name!r}: use 1 to 64 letters") and result.stderr.count("\n") == 1
+
+
+def test_an_allowed_odd_job_name_is_one_sbatch_line_and_the_script_stays_valid_bash(tmp_path):
+    machine = make_machine(sockets=1, cores_per_node=4)
+    cfg = parse_config("model: /m\nplacement:\n  model_size_gib: 1\n")
+    machine = node_type(machine)
+    host_plan = plan(machine, settings_from_config(cfg, numactl_available=True))
+    script = export_slurm(machine, host_plan, cfg, hosts=1, job_name="Llama-3.1_8b." + "x" * 50)
+    sbatch = [line for line in script.splitlines() if line.startswith("#SBATCH --job-name")]
+    assert sbatch == ["#SBATCH --job-name=Llama-3.1_8b." + "x" * 50]
+    (tmp_path / "s").write_text(script)
+    assert subprocess.run(["bash", "-n", str(tmp_path / "s")], capture_output=True).returncode == 0
 
 
 @pytest.mark.parametrize("config, message", [

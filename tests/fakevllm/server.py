@@ -325,8 +325,9 @@ class FakeVllm:
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/embeddings", self.embeddings)
-        app.router.add_post("/tokenize", self.tokenize)
-        app.router.add_post("/detokenize", self.detokenize)
+        if self.faults.tokenize:
+            app.router.add_post("/tokenize", self.tokenize)
+            app.router.add_post("/detokenize", self.detokenize)
         app.router.add_post("/fake/grow", self.grow)
         # two of vLLM's admin routes (serve/lora/api_router.py), so tests can see whether the proxy lets them through
         app.router.add_post("/v1/load_lora_adapter", self.lora_adapter)

@@ -39,6 +39,7 @@ class Faults:
     shm: bool = True  # create /dev/shm/psm_* and sem.mp-* files
     exit_on_engine_death: bool = True  # like vLLM: EngineCore gone -> API server exits 0
     access_log: bool = True
+    tokenize: bool = True  # False: no /tokenize, /detokenize routes (a server that is not vLLM's)
     max_num_seqs: int | None = None  # concurrent generations; more wait ("queued"), like --max-num-seqs
     grow_mib_per_s: float = 0.0  # resident memory the server adds per second once ready (a leak)
     prefill_delay: float = 0.0  # seconds per prompt token not in the prefix cache, one prefill at a time
@@ -118,6 +119,7 @@ def load_faults(env: Mapping[str, str] = os.environ) -> Faults:
         shm=_flag(env, "FAKE_VLLM_SHM", True),
         exit_on_engine_death=_flag(env, "FAKE_VLLM_EXIT_ON_ENGINE_DEATH", True),
         access_log=_flag(env, "FAKE_VLLM_ACCESS_LOG", True),
+        tokenize=_flag(env, "FAKE_VLLM_TOKENIZE", True),
         max_num_seqs=num("FAKE_VLLM_MAX_NUM_SEQS", int, 1, "4"),
         grow_mib_per_s=default(num("FAKE_VLLM_GROW_MIB_PER_S", example="20"), 0.0),
         prefill_delay=default(num("FAKE_VLLM_PREFILL_DELAY", example="0.001"), 0.0),

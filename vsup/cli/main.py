@@ -10,6 +10,7 @@ import click
 from vsup import __version__
 from vsup import cli as commands
 from vsup.errors import VsupError
+from vsup.safetext import printable
 from vsup.topology.errors import PlanError, TopologyError
 
 USER_ERRORS = (VsupError, TopologyError, PlanError)
@@ -47,7 +48,8 @@ class VsupGroup(click.Group):
         try:
             return super().invoke(ctx)
         except USER_ERRORS as exc:
-            click.echo(f"vsup: error: {exc}", err=True)
+            # one line, and plain: the message may quote an instance or a server (a last exit, an error body)
+            click.echo(f"vsup: error: {printable(exc)}", err=True)
             sys.exit(2)
 
 

@@ -19,6 +19,7 @@ import click
 from vsup.config.schema import HealthConfig, ProxyConfig, load_config
 from vsup.errors import VsupError
 from vsup.proxy.backends import Backend, BackendPool
+from vsup.safetext import PrintableFormatter
 
 log = logging.getLogger("vsup.proxy")
 
@@ -98,7 +99,9 @@ def proxy_command(upstreams, host, port, api_key, policy, config_path) -> None:
     overrides = {k: v for k, v in {"host": host, "port": port, "policy": policy}.items() if v is not None}
     if overrides:
         proxy_config = proxy_config.model_copy(update=overrides)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handler = logging.StreamHandler()  # upstreams' text in the log lines shown as plain text
+    handler.setFormatter(PrintableFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
     from vsup.proxy.runloop import run
 
     run(serve(proxy_config, health, pool, api_key or proxy_config.api_key))

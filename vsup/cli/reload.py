@@ -8,6 +8,7 @@ import sys
 
 import click
 
+from vsup.safetext import printable
 from vsup.supervisor.control import request
 
 from .options import format_option
@@ -44,5 +45,5 @@ def reload_command(no_wait: bool, config_path: str | None, socket_path: str | No
         for line in render_rollout(record):
             click.echo(line)
     if record["state"] == "failed":
-        click.echo(f"vsup: error: the reload stopped: {record['error']}", err=True)
+        click.echo(printable(f"vsup: error: the reload stopped: {record['error']}"), err=True)
         sys.exit(1)

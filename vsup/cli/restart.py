@@ -9,6 +9,7 @@ import sys
 import click
 
 from vsup.errors import VsupError
+from vsup.safetext import printable
 from vsup.supervisor.control import request
 
 from .options import format_option
@@ -55,7 +56,8 @@ def restart_command(target: str, rolling: bool, no_wait: bool, config_path: str 
         return
     down = [inst for inst in data["instances"] if inst["state"] != "ready"]
     for inst in down:
-        click.echo(f"vsup: error: instance {inst['index']} is {inst['state']} after the restart: {inst['last_exit']}", err=True)
+        click.echo(printable(f"vsup: error: instance {inst['index']} is {inst['state']} after the restart: {inst['last_exit']}"),
+                   err=True)
     if down and rolling and target == "all":
         click.echo("vsup: error: the rolling restart stopped there; the instances after it were not touched", err=True)
     if down:

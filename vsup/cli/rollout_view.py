@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from vsup.safetext import printable
+
 from .status import duration
 
 MARK = {"done": "done", "failed": "FAILED", "running": "running", "pending": "pending", "skipped": "not done"}
@@ -10,7 +12,11 @@ MARK = {"done": "done", "failed": "FAILED", "running": "running", "pending": "pe
 
 def render_rollout(record: dict | None, *, steps: bool = True) -> list[str]:
     """The head line, then one line per step (all of them while it runs or when it failed,
-    else only when `steps`)."""
+    else only when `steps`). Errors and details quote instances: each line is `printable`."""
+    return [printable(line) for line in _rollout_lines(record, steps=steps)]
+
+
+def _rollout_lines(record: dict | None, *, steps: bool) -> list[str]:
     if not record:
         return []
     when = f"{duration(record['took'])}"
@@ -55,8 +61,8 @@ def render_rollout(record: dict | None, *, steps: bool = True) -> list[str]:
 def render_changing(entries: list[dict]) -> list[str]:
     """Instances outside the fleet for a moment: a replacement starting beside the instance it
     replaces, or a replaced one draining."""
-    return [f"  instance {e['index']} ({e['name']}, port {e['port']}, pid {e['pid'] or '-'}): {e['state']}"
-            + (" (being replaced)" if e["state"] in ("draining", "stopping") else " (its replacement)")
+    return [printable(f"  instance {e['index']} ({e['name']}, port {e['port']}, pid {e['pid'] or '-'}): {e['state']}"
+            + (" (being replaced)" if e["state"] in ("draining", "stopping") else " (its replacement)"))
             for e in entries]
 
 

@@ -14,6 +14,7 @@ import click
 
 from vsup.config.schema import load_config
 from vsup.errors import VsupError
+from vsup.safetext import PrintableFormatter
 
 from .options import fsroot_option
 
@@ -38,9 +39,9 @@ def setup_logging(level: str, fmt: str) -> None:
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     elif os.environ.get("JOURNAL_STREAM"):  # the journal adds its own timestamps
-        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(PrintableFormatter("%(levelname)s %(name)s: %(message)s"))
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(PrintableFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

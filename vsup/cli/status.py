@@ -10,6 +10,7 @@ import click
 from vsup.config.schema import load_config
 from vsup.observe import fmt
 from vsup.observe.fmt import duration
+from vsup.safetext import printable
 from vsup.supervisor.control import find_socket, request
 from vsup.topology.cpulist import format_list
 
@@ -51,11 +52,12 @@ def render_instances(instances: list[dict]) -> list[str]:
             format_list(e["nodes"]) or "-", duration(e.get("uptime")), str(e["restarts"]), str(e.get("in_flight", 0)),
             placement_word(e), *fmt.figures(e).values(), e.get("last_exit") or "-",
         ))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header) - 1)]
-    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row[:-1], widths, strict=True)) + "  " + row[-1] for row in rows]
+    shown = [[printable(cell) for cell in row] for row in rows]  # an instance's text shows as written, steers nothing
+    widths = [max(len(row[i]) for row in shown) for i in range(len(header) - 1)]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row[:-1], widths, strict=True)) + "  " + row[-1] for row in shown]
     for e in instances:
         for drift in e.get("placement_drift", []):
-            lines.append(f"  instance {e['index']} placement drift: {drift}")
+            lines.append(printable(f"  instance {e['index']} placement drift: {drift}"))
     return lines
 
 

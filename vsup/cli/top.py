@@ -30,6 +30,7 @@ from rich.text import Text
 from vsup.errors import VsupError
 from vsup.observe import fmt
 from vsup.observe.fmt import duration
+from vsup.safetext import printable
 from vsup.supervisor.control import request
 from vsup.topology.cpulist import format_list
 
@@ -55,7 +56,7 @@ def header(status: Mapping[str, Any], error: str | None, interval: float) -> Tex
         text.append("  STOPPING", style="bold red")
     text.append("\n")
     if error:
-        text.append(f"not answering: {error}", style="bold red")
+        text.append(f"not answering: {printable(error)}", style="bold red")
     else:
         every = v.get("metrics_interval")
         text.append(f"figures every {every:g}s" if every else "figures off (metrics.interval 0)", style="dim")
@@ -79,14 +80,19 @@ def table(status: Mapping[str, Any]) -> Table:
         if state == "backoff" and e.get("next_start_in") is not None:
             state += f" {e['next_start_in']:.0f}s"
         placement = placement_word(e)
-        t.add_row(
+        t.add_row(*(cell if isinstance(cell, Text) else _plain(cell) for cell in (
             str(e.get("index")), Text(state, style=STATE_STYLES.get(str(e.get("state")), "")), str(e.get("pid") or "-"),
             format_list(e.get("cpus", ())) or "-", format_list(e.get("nodes", ())) or "-", duration(e.get("uptime")),
             str(e.get("restarts", 0)), str(e.get("in_flight", 0)), f["tok/s"], f["run"], f["wait"], f["kv"], f["cpu%"],
             f["rss"], f["local"], Text(placement, style="bold red" if placement == "DRIFT" else ""),
             e.get("last_exit") or "",
-        )
+        )))
     return t
+
+
+def _plain(value: object) -> Text:
+    # a str cell would be read as rich markup: the instance's own text ([/] in an error) must show as written
+    return Text(printable(value))
 
 
 def view(status: Mapping[str, Any], error: str | None, interval: float) -> RenderableType:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from pathlib import Path
@@ -153,6 +154,10 @@ def tune_command(config_path, objective, slo, workload, input_len, output_len, c
         dry_run=dry_run, roofline=not no_roofline, fsroot=fsroot,
         workload_origin="--workload" if workload else where(cfg, "tune.workload"),
     )
+    if not dry_run:  # before anything is measured: a search must not end in an unwritable report
+        check_writable(options.report_dir, "--report", folder=True)
+        if options.write_config:
+            check_writable(options.write_config, "--write-config", folder=False)
     # piped output (a log, CI) gets the whole table instead of 80 columns of wrapped cells
     console, out = Console(stderr=True), Console(width=None if sys.stdout.isatty() else 220)
     # SIGTERM ends a tune like Ctrl-C: the candidate running is stopped, the results so far stay
@@ -167,6 +172,25 @@ def tune_command(config_path, objective, slo, workload, input_len, output_len, c
     finally:
         session.close()
     sys.exit(code)
+
+
+def check_writable(path: Path, flag: str, *, folder: bool) -> None:
+    """A VsupError naming `flag` unless `path` (a folder, or a file) can be written, or made in its
+    nearest existing folder, by this user."""
+    what = "a folder" if folder else "a file"
+    if path.exists():
+        if path.is_dir() != folder:
+            raise VsupError(f"{flag} {path}: exists and is not {what}; give {what} path")
+        where, writable = path, os.access(path, os.W_OK | (os.X_OK if folder else 0))
+    else:
+        where = path.parent
+        while not where.exists() and where != where.parent:
+            where = where.parent
+        if not where.is_dir():
+            raise VsupError(f"{flag} {path}: {where} is not a folder; give {what} path under a folder you can write")
+        writable = os.access(where, os.W_OK | os.X_OK)
+    if not writable:
+        raise VsupError(f"{flag} {path}: {where} is not writable by this user; choose {what} path you can write")
 
 
 def _tuple(values):

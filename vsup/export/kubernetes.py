@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import re
 from dataclasses import dataclass
 
 from vsup import __version__
@@ -41,6 +42,11 @@ PRESTOP_SECONDS = 5  # time for the endpoints to drop the pod before vsup starts
 EVICTION_HARD = {"memory.available": "100Mi", "nodefs.available": "10%", "imagefs.available": "15%",
                  "nodefs.inodesFree": "5%", "imagefs.inodesFree": "5%"}
 EVICTION_MEMORY = 100 * MiB
+# --name names the Services (DNS-1035 labels: a letter first, at most 63, and `NAME-pods` adds 5)
+# and the StatefulSet, whose pods carry the label controller-revision-hash=NAME-<10-character hash>
+# (a label value: at most 63): so at most 52.
+NAME = re.compile(r"[a-z]([-a-z0-9]{0,50}[a-z0-9])?")
+NAME_MAX = 52
 
 
 @dataclass(frozen=True)
@@ -67,6 +73,7 @@ def grace_seconds(cfg: VsupConfig) -> int:
 
 def export_kubernetes(machine: Machine, shape: PodShape, cfg: VsupConfig, *, name: str, image: str,
                       replicas_per_host: int | str, hosts: int) -> KubernetesExport:
+    check_name(name)
     if cfg.proxy.port == 0:
         raise VsupError("proxy.port: 0 picks a free port at start, but the Service needs a fixed one; give a port, e.g. 8000")
     per_host = len(shape.nodes) if replicas_per_host == "auto" else int(replicas_per_host)
@@ -90,6 +97,13 @@ def export_kubernetes(machine: Machine, shape: PodShape, cfg: VsupConfig, *, nam
     )
     kubelet_text = yamltext.comment(_kubelet_steps(shape)) + yamltext.dump(kubelet)
     return KubernetesExport(objects, kubelet, manifests_text, kubelet_text)
+
+
+def check_name(name: str) -> str:
+    if not NAME.fullmatch(name):
+        raise VsupError(f"--name {name!r}: a Kubernetes name: lowercase letters, digits and '-', a letter first, a letter "
+                        f"or digit last, at most {NAME_MAX} characters (the StatefulSet's pods add a revision label), e.g. vsup-llama")
+    return name
 
 
 def _labels(name: str) -> dict[str, str]:

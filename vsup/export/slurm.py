@@ -14,6 +14,7 @@ file to submit; its instance logs go to node-local /tmp/vsup-<job id>/node<N>.
 
 from __future__ import annotations
 
+import re
 import shlex
 
 from vsup.config.schema import VsupConfig, parse_config
@@ -25,6 +26,8 @@ from vsup.topology.model import Machine
 from vsup.topology.plan_model import Plan, format_gib
 
 JOB_ID = "${SLURM_JOB_ID}"  # expanded by the script when it writes the step configurations
+JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+HEREDOC_END = "VSUP_EOF"
 
 
 def cpu_mask(cpus) -> str:
@@ -35,11 +38,24 @@ def cpu_mask(cpus) -> str:
 def _heredoc(path: str, text: str) -> str:
     """`cat > path` of `text`, in an unquoted heredoc (so ${SLURM_JOB_ID} expands): the text's own
     backslashes, dollars and backticks are escaped and stay literal."""
+    if HEREDOC_END in text.splitlines():  # (YAML indents or quotes it; never end the heredoc early)
+        raise VsupError(f"a configuration value is a line {HEREDOC_END!r}, which would end the script's heredoc")
     escaped = text.replace("\\", "\\\\").replace("$", "\\$").replace("`", "\\`").replace("\\${SLURM_JOB_ID}", JOB_ID)
-    return f"cat > {path} <<VSUP_EOF\n{escaped}VSUP_EOF\n"
+    return f"cat > {path} <<{HEREDOC_END}\n{escaped}{HEREDOC_END}\n"
+
+
+def check_job_name(job_name: str) -> str:
+    """The job's name, as the script can carry it unquoted on its `#SBATCH` line: a newline would
+    end that line (and start a shell one), a space or a quote would be read by sbatch's own
+    parsing, a leading dash as an option."""
+    if not JOB_NAME.fullmatch(job_name):
+        raise VsupError(f"--job-name {job_name!r}: use 1 to 64 letters, digits, '.', '_' or '-', starting with a letter "
+                        "or digit, e.g. vsup-llama")
+    return job_name
 
 
 def export_slurm(machine: Machine, host_plan: Plan, cfg: VsupConfig, *, hosts: int, job_name: str) -> str:
+    check_job_name(job_name)
     nodes, per_node = instances_per_node(host_plan)
     if cfg.proxy.port == 0:
         raise VsupError("proxy.port: 0 picks a free port at start, but the per-node vsups need fixed ones; give a port, e.g. 8000")
@@ -62,6 +78,13 @@ def export_slurm(machine: Machine, host_plan: Plan, cfg: VsupConfig, *, hosts: i
         'mkdir -p "$CONF"',
         "",
     ]
+    if cfg.proxy.api_key is not None:
+        lines += [
+            "# proxy.api_key: the per-node vsups read it from VSUP_API_KEY (sbatch passes the environment on), so it",
+            "# is in no file on the shared filesystem; the front proxy gets none (it passes Authorization on)",
+            ': "${VSUP_API_KEY:?proxy.api_key is set: export VSUP_API_KEY=<the key> before sbatch}"',
+            "",
+        ]
     step_ports = []
     for position, node_id in enumerate(nodes):
         insts = [i for i in host_plan.instances if i.cpu_nodes == (node_id,)]
@@ -73,7 +96,8 @@ def export_slurm(machine: Machine, host_plan: Plan, cfg: VsupConfig, *, hosts: i
             "proxy": {"port": port},
             "log": {"dir": f"/tmp/vsup-{JOB_ID}/node{node_id}"},
         })
-        for section, key in (("control", "socket"),):
+        # the key comes by environment (VSUP_API_KEY, required at the top of the script), never into a file on the shared filesystem
+        for section, key in (("control", "socket"), ("proxy", "api_key")):
             config.get(section, {}).pop(key, None)
         text = yamltext.comment(f"vsup for NUMA node {node_id} of every host: {per_node} instance(s), proxy on port {port}") + yamltext.dump(config)
         parse_config(text.replace(JOB_ID, "1"), f"the step configuration of node {node_id}")
@@ -106,7 +130,7 @@ def export_slurm(machine: Machine, host_plan: Plan, cfg: VsupConfig, *, hosts: i
         "done",
         'first=${hosts[0]}',
         f'srun --nodes=1 --ntasks=1 --nodelist="$first" --overlap --cpu-bind={bind} --job-name=vsup-front \\',
-        '     "$VSUP" proxy --config "$CONF/front.yaml" "${upstreams[@]}" &',
+        '     env -u VSUP_API_KEY "$VSUP" proxy --config "$CONF/front.yaml" "${upstreams[@]}" &',
         f'echo "vsup: clients connect to http://$first:{cfg.proxy.port}" >&2',
         "",
         "# scancel (or the time limit) sends SIGTERM to every step: each vsup drains and stops its instances,",

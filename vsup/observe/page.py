@@ -19,6 +19,7 @@ from aiohttp import web
 
 from vsup.observe import fmt
 from vsup.observe.fmt import duration
+from vsup.safetext import printable
 from vsup.topology.cpulist import format_list
 
 TRANSITIONS_SHOWN = 20
@@ -36,11 +37,11 @@ def _template() -> Template:
 
 def _cell(text: Any, cls: str = "") -> str:
     attr = f' class="{cls}"' if cls else ""
-    return f"<td{attr}>{html.escape(str(text))}</td>"
+    return f"<td{attr}>{html.escape(printable(text))}</td>"  # (bidi overrides would reorder the row)
 
 
 def _state(state: str, extra: str = "") -> str:
-    return f'<td><span class="state {html.escape(state)}">{html.escape(state + extra)}</span></td>'
+    return f'<td><span class="state {html.escape(printable(state))}">{html.escape(printable(state + extra))}</span></td>'
 
 
 def instance_row(e: Mapping[str, Any]) -> str:

@@ -4,9 +4,11 @@
 capped line per stream (a child may write 200 KiB without a newline, or gigabytes of it).
 `InstanceLog` writes each line as `<local time with ms> <stream> <text>` to `<dir>/<name>.log`,
 rotates it at `max_bytes` keeping `backups` old files (`.1` newest), and copies it to vsup's own
-logger as `[<name>] <text>`. Writing is synchronous and the file is flushed once per chunk, so a
-burst costs one write per pipe read and memory stays flat; a failing disk never stops the caller
-(the drain must keep reading, or the child blocks on a full pipe).
+logger as `[<name>] <text>` (there with control characters and ESC as visible `\\x1b` escapes:
+the file keeps the child's text as it came, the echo must not steer a terminal). Writing is
+synchronous and the file is flushed once per chunk, so a burst costs one write per pipe read and
+memory stays flat; a failing disk never stops the caller (the drain must keep reading, or the
+child blocks on a full pipe).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from vsup.errors import VsupError
+from vsup.safetext import printable
 
 MAX_LINE = 64 * 1024
 REOPEN_AFTER = 10.0  # seconds before retrying a log file that failed to open or write
@@ -152,7 +155,8 @@ class InstanceLog:
             return
         if echo and self.echo and self.logger.isEnabledFor(logging.INFO):
             for text in texts:
-                self.logger.info("[%s] %s", self.name, text)
+                # the child's bytes reach vsup's stderr / the journal: no escape sequence gets through
+                self.logger.info("[%s] %s", self.name, printable(text))
         path = self.path
         if path is None:
             return

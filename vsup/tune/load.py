@@ -20,6 +20,8 @@ from collections.abc import Sequence
 
 import aiohttp
 
+from vsup.errors import VsupError
+from vsup.safetext import printable
 from vsup.tune.metrics import LevelMetrics, RequestRecord, level_metrics, level_name
 from vsup.tune.workload import WorkItem
 
@@ -50,11 +52,19 @@ class Client:
 
     async def tokenize(self, text: str) -> int:
         """Token count of `text` by the server itself (vLLM's /tokenize, reached through the proxy)."""
-        async with self._session().post(f"{self.base_url}/tokenize", json={"model": self.model, "prompt": text}) as response:
-            body = await response.json(content_type=None)
-            if response.status != 200 or not isinstance(body, dict) or "count" not in body:
-                raise RuntimeError(f"/tokenize answered HTTP {response.status}: {str(body)[:200]}")
-            return int(body["count"])
+        url = f"{self.base_url}/tokenize"
+        async with self._session().post(url, json={"model": self.model, "prompt": text}) as response:
+            answer = await response.text(errors="replace")
+        if response.status in (404, 405):  # a server that is not vLLM's (or an old one): the same for every candidate
+            raise VsupError(f"the server at {self.base_url} has no /tokenize (HTTP {response.status}); vsup tune sizes its synthetic "
+                            "prompts with vLLM's /tokenize: run it against vllm serve, or give --workload a JSONL of prompts")
+        try:
+            body = json.loads(answer)
+        except ValueError:
+            body = None
+        if response.status != 200 or not isinstance(body, dict) or not isinstance(body.get("count"), int):
+            raise RuntimeError(f"/tokenize answered HTTP {response.status}: {printable(answer[:200])}")
+        return int(body["count"])
 
     async def stream(self, item: WorkItem) -> RequestRecord:
         record = RequestRecord(sent=time.perf_counter())

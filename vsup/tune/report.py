@@ -9,10 +9,12 @@ figures) and the worst p99s; the summary has every level.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vsup.safetext import printable
 from vsup.tune.objective import Objective, _geomean, format_seconds
 from vsup.tune.search import Outcome, SearchResult
 
@@ -81,22 +83,34 @@ def _cells(r: Row) -> list[str]:
 
 def rich_table(table_rows: Sequence[Row], title: str = "vsup tune"):
     from rich.table import Table
+    from rich.text import Text
 
-    table = Table(title=title, header_style="bold")
+    # Text, not str: a note quotes a candidate's error ("[/srv/models/x] not found"), which rich
+    # would read as markup (a closing tag: MarkupError after the whole search)
+    table = Table(title=Text(printable(title)), header_style="bold")
     for header in HEADERS:
         table.add_column(header, justify="right" if header not in ("candidate", "layout", "stage", "note") else "left",
                          overflow="fold")
     for r in table_rows:
         style = "bold green" if r.note.startswith("best") else ("dim" if r.status != "ok" else None)
-        table.add_row(*_cells(r), style=style)
+        table.add_row(*(Text(printable(c)) for c in _cells(r)), style=style)
     return table
 
 
 def markdown_table(table_rows: Sequence[Row]) -> str:
     lines = ["| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
     for r in table_rows:
-        lines.append("| " + " | ".join(c.replace("|", "/") for c in _cells(r)) + " |")
+        lines.append("| " + " | ".join(_markdown(c) for c in _cells(r)) + " |")
     return "\n".join(lines)
+
+
+_MARKDOWN = re.compile(r"([\\`*_\[\]<>!])")
+
+
+def _markdown(cell: str) -> str:
+    """A cell as markdown text that reads as written: a candidate's error must not turn into a
+    link, an image fetched from elsewhere, HTML or emphasis when the summary is rendered."""
+    return _MARKDOWN.sub(r"\\\1", printable(cell)).replace("|", "/")
 
 
 def levels_table(result: SearchResult) -> str:
@@ -155,7 +169,7 @@ def chart(result: SearchResult, path: Path, title: str) -> Path:
         ax.set_title(f"load {name}")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(title)
+    fig.suptitle(title.replace("$", r"\$"))  # a $ would start matplotlib's mathtext
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

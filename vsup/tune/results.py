@@ -33,22 +33,82 @@ def outcome_from_json(data: dict[str, Any]) -> Outcome:
                    data.get("wall_s", 0.0), data.get("load_s", 0.0), data.get("extra", {}))
 
 
+_NUMBER = (int, float)
+# what a "run" line and each of its levels must hold to be replayed (the search computes with them)
+RUN_KEYS: dict[str, tuple[type, ...]] = {"candidate": (str,), "stage": (str,), "duration_s": _NUMBER, "ok": (bool,)}
+RUN_OPTIONAL: dict[str, tuple[type, ...]] = {"levels": (list,), "error": (str, type(None)), "wall_s": _NUMBER,
+                                             "load_s": _NUMBER, "extra": (dict,)}
+LEVEL_KEYS: dict[str, tuple[type, ...]] = {"level": (str,), "duration_s": _NUMBER, "completed": (int,), "errors": (int,),
+                                           "output_tokens": (int,), "output_throughput": _NUMBER,
+                                           "request_throughput": _NUMBER, "latency": (dict,)}
+LEVEL_OPTIONAL: dict[str, tuple[type, ...]] = {"input_tokens": (int,), "error_samples": (list,)}
+
+
+def _wrong(data: dict[str, Any], required: dict[str, tuple[type, ...]], optional: dict[str, tuple[type, ...]],
+           prefix: str = "") -> str | None:
+    """What is wrong with `data` against the key tables, or None."""
+    for key, types in (*required.items(), *optional.items()):
+        if key not in data:
+            if key in required:
+                return f"no {prefix}{key!r}"
+            continue
+        value = data[key]
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            return f"{prefix}{key!r} is {value!r}, not {' or '.join(t.__name__ for t in types)}"
+    return None
+
+
+def run_problem(data: dict[str, Any]) -> str | None:
+    """Why a "run" line cannot be replayed, or None."""
+    problem = _wrong(data, RUN_KEYS, RUN_OPTIONAL)
+    if problem:
+        return problem
+    for number, level in enumerate(data.get("levels", ())):
+        where = f"levels[{number}]"
+        if not isinstance(level, dict):
+            return f"{where} is not an object"
+        problem = _wrong(level, LEVEL_KEYS, LEVEL_OPTIONAL, where + ".")
+        if problem:
+            return problem
+        if not all(isinstance(stats, dict) and all(isinstance(x, _NUMBER) for x in stats.values())
+                   for stats in level["latency"].values()):
+            return f"{where}.'latency' is not metric -> {{statistic: seconds}}"
+    roofline = data.get("extra", {}).get("roofline")
+    if roofline is not None and not (isinstance(roofline, dict) and all(
+            isinstance(roofline.get(k), (*_NUMBER, type(None))) for k in ("fraction", "achieved_gbs", "limit_gbs"))):
+        return "extra.'roofline' is not {fraction, achieved_gbs, limit_gbs: numbers}"
+    return None
+
+
 class ResultsFile:
     def __init__(self, path: Path) -> None:
         self.path = path
 
-    def read(self) -> list[dict[str, Any]]:
+    def read(self) -> list[tuple[int, dict[str, Any]]]:
+        """(line number, entry) of every line; a line that is not one is a VsupError naming it."""
+        try:
+            lines = self.path.read_bytes().splitlines()
+        except OSError as exc:
+            raise VsupError(f"--resume: cannot read {self.path}: {exc.strerror or exc}") from None
         entries = []
-        for number, line in enumerate(self.path.read_text().splitlines(), 1):
-            if not line.strip():
+        fix = "remove that line (its run is measured again) or start without --resume in another --report folder"
+        for number, raw in enumerate(lines, 1):
+            if not raw.strip():
                 continue
             try:
-                entries.append(json.loads(line))
+                entry = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                raise VsupError(f"--resume: {self.path}:{number}: not UTF-8 text; {fix}") from None
             except json.JSONDecodeError:
                 # the last line of a run killed while writing it: everything before it counts
-                if number == len(self.path.read_text().splitlines()):
+                if number == len(lines):
                     break
-                raise VsupError(f"{self.path}:{number}: not a JSON line; this is not a vsup tune results file") from None
+                raise VsupError(f"--resume: {self.path}:{number}: not a JSON line; {fix}") from None
+            if not isinstance(entry, dict):
+                raise VsupError(f"--resume: {self.path}:{number}: not a JSON object; {fix}")
+            if entry.get("type") == "run" and (problem := run_problem(entry)):
+                raise VsupError(f"--resume: {self.path}:{number}: a run line that cannot be replayed: {problem}; {fix}")
+            entries.append((number, entry))
         return entries
 
     def start(self, fingerprint: dict[str, Any], resume: bool) -> dict[tuple[str, str], Outcome]:
@@ -57,9 +117,9 @@ class ResultsFile:
             if not resume:
                 raise VsupError(f"--report: {self.path} holds an earlier run; --resume continues it, "
                                 "or remove it / choose another --report folder")
-            entries = self.read()
+            entries = [entry for _, entry in self.read()]
             header = next((e for e in entries if e.get("type") == "tune"), None)
-            if header is None:
+            if header is None or not isinstance(header.get("fingerprint"), dict):
                 raise VsupError(f"--resume: {self.path} has no vsup tune header; remove it or choose another --report folder")
             if header.get("fingerprint") != fingerprint:
                 changed = sorted(k for k in set(fingerprint) | set(header["fingerprint"])
@@ -69,8 +129,12 @@ class ResultsFile:
             return {(e["candidate"], e["stage"]): outcome_from_json(e) for e in entries if e.get("type") == "run"}
         if resume:
             raise VsupError(f"--resume: nothing to resume: {self.path} does not exist")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text("")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text("")
+        except OSError as exc:
+            raise VsupError(f"--report {self.path.parent}: cannot write {self.path.name} there ({exc.strerror or exc}); "
+                            "choose a folder you can write") from None
         self.append({"type": "tune", "fingerprint": fingerprint, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
         return {}
 

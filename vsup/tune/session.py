@@ -18,12 +18,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+from rich.text import Text
+
 from vsup.config.planning import settings_from_config
 from vsup.config.schema import VsupConfig
 from vsup.doctor.libs import IOMP_NAMES, TCMALLOC_NAMES, find_library, ldconfig_paths
 from vsup.doctor.vllm_env import probe_python, vllm_python
 from vsup.errors import VsupError
 from vsup.observe.bandwidth import cpus_per_node, cpus_per_node_of, measure_bandwidth
+from vsup.safetext import printable
 from vsup.supervisor.launch import vllm_command
 from vsup.topology.fsroot import FsRoot
 from vsup.topology.planner import plan
@@ -186,7 +190,7 @@ class Tune:
                 count = max(16, 2 * max(self.o.concurrency, default=8))
                 try:
                     self.items = await synthetic(count, self.o.input_len, self.o.output_len, client.tokenize)
-                except (RuntimeError, OSError) as exc:
+                except (RuntimeError, OSError, aiohttp.ClientError) as exc:
                     raise CandidateFailed(f"sizing the synthetic prompts with /tokenize failed: {exc}") from None
             try:
                 await load.warm_up(client, self.items, 2 * trial.candidate.candidate.instances)
@@ -240,7 +244,7 @@ class Tune:
         try:
             self.bandwidth = measure_bandwidth(groups)
         except (OSError, RuntimeError) as exc:
-            self.console.print(f"[yellow]memory bandwidth not measured: {exc}; no roofline figures[/yellow]")
+            self.console.print(Text(printable(f"memory bandwidth not measured: {exc}; no roofline figures"), style="yellow"))
             return
         self.console.print("memory bandwidth: " + ", ".join(f"node {n}: {b / 1e9:.1f} GB/s" for n, b in self.bandwidth.items()))
 
@@ -277,7 +281,7 @@ class Tune:
         ]
         (self.o.report_dir / "summary.md").write_text(report.summary(result, table_rows, title=title, settings_lines=settings_lines,
                                                                       bandwidth=self.bandwidth, chart_name=chart_name))
-        self.console.print(f"report: {self.o.report_dir / 'summary.md'}" + (f", {self.o.report_dir / 'chart.png'}" if chart_name else ""))
+        self.console.print(Text(f"report: {self.o.report_dir / 'summary.md'}" + (f", {self.o.report_dir / 'chart.png'}" if chart_name else "")))
         if result.best is None:
             self.console.print("[red]no candidate could be measured[/red] (see the failed rows and the logs)")
             return 1
@@ -296,7 +300,7 @@ class Tune:
                     f"Report: {self.o.report_dir / 'summary.md'}", ""]
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(configs.render(data, comments))
-        self.console.print(f"wrote {path}")
+        self.console.print(Text(f"wrote {path}"))  # a path may hold [brackets]: not markup
 
     def _candidate(self, cid: str) -> Candidate:
         return {**{p.id: p.candidate for p in self.kept}, **self.made}[cid]
@@ -346,10 +350,10 @@ class Progress:
             if data.ok:
                 lv = data.levels
                 text = ", ".join(f"{x.level} {x.output_throughput:.1f} tok/s" for x in lv)
-                self.console.print(f"{what} {data.stage:<7} {data.candidate_id:<24} {text}", markup=False)
+                self.console.print(Text(printable(f"{what} {data.stage:<7} {data.candidate_id:<24} {text}")))
             else:
-                self.console.print(f"{what} {data.stage:<7} {data.candidate_id:<24} FAILED: {data.error}", markup=False)
+                self.console.print(Text(printable(f"{what} {data.stage:<7} {data.candidate_id:<24} FAILED: {data.error}")))
         elif kind == "skipped":
-            self.console.print(f"skipped {data.stage:<7} {data.candidate_id:<24} {data.reason}", markup=False)
+            self.console.print(Text(printable(f"skipped {data.stage:<7} {data.candidate_id:<24} {data.reason}")))
         elif kind == "pruned":
-            self.console.print(f"pruned          {data.id:<24} {data.reason}", markup=False)
+            self.console.print(Text(printable(f"pruned          {data.id:<24} {data.reason}")))
