@@ -1,18 +1,24 @@
 #!/usr/bin/env python3
-"""Proxy overhead, measured in one run: direct to the upstreams vs through `vsup proxy` (and
-through nginx round-robin when `nginx` is installed), at a fixed client concurrency.
+"""Proxy overhead, measured in one run: direct to the upstreams vs through `vsup proxy`, through
+the proxy of vsup as it was before issue 20 (--baseline), through the Rust vllm-router (--peers)
+and through nginx round-robin when `nginx` is installed, at a fixed client concurrency.
 
-    .venv/bin/python bench/proxy_bench.py [--concurrency 16] [--requests 4000] [--streams 200] [--chunks 100]
-                                          [--runs 3] [--pin] [--baseline DIR] [--scrape SECONDS]
-                                          [--policy round_robin,prefix_affinity] [--system-chars 3000]
+The front door's cost (issue 20), one command, a few minutes; then regenerate the README's figures:
+
+    .venv/bin/python bench/proxy_bench.py --pin && .venv/bin/python scripts/published_numbers.py
+
+    .venv/bin/python bench/proxy_bench.py [--concurrency 16] [--requests 2000] [--streams 200] [--chunks 63]
+                                          [--runs 5] [--pin] [--baseline REF|DIR|none] [--peers vllm-router|none]
+                                          [--scrape SECONDS] [--policy round_robin,prefix_affinity] [--system-chars 3000]
 
 Upstreams are minimal aiohttp apps (no delays for requests, a fixed pace between SSE chunks so
 each chunk is its own TCP segment, as from vLLM), two processes, so they are not the bottleneck.
 For each target it prints requests/s, client latency p50/p99, the latency added over direct,
-and the CPU the proxy process used (utime+stime from /proc/<pid>/stat, all its threads and, for
-nginx, master and workers) per small chat request and per streamed chunk:
+and the CPU the proxy process used (its CPU clock, all its threads and, for nginx, master and
+workers; the user/sys split from /proc/<pid>/stat) per small chat request, per streamed chunk and per streamed request:
   µs/request = CPU during the request phase / requests
   µs/chunk   = (CPU during the stream phase - streams × µs/request) / chunks relayed
+  µs/stream  = CPU during the stream phase / streams
 (the stream phase's own requests are charged at the small-request rate; chunks relayed counts
 every chunk the upstreams wrote, [DONE] included). With --runs N the targets are measured in turn
 N times (direct, proxy, nginx, direct, ...) so that load drifting on a shared box hits all of them
@@ -24,10 +30,15 @@ the upstreams on the others, so that its numbers are the proxy's own cost rather
 queued behind the client and upstreams on the same cores. Without --pin every process floats over
 all CPUs, as on a box where one core is shared by everything. The direct rows are measured with
 the same placement (client and upstreams on the other CPUs).
---baseline DIR: also measure the proxy of another vsup source tree (e.g. an older commit:
-`git archive <commit> | tar -x -C DIR`) in the same run, as the row "vsup (baseline)", and print
-the CPU ratios of this tree's proxy to it: a before/after that a noisy box cannot skew, since
-both are measured in turn under the same load.
+--baseline REF (default 05508c0, main before issue 20; none: no baseline): also measure the proxy
+of that git ref's vsup package (`git archive REF vsup` into a temporary folder; or a directory
+holding a vsup source tree) in the same run, as the row "vsup (baseline)", and print the CPU ratios
+of this tree's proxy to it: a before/after that a noisy box cannot skew, since both are measured in
+turn under the same load (the order of the proxies is reversed every other run).
+--peers vllm-router (default; none: no peers): also measure vllm-router (the vLLM project's Rust
+router, `--worker-urls` the upstreams, `--policy round_robin`), pinned like the proxy. It is
+installed from PyPI into a venv of its own (~/.cache/vsup/bench-peers, or $VSUP_BENCH_PEERS) the
+first time; never into the project's venvs. The same client (aiohttp, this process) loads every target.
 --policy P1,P2,...: one proxy per policy (rows "vsup P1", "vsup P2", ...), measured in turn, and the
 CPU ratios of each to the first: e.g. prefix_affinity's cost over round_robin's in the same run.
 The requests cycle through 64 bodies that differ in their user message (so prefix_affinity spreads
@@ -177,9 +188,9 @@ def baseline_tree(ref: str, workdir: Path) -> tuple[Path, str]:
     commit = found.stdout.strip()
     tree = workdir / f"baseline-{commit}"
     tree.mkdir()
-    archive = subprocess.Popen(["git", "-C", str(REPO), "archive", commit, "vsup"], stdout=subprocess.PIPE)
-    subprocess.run(["tar", "-x", "-C", str(tree)], stdin=archive.stdout, check=True)
-    if archive.wait() != 0:
+    with subprocess.Popen(["git", "-C", str(REPO), "archive", commit, "vsup"], stdout=subprocess.PIPE) as archive:
+        subprocess.run(["tar", "-x", "-C", str(tree)], stdin=archive.stdout, check=True)
+    if archive.returncode != 0:
         raise SystemExit(f"--baseline {ref!r}: git archive {commit} vsup failed")
     return tree, commit
 
@@ -238,15 +249,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def cpu_seconds(pids: list[int]) -> tuple[float, float]:
-    """(user, system) CPU seconds of these processes, all their threads."""
+def cpu_seconds(pids: list[int]) -> tuple[float, float, float]:
+    """(user, system, total) CPU seconds of these processes, all their threads: user and system in
+    clock ticks (/proc/<pid>/stat, 10 ms each), the total to the nanosecond from the process's CPU
+    clock (clock_getcpuclockid's clock id for a pid, which Python does not wrap)."""
     user = system = 0
+    total = 0.0
     for pid in pids:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
         user += int(fields[11])
         system += int(fields[12])
-    return user / CLK_TCK, system / CLK_TCK
+        total += time.clock_gettime(((~pid) << 3) | 2)  # MAKE_PROCESS_CPUCLOCK(pid, CPUCLOCK_SCHED)
+    return user / CLK_TCK, system / CLK_TCK, total
 
 
 def children_of(pid: int) -> list[int]:
@@ -373,11 +388,11 @@ async def measure(name: str, base_urls: list[str], pids: list[int] | None, args,
         stream = bodies("Count.", args.system_chars, max_tokens=100, stream=True)
         poller = asyncio.create_task(poll_metrics(session, base_urls[0] + "/metrics", scrape, scrapes)) if scrape else None
         await load(session, chat_urls, chat, 200, args.concurrency, False)  # warm-up: connections, caches
-        cpu0 = cpu_seconds(pids) if pids else (0.0, 0.0)
+        cpu0 = cpu_seconds(pids) if pids else (0.0, 0.0, 0.0)
         lat, _, wall = await load(session, chat_urls, chat, args.requests, args.concurrency, False)
-        cpu1 = cpu_seconds(pids) if pids else (0.0, 0.0)
+        cpu1 = cpu_seconds(pids) if pids else (0.0, 0.0, 0.0)
         slat, chunks, swall = await load(session, chat_urls, stream, args.streams, args.concurrency, True)
-        cpu2 = cpu_seconds(pids) if pids else (0.0, 0.0)
+        cpu2 = cpu_seconds(pids) if pids else (0.0, 0.0, 0.0)
         if poller is not None:
             poller.cancel()
     row = {
@@ -390,14 +405,23 @@ async def measure(name: str, base_urls: list[str], pids: list[int] | None, args,
         "scrapes": scrapes[0],
     }
     if pids:
+        # The totals from the nanosecond clock; their user/sys split in the proportion of the ticks
+        # (a phase of a second is only ~100 ticks: too coarse for the totals, enough for a split).
         upstream_chunks = args.streams * (args.chunks + 1)
-        for kind, i in (("user", 0), ("sys", 1)):
-            per_request = (cpu1[i] - cpu0[i]) / args.requests
-            row[f"us_per_request_{kind}"] = per_request * 1e6
-            row[f"us_per_chunk_{kind}"] = max(0.0, (cpu2[i] - cpu1[i]) - args.streams * per_request) / upstream_chunks * 1e6
-            row[f"us_per_stream_{kind}"] = (cpu2[i] - cpu1[i]) / args.streams * 1e6
-        for figure in ("us_per_request", "us_per_chunk", "us_per_stream"):
-            row[figure] = row[f"{figure}_user"] + row[f"{figure}_sys"]
+        phases = {"request": (cpu0, cpu1), "stream": (cpu1, cpu2)}
+        spent = {name: b[2] - a[2] for name, (a, b) in phases.items()}
+        share = {name: ((b[0] - a[0]) / ((b[0] - a[0]) + (b[1] - a[1])) if (b[0] - a[0]) + (b[1] - a[1]) else 1.0)
+                 for name, (a, b) in phases.items()}
+        per_request = spent["request"] / args.requests
+        totals = {
+            "us_per_request": (per_request, "request"),
+            "us_per_chunk": (max(0.0, spent["stream"] - args.streams * per_request) / upstream_chunks, "stream"),
+            "us_per_stream": (spent["stream"] / args.streams, "stream"),
+        }
+        for figure, (seconds, phase) in totals.items():
+            row[figure] = seconds * 1e6
+            row[f"{figure}_user"] = seconds * share[phase] * 1e6
+            row[f"{figure}_sys"] = seconds * (1 - share[phase]) * 1e6
     results.append(row)
 
 
@@ -558,7 +582,8 @@ async def bench(args) -> None:
     settings["baseline"] = getattr(args, "baseline_commit", None)
     settings["peers"] = [name for name, _, _ in peers]
     settings["vllm_router"] = VLLM_ROUTER if peers else None
-    args.recorder.write({"settings": settings, "summary": summary, "ratios": ratios, "runs": runs}, file_name=result_name(args))
+    args.recorder.write({"settings": settings, "summary": summary, "ratios": ratios, "runs": runs},
+                        out_dir=Path(args.out) if args.out else None, file_name=result_name(args))
 
 
 def result_name(args) -> str:
@@ -596,14 +621,15 @@ def main() -> None:
     parser.add_argument("--scrape", type=float, default=0.0,
                         help="also measure vsup run's proxy without and with metrics collection every SECONDS")
     parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--requests", type=int, default=4000, help="small chat requests per target")
-    parser.add_argument("--streams", type=int, default=400, help="streamed requests per target")
+    parser.add_argument("--requests", type=int, default=2000, help="small chat requests per target")
+    parser.add_argument("--streams", type=int, default=200, help="streamed requests per target")
     parser.add_argument("--chunks", type=int, default=63, help="SSE chunks per stream (plus [DONE])")
     parser.add_argument("--pace", type=float, default=0.002, help="seconds between two chunks of one stream")
     parser.add_argument("--upstreams", type=int, default=2)
-    parser.add_argument("--runs", type=int, default=3, help="measure every target this many times, in turn; report medians")
+    parser.add_argument("--runs", type=int, default=5, help="measure every target this many times, in turn; report medians")
     parser.add_argument("--pin", action="store_true", help="proxy/nginx on the first CPU, client and upstreams on the others")
     parser.add_argument("--json", action="store_true", help="also print the rows as JSON")
+    parser.add_argument("--out", metavar="DIR", help="write the result file into DIR (default docs/bench)")
     parser.add_argument("--baseline", metavar="REF", default=DEFAULT_BASELINE,
                         help=f"also measure the proxy of this git ref's vsup (or of the vsup source tree in a directory), in turn "
                              f"(default {DEFAULT_BASELINE}, main before issue 20; none: no baseline)")
