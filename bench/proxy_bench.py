@@ -1,18 +1,24 @@
 #!/usr/bin/env python3
-"""Proxy overhead, measured in one run: direct to the upstreams vs through `vsup proxy` (and
-through nginx round-robin when `nginx` is installed), at a fixed client concurrency.
+"""Proxy overhead, measured in one run: direct to the upstreams vs through `vsup proxy`, through
+the proxy of vsup as it was before issue 20 (--baseline), through the Rust vllm-router (--peers)
+and through nginx round-robin when `nginx` is installed, at a fixed client concurrency.
 
-    .venv/bin/python bench/proxy_bench.py [--concurrency 16] [--requests 4000] [--streams 200] [--chunks 100]
-                                          [--runs 3] [--pin] [--baseline DIR] [--scrape SECONDS]
-                                          [--policy round_robin,prefix_affinity] [--system-chars 3000]
+The front door's cost (issue 20), one command, a few minutes; then regenerate the README's figures:
+
+    .venv/bin/python bench/proxy_bench.py --pin && .venv/bin/python scripts/published_numbers.py
+
+    .venv/bin/python bench/proxy_bench.py [--concurrency 16] [--requests 2000] [--streams 200] [--chunks 63]
+                                          [--runs 5] [--pin] [--baseline REF|DIR|none] [--peers vllm-router|none]
+                                          [--scrape SECONDS] [--policy round_robin,prefix_affinity] [--system-chars 3000]
 
 Upstreams are minimal aiohttp apps (no delays for requests, a fixed pace between SSE chunks so
 each chunk is its own TCP segment, as from vLLM), two processes, so they are not the bottleneck.
 For each target it prints requests/s, client latency p50/p99, the latency added over direct,
-and the CPU the proxy process used (utime+stime from /proc/<pid>/stat, all its threads and, for
-nginx, master and workers) per small chat request and per streamed chunk:
+and the CPU the proxy process used (its CPU clock, all its threads and, for nginx, master and
+workers; the user/sys split from /proc/<pid>/stat) per small chat request, per streamed chunk and per streamed request:
   µs/request = CPU during the request phase / requests
   µs/chunk   = (CPU during the stream phase - streams × µs/request) / chunks relayed
+  µs/stream  = CPU during the stream phase / streams
 (the stream phase's own requests are charged at the small-request rate; chunks relayed counts
 every chunk the upstreams wrote, [DONE] included). With --runs N the targets are measured in turn
 N times (direct, proxy, nginx, direct, ...) so that load drifting on a shared box hits all of them
@@ -24,10 +30,15 @@ the upstreams on the others, so that its numbers are the proxy's own cost rather
 queued behind the client and upstreams on the same cores. Without --pin every process floats over
 all CPUs, as on a box where one core is shared by everything. The direct rows are measured with
 the same placement (client and upstreams on the other CPUs).
---baseline DIR: also measure the proxy of another vsup source tree (e.g. an older commit:
-`git archive <commit> | tar -x -C DIR`) in the same run, as the row "vsup (baseline)", and print
-the CPU ratios of this tree's proxy to it: a before/after that a noisy box cannot skew, since
-both are measured in turn under the same load.
+--baseline REF (default 05508c0, main before issue 20; none: no baseline): also measure the proxy
+of that git ref's vsup package (`git archive REF vsup` into a temporary folder; or a directory
+holding a vsup source tree) in the same run, as the row "vsup (baseline)", and print the CPU ratios
+of this tree's proxy to it: a before/after that a noisy box cannot skew, since both are measured in
+turn under the same load (the order of the proxies is reversed every other run).
+--peers vllm-router (default; none: no peers): also measure vllm-router (the vLLM project's Rust
+router, `--worker-urls` the upstreams, `--policy round_robin`), pinned like the proxy. It is
+installed from PyPI into a venv of its own (~/.cache/vsup/bench-peers, or $VSUP_BENCH_PEERS) the
+first time; never into the project's venvs. The same client (aiohttp, this process) loads every target.
 --policy P1,P2,...: one proxy per policy (rows "vsup P1", "vsup P2", ...), measured in turn, and the
 CPU ratios of each to the first: e.g. prefix_affinity's cost over round_robin's in the same run.
 The requests cycle through 64 bodies that differ in their user message (so prefix_affinity spreads
@@ -158,6 +169,68 @@ def run_proxy(port: int, upstreams: list[str], pids: list[int], interval: float)
     run(main())
 
 
+# ------------------------------------------------------------------------------- baseline and peers
+
+DEFAULT_BASELINE = "05508c0"  # main before issue 20 (security): the front door's cost is held to it
+VLLM_ROUTER = "vllm-router==0.1.17"  # the Rust router of the vLLM project, a Python wheel on PyPI
+PEERS_VENV = Path(os.environ.get("VSUP_BENCH_PEERS", Path.home() / ".cache" / "vsup" / "bench-peers"))
+
+
+def baseline_tree(ref: str, workdir: Path) -> tuple[Path, str]:
+    """The vsup package of `ref` (a git ref of this repository, or a directory holding a vsup
+    source tree) and what it is called in the results: `git archive REF vsup` into workdir."""
+    if Path(ref).is_dir():
+        return Path(ref).resolve(), str(Path(ref).resolve())
+    found = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "--verify", f"{ref}^{{commit}}"],
+                           capture_output=True, text=True)
+    if found.returncode != 0:
+        raise SystemExit(f"--baseline {ref!r}: neither a directory nor a commit of {REPO} (e.g. --baseline {DEFAULT_BASELINE}, or none)")
+    commit = found.stdout.strip()
+    tree = workdir / f"baseline-{commit}"
+    tree.mkdir()
+    with subprocess.Popen(["git", "-C", str(REPO), "archive", commit, "vsup"], stdout=subprocess.PIPE) as archive:
+        subprocess.run(["tar", "-x", "-C", str(tree)], stdin=archive.stdout, check=True)
+    if archive.returncode != 0:
+        raise SystemExit(f"--baseline {ref!r}: git archive {commit} vsup failed")
+    return tree, commit
+
+
+def vllm_router_binary() -> Path | None:
+    """vllm-router in the bench's own venv of peers (never the project's venvs), installed from the
+    package index the first time; None, with a line saying why, when it cannot be."""
+    binary = PEERS_VENV / "bin" / "vllm-router"
+    if binary.exists():
+        return binary
+    print(f"vllm-router is not installed: installing {VLLM_ROUTER} into {PEERS_VENV} (once; needs the package index)", flush=True)
+    try:
+        if not (PEERS_VENV / "bin" / "python").exists():
+            subprocess.run([sys.executable, "-m", "venv", str(PEERS_VENV)], check=True)
+        subprocess.run([str(PEERS_VENV / "bin" / "python"), "-m", "pip", "install", "-q", VLLM_ROUTER], check=True)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        print(f"could not install {VLLM_ROUTER} into {PEERS_VENV} ({exc}): no vllm-router row; "
+              f"install it by hand with `{PEERS_VENV}/bin/pip install {VLLM_ROUTER}`, or pass --peers none")
+        return None
+    return binary if binary.exists() else None
+
+
+def on_cpus(cpus: set[int] | None):
+    """preexec_fn placing a child (and every thread it will start) on `cpus` from its first instruction."""
+    if cpus is None:
+        return None
+    return lambda: os.sched_setaffinity(0, cpus)
+
+
+def start_vllm_router(binary: Path, upstreams: list[str], cpus: set[int] | None) -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [str(binary), "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *upstreams, "--policy", "round_robin",
+         "--log-level", "warning"],
+        start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=on_cpus(cpus),
+    )
+    wait_http(port, "/health")
+    return proc, port
+
+
 # ------------------------------------------------------------------------------- measuring
 
 
@@ -176,15 +249,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def cpu_seconds(pids: list[int]) -> tuple[float, float]:
-    """(user, system) CPU seconds of these processes, all their threads."""
+def cpu_seconds(pids: list[int]) -> tuple[float, float, float]:
+    """(user, system, total) CPU seconds of these processes, all their threads: user and system in
+    clock ticks (/proc/<pid>/stat, 10 ms each), the total to the nanosecond from the process's CPU
+    clock (clock_getcpuclockid's clock id for a pid, which Python does not wrap)."""
     user = system = 0
+    total = 0.0
     for pid in pids:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
         user += int(fields[11])
         system += int(fields[12])
-    return user / CLK_TCK, system / CLK_TCK
+        total += time.clock_gettime(((~pid) << 3) | 2)  # MAKE_PROCESS_CPUCLOCK(pid, CPUCLOCK_SCHED)
+    return user / CLK_TCK, system / CLK_TCK, total
 
 
 def children_of(pid: int) -> list[int]:
@@ -311,11 +388,11 @@ async def measure(name: str, base_urls: list[str], pids: list[int] | None, args,
         stream = bodies("Count.", args.system_chars, max_tokens=100, stream=True)
         poller = asyncio.create_task(poll_metrics(session, base_urls[0] + "/metrics", scrape, scrapes)) if scrape else None
         await load(session, chat_urls, chat, 200, args.concurrency, False)  # warm-up: connections, caches
-        cpu0 = cpu_seconds(pids) if pids else (0.0, 0.0)
+        cpu0 = cpu_seconds(pids) if pids else (0.0, 0.0, 0.0)
         lat, _, wall = await load(session, chat_urls, chat, args.requests, args.concurrency, False)
-        cpu1 = cpu_seconds(pids) if pids else (0.0, 0.0)
+        cpu1 = cpu_seconds(pids) if pids else (0.0, 0.0, 0.0)
         slat, chunks, swall = await load(session, chat_urls, stream, args.streams, args.concurrency, True)
-        cpu2 = cpu_seconds(pids) if pids else (0.0, 0.0)
+        cpu2 = cpu_seconds(pids) if pids else (0.0, 0.0, 0.0)
         if poller is not None:
             poller.cancel()
     row = {
@@ -328,13 +405,23 @@ async def measure(name: str, base_urls: list[str], pids: list[int] | None, args,
         "scrapes": scrapes[0],
     }
     if pids:
+        # The totals from the nanosecond clock; their user/sys split in the proportion of the ticks
+        # (a phase of a second is only ~100 ticks: too coarse for the totals, enough for a split).
         upstream_chunks = args.streams * (args.chunks + 1)
-        for kind, i in (("user", 0), ("sys", 1)):
-            per_request = (cpu1[i] - cpu0[i]) / args.requests
-            row[f"us_per_request_{kind}"] = per_request * 1e6
-            row[f"us_per_chunk_{kind}"] = max(0.0, (cpu2[i] - cpu1[i]) - args.streams * per_request) / upstream_chunks * 1e6
-        row["us_per_request"] = row["us_per_request_user"] + row["us_per_request_sys"]
-        row["us_per_chunk"] = row["us_per_chunk_user"] + row["us_per_chunk_sys"]
+        phases = {"request": (cpu0, cpu1), "stream": (cpu1, cpu2)}
+        spent = {name: b[2] - a[2] for name, (a, b) in phases.items()}
+        share = {name: ((b[0] - a[0]) / ((b[0] - a[0]) + (b[1] - a[1])) if (b[0] - a[0]) + (b[1] - a[1]) else 1.0)
+                 for name, (a, b) in phases.items()}
+        per_request = spent["request"] / args.requests
+        totals = {
+            "us_per_request": (per_request, "request"),
+            "us_per_chunk": (max(0.0, spent["stream"] - args.streams * per_request) / upstream_chunks, "stream"),
+            "us_per_stream": (spent["stream"] / args.streams, "stream"),
+        }
+        for figure, (seconds, phase) in totals.items():
+            row[figure] = seconds * 1e6
+            row[f"{figure}_user"] = seconds * share[phase] * 1e6
+            row[f"{figure}_sys"] = seconds * (1 - share[phase]) * 1e6
     results.append(row)
 
 
@@ -345,17 +432,17 @@ def median(values: list[float]) -> float:
 
 
 def summarize(runs: list[list[dict]]) -> list[dict]:
-    """Per target, the median of every column over the runs; added latency as the median of each
-    run's difference to that run's direct row."""
+    """Per target (in the first run's order), the median of every column over the runs; added
+    latency as the median of each run's difference to that run's direct row."""
     out = []
-    for i, row in enumerate(runs[0]):
-        rows = [run[i] for run in runs]
+    for row in runs[0]:
+        rows = [next(r for r in run if r["target"] == row["target"]) for run in runs]
         summary = {"target": row["target"]}
         for key in row:
             if key != "target":
                 summary[key] = median([r[key] for r in rows])
-        summary["added_p50_ms"] = median([run[i]["p50_ms"] - run[0]["p50_ms"] for run in runs])
-        summary["added_p99_ms"] = median([run[i]["p99_ms"] - run[0]["p99_ms"] for run in runs])
+        summary["added_p50_ms"] = median([r["p50_ms"] - run[0]["p50_ms"] for r, run in zip(rows, runs, strict=True)])
+        summary["added_p99_ms"] = median([r["p99_ms"] - run[0]["p99_ms"] for r, run in zip(rows, runs, strict=True)])
         out.append(summary)
     return out
 
@@ -367,7 +454,7 @@ def print_table(results: list[dict], args) -> None:
     print(f"\nconcurrency {args.concurrency}; {args.requests} small chat requests; {args.streams} streams x {args.chunks + 1} chunks "
           f"(upstream pace {args.pace * 1e3:g} ms); {placement}; median of {args.runs} run(s); "
           f"loadavg before: {args.loadavg}, after: {args.loadavg_after}")
-    print(f"{'target':<22} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} {'+p99 ms':>8} {'CPU µs/req':>11} {'(user+sys)':>12} {'CPU µs/chunk':>13} {'(user+sys)':>12}")
+    print(f"{'target':<22} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} {'+p99 ms':>8} {'CPU µs/req':>11} {'(user+sys)':>12} {'CPU µs/chunk':>13} {'(user+sys)':>12} {'CPU µs/stream':>14}")
     for row in results:
         added50 = row["added_p50_ms"]
         added99 = row["added_p99_ms"]
@@ -375,8 +462,9 @@ def print_table(results: list[dict], args) -> None:
         req_split = f"{row['us_per_request_user']:.0f}+{row['us_per_request_sys']:.0f}" if "us_per_request" in row else ""
         chunk = f"{row['us_per_chunk']:.1f}" if "us_per_chunk" in row else "-"
         chunk_split = f"{row['us_per_chunk_user']:.1f}+{row['us_per_chunk_sys']:.1f}" if "us_per_chunk" in row else ""
+        stream = f"{row['us_per_stream']:.0f}" if "us_per_stream" in row else "-"
         extra = "" if row is direct else f"{added50:8.2f} {added99:8.2f}"
-        print(f"{row['target']:<22} {row['rps']:8.0f} {row['p50_ms']:8.2f} {row['p99_ms']:8.2f} {extra:>17} {req:>11} {req_split:>12} {chunk:>13} {chunk_split:>12}")
+        print(f"{row['target']:<22} {row['rps']:8.0f} {row['p50_ms']:8.2f} {row['p99_ms']:8.2f} {extra:>17} {req:>11} {req_split:>12} {chunk:>13} {chunk_split:>12} {stream:>14}")
 
 
 async def bench(args) -> None:
@@ -404,7 +492,8 @@ async def bench(args) -> None:
 
         proxies = [(name, REPO, policy) for name, policy in zip(args.policy_rows, args.policies, strict=True)]
         if args.baseline:
-            proxies.append(("vsup (baseline)", Path(args.baseline).resolve(), args.policies[0]))
+            tree, args.baseline_commit = baseline_tree(args.baseline, workdir)
+            proxies.append(("vsup (baseline)", tree, args.policies[0]))
         started: list[tuple[str, subprocess.Popen, int]] = []
         for name, source, policy in proxies:
             proxy_port = free_port()
@@ -412,10 +501,9 @@ async def bench(args) -> None:
             policy_args = [] if policy == "round_robin" else ["--policy", policy]  # a baseline tree may predate --policy
             proxy = subprocess.Popen(
                 [sys.executable, "-c", "from vsup.cli.main import main; main()", "proxy", "--port", str(proxy_port), *policy_args, *[a for u in direct for a in ("--upstream", u)]],
-                env=env, start_new_session=True, stderr=subprocess.DEVNULL,
+                env=env, start_new_session=True, stderr=subprocess.DEVNULL, preexec_fn=on_cpus(proxy_cpus),
             )
             procs.append(proxy)
-            pin([proxy.pid], proxy_cpus)
             wait_http(proxy_port, "/ready")
             started.append((name, proxy, proxy_port))
 
@@ -428,8 +516,8 @@ async def bench(args) -> None:
                     [sys.executable, __file__, "proxy", "--port", str(port), "--scrape", str(interval),
                      *[a for u in direct for a in ("--upstream", u)], *[a for p in upstream_pids for a in ("--upstream-pid", str(p))]],
                     env=dict(os.environ, PYTHONPATH=str(REPO)), start_new_session=True, stderr=subprocess.DEVNULL,
+                    preexec_fn=on_cpus(proxy_cpus),
                 ))
-                pin([procs[-1].pid], proxy_cpus)
                 wait_http(port, "/ready")
                 observed.append((row, port, interval, procs[-1].pid))
 
@@ -442,11 +530,22 @@ async def bench(args) -> None:
         else:
             print("nginx is not installed: no nginx row (apt-get install -y nginx)")
 
-        for _ in range(args.runs):
+        peers: list[tuple[str, list[int], int]] = []  # (row, pids, port)
+        if "vllm-router" in args.peers:
+            binary = vllm_router_binary()
+            if binary is not None:
+                router, router_port = start_vllm_router(binary, direct, proxy_cpus)
+                procs.append(router)
+                peers.append(("vllm-router", [router.pid, *children_of(router.pid)], router_port))
+
+        for run in range(args.runs):
             results: list[dict] = []
             await measure("direct", direct, None, args, results)
-            for name, proxy, proxy_port in started:
-                await measure(name, [f"http://127.0.0.1:{proxy_port}"], [proxy.pid], args, results)
+            # this tree and its baseline (and the peers) in turn, the order reversed every other
+            # run: a load that drifts during a run favours neither
+            turn = [(name, [proxy.pid], port) for name, proxy, port in started] + peers
+            for name, pids, proxy_port in (turn if run % 2 == 0 else turn[::-1]):
+                await measure(name, [f"http://127.0.0.1:{proxy_port}"], pids, args, results)
             for row, port, interval, pid in observed:
                 await measure(row, [f"http://127.0.0.1:{port}"], [pid], args, results, scrape=interval)
             if nginx is not None:
@@ -473,25 +572,32 @@ async def bench(args) -> None:
         ratios[f"{other} / {first}"] = print_ratios(runs, other, first, f"{other} / {first}")
     if args.baseline:
         ratios["this tree / baseline"] = print_ratios(runs, first, "vsup (baseline)", "this tree / baseline")
+    if peers:
+        ratios["this tree / vllm-router"] = print_ratios(runs, first, "vllm-router", "this tree / vllm-router")
     if args.json:
         print(json.dumps({"summary": summary, "runs": runs}))
     settings = {key: getattr(args, key) for key in ("concurrency", "requests", "streams", "chunks", "pace", "upstreams",
                                                      "runs", "pin", "scrape", "policies", "system_chars")}
     settings["nginx"] = nginx is not None
-    args.recorder.write({"settings": settings, "summary": summary, "ratios": ratios, "runs": runs}, file_name=result_name(args))
+    settings["baseline"] = getattr(args, "baseline_commit", None)
+    settings["peers"] = [name for name, _, _ in peers]
+    settings["vllm_router"] = VLLM_ROUTER if peers else None
+    args.recorder.write({"settings": settings, "summary": summary, "ratios": ratios, "runs": runs},
+                        out_dir=Path(args.out) if args.out else None, file_name=result_name(args))
 
 
 def result_name(args) -> str:
-    """docs/bench/proxy_bench[-pin][-scrape][-policy][-baseline].json: one file per kind of run the docs quote."""
+    """docs/bench/proxy_bench[-pin][-scrape][-policy].json: one file per kind of run the docs quote (the
+    baseline and peer rows are extra rows of the same run)."""
     parts = ["proxy_bench"] + (["pin"] if args.pin else []) + (["scrape"] if args.scrape else []) + \
-        (["policy"] if len(args.policies) > 1 else []) + (["baseline"] if args.baseline else [])
+        (["policy"] if len(args.policies) > 1 else [])
     return "-".join(parts) + ".json"
 
 
 def print_ratios(runs: list[list[dict]], target: str, reference: str, what: str) -> dict:
     """One proxy's CPU over another's, per run (both measured in turn in each run)."""
     out = {}
-    for key, label in (("us_per_request", "CPU per request"), ("us_per_chunk", "CPU per chunk")):
+    for key, label in (("us_per_request", "CPU per request"), ("us_per_chunk", "CPU per chunk"), ("us_per_stream", "CPU per stream")):
         ratios = []
         for run in runs:
             rows = {row["target"]: row for row in run}
@@ -515,15 +621,21 @@ def main() -> None:
     parser.add_argument("--scrape", type=float, default=0.0,
                         help="also measure vsup run's proxy without and with metrics collection every SECONDS")
     parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--requests", type=int, default=4000, help="small chat requests per target")
+    parser.add_argument("--requests", type=int, default=2000, help="small chat requests per target")
     parser.add_argument("--streams", type=int, default=200, help="streamed requests per target")
-    parser.add_argument("--chunks", type=int, default=100, help="SSE chunks per stream (plus [DONE])")
+    parser.add_argument("--chunks", type=int, default=63, help="SSE chunks per stream (plus [DONE])")
     parser.add_argument("--pace", type=float, default=0.002, help="seconds between two chunks of one stream")
     parser.add_argument("--upstreams", type=int, default=2)
-    parser.add_argument("--runs", type=int, default=3, help="measure every target this many times, in turn; report medians")
+    parser.add_argument("--runs", type=int, default=5, help="measure every target this many times, in turn; report medians")
     parser.add_argument("--pin", action="store_true", help="proxy/nginx on the first CPU, client and upstreams on the others")
     parser.add_argument("--json", action="store_true", help="also print the rows as JSON")
-    parser.add_argument("--baseline", metavar="DIR", help="also measure the proxy of the vsup source tree in DIR, in turn")
+    parser.add_argument("--out", metavar="DIR", help="write the result file into DIR (default docs/bench)")
+    parser.add_argument("--baseline", metavar="REF", default=DEFAULT_BASELINE,
+                        help=f"also measure the proxy of this git ref's vsup (or of the vsup source tree in a directory), in turn "
+                             f"(default {DEFAULT_BASELINE}, main before issue 20; none: no baseline)")
+    parser.add_argument("--peers", default="vllm-router", metavar="P1,P2",
+                        help=f"other proxies measured in turn: vllm-router ({VLLM_ROUTER}, installed into {PEERS_VENV} when "
+                             "missing); none: no peers (nginx is measured whenever it is installed)")
     parser.add_argument("--policy", default="round_robin", metavar="P1,P2",
                         help="proxy policies, one proxy each, measured in turn (default round_robin)")
     parser.add_argument("--system-chars", type=int, default=0, metavar="N",
@@ -536,6 +648,11 @@ def main() -> None:
         run_proxy(args.port, args.upstream, args.upstream_pid, args.scrape)
         return
     args.policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    if args.baseline == "none":
+        args.baseline = None
+    args.peers = [p.strip() for p in args.peers.split(",") if p.strip() and p.strip() != "none"]
+    if any(p != "vllm-router" for p in args.peers):
+        parser.error(f"--peers {','.join(args.peers)!r}: vllm-router or none")
     from typing import get_args
 
     from vsup.config.schema import ProxyConfig

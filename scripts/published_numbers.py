@@ -129,8 +129,9 @@ def proxy_readme(link: str) -> str:
         for r in data["figures"]["summary"][1:]:
             rows.append((label, r))
     for label, r in rows:
-        lines.append(f"| {r['target']}, {label} | {r['rps']:.0f} | {r['added_p50_ms']:.2f} ms | {r['us_per_request']:.0f} | "
-                     f"{r['us_per_chunk']:.1f} |")
+        if "us_per_request" in r:  # the direct row has no proxy CPU
+            lines.append(f"| {r['target']}, {label} | {r['rps']:.0f} | {r['added_p50_ms']:.2f} ms | {r['us_per_request']:.0f} | "
+                         f"{r['us_per_chunk']:.1f} |")
     p = _row(pinned, "vsup proxy")
     floors = [("≤ 150 µs CPU per request", p["us_per_request"] <= 150), ("≤ 15 µs per chunk", p["us_per_chunk"] <= 15),
               ("added p50 ≤ 1 ms", p["added_p50_ms"] <= 1.0)]
@@ -141,6 +142,48 @@ def proxy_readme(link: str) -> str:
               + (f"; missed: {', '.join(missed)}." if missed else ".")]
     if not pinned["figures"]["settings"]["nginx"]:
         lines.append("nginx was not installed on the machine: no nginx rows.")
+    return "\n".join(lines)
+
+
+def front_door(link: str) -> str:
+    """Issue 20's bounds, from one pinned run: this tree against main before the issue (the
+    baseline, at most 10 % more CPU per small request and per streamed request) and against the
+    Rust vllm-router (a streamed request at most its CPU), all measured in turn."""
+    data = with_file("proxy_bench-pin.json")
+    f, s = data["figures"], data["figures"]["settings"]
+    rows = {r["target"]: r for r in f["summary"]}
+    me = rows["vsup proxy"]
+    shown = [("vsup (this tree)", me)]
+    if "vsup (baseline)" in rows:
+        shown.append((f"vsup at {s['baseline']} (baseline)", rows["vsup (baseline)"]))
+    for name in ("vllm-router", "nginx"):
+        if name in rows:
+            shown.append((f"{name} ({s['vllm_router']})" if name == "vllm-router" else name, rows[name]))
+    lines = [conditions(data, link), "",
+             f"Concurrency {s['concurrency']}, {s['upstreams']} upstreams; each proxy pinned to one CPU, the client and the "
+             f"upstreams to the other (the box's other processes are not pinned); streams of {s['chunks'] + 1} events (an event every {s['pace'] * 1e3:g} ms); "
+             f"medians of {s['runs']} runs, the proxies measured in turn in every run.", "",
+             "| proxy | CPU µs / small request | CPU µs / streamed request | CPU µs / chunk |", "|---|---|---|---|"]
+    for name, r in shown:
+        lines.append(f"| {name} | {r['us_per_request']:.0f} | {r['us_per_stream']:.0f} | {r['us_per_chunk']:.1f} |")
+    verdicts = []
+    ratios = f["ratios"]
+    if "this tree / baseline" in ratios:
+        q = ratios["this tree / baseline"]
+        req, stream = q["us_per_request"]["median"], q["us_per_stream"]["median"]
+        verdicts.append(f"this tree / baseline: {req:.2f} per small request, {stream:.2f} per streamed request "
+                        f"(bound ≤ 1.10: {'met' if max(req, stream) <= 1.10 else 'missed'})")
+    if "this tree / vllm-router" in ratios:
+        q = ratios["this tree / vllm-router"]
+        stream = q["us_per_stream"]["median"]
+        runs = q["us_per_stream"]["runs"]
+        verdicts.append(f"this tree / vllm-router: {q['us_per_request']['median']:.2f} per small request, {stream:.2f} "
+                        f"per streamed request (runs {min(runs):.2f}–{max(runs):.2f}; bound ≤ 1.00: "
+                        f"{'met' if stream <= 1.0 else 'missed'})")
+    if verdicts:
+        lines += ["", "Medians of the per-run ratios: " + "; ".join(verdicts) + "."]
+    if not s["nginx"]:
+        lines.append("nginx was not installed on the machine: no nginx row.")
     return "\n".join(lines)
 
 
@@ -308,6 +351,7 @@ RENDERERS: dict[str, Callable[[str], str]] = {
     "vllm-runs": vllm_runs,
     "layout-sentence": layout_sentence,
     "proxy-overhead": proxy_readme,
+    "proxy-front-door": front_door,
     "proxy-tables": proxy_tables,
     "proxy-scrape": scrape,
     "proxy-policy-cost": policy_cost,
