@@ -189,6 +189,19 @@ async def test_a_refused_connection_that_says_nothing_gets_its_refusal(fake, mon
         held.close()
 
 
+async def test_silent_connections_over_the_limit_cannot_keep_health_out(fake, monkeypatch):
+    monkeypatch.setattr("vsup.proxy.clients.PROBE_RESERVE", 2)
+    monkeypatch.setattr("vsup.proxy.clients.MAX_CLIENT_CONNECTIONS", 3)
+    async with running_proxy(ready_pool([fake])) as proxy, contextlib.AsyncExitStack() as stack:
+        for source in ("127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5", "127.0.0.6"):  # 3 admitted, 2 silent over
+            _, writer = await connect(proxy.port, source)
+            stack.callback(writer.close)
+        await wait_for(lambda: proxy.metrics.client_connections() == 3, what="the connections admitted")
+        for _ in range(3):
+            status, _, body = parsed(await exchange(proxy.port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"))
+            assert (status, body) == (200, {"status": "ok"})  # the oldest silent one made room
+
+
 # -- Expect: 100-continue, absolute-form targets
 
 

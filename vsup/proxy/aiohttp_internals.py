@@ -233,7 +233,7 @@ class _Handler(web_protocol.RequestHandler):
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
-        policy = self._vsup_policy
+        self._vsup_clients = policy = self._vsup_policy  # the same for the connection's life
         peer = transport.get_extra_info("peername")
         address = peer[0] if isinstance(peer, tuple) else ""
         self._vsup_address = address
@@ -253,7 +253,7 @@ class _Handler(web_protocol.RequestHandler):
             self._keepalive_handle = None
         if refusal is None:
             self._vsup_timer = self._loop.call_later(policy.header_timeout, self._vsup_head_late)
-        elif policy.probe_slot(address):
+        elif policy.probe_slot(self, address):
             self._vsup_probing = True
             self._vsup_probe = bytearray()
             self._vsup_timer = self._loop.call_later(PROBE_TIMEOUT, self._vsup_probe_end, b"")
@@ -276,9 +276,7 @@ class _Handler(web_protocol.RequestHandler):
         if self._vsup_counted:
             self._vsup_counted = False
             self._vsup_policy.closed(self._vsup_address)
-        if self._vsup_probing:
-            self._vsup_probing = False
-            self._vsup_policy.probe_done(self._vsup_address)
+        self._vsup_release_probe()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -287,6 +285,9 @@ class _Handler(web_protocol.RequestHandler):
             return
         body = self._vsup_body
         in_head = body is None or body.is_eof()  # else: bytes of the body, for the forwarder to bound
+        if in_head and self._vsup_head + len(data) > self._vsup_clients.max_header_bytes and not _ends_head(data):
+            self._vsup_refuse_head(self._vsup_head + len(data))  # before the parser holds any of it
+            return
         count = self._request_count
         _base_data_received(self, data)
         if self._request_count != count:
@@ -294,7 +295,7 @@ class _Handler(web_protocol.RequestHandler):
         elif in_head and data:
             head = self._vsup_head + len(data)
             self._vsup_head = head
-            if head > self._vsup_policy.max_header_bytes:
+            if head > self._vsup_clients.max_header_bytes:
                 self._vsup_refuse_head(head)
             elif head == len(data) and self._vsup_timer is None:  # a keep-alive request's first bytes
                 self._vsup_timer = self._loop.call_later(self._vsup_policy.header_timeout, self._vsup_head_late)
@@ -309,7 +310,7 @@ class _Handler(web_protocol.RequestHandler):
         if not messages:
             return
         self._vsup_body = messages[-1][1]
-        policy = self._vsup_policy
+        policy = self._vsup_clients
         if self._vsup_head + received > policy.max_header_bytes:  # possibly over: measure each new head
             for i in range(max(0, len(messages) - new), len(messages)):
                 message = messages[i][0]
@@ -358,8 +359,17 @@ class _Handler(web_protocol.RequestHandler):
             return  # answered already
         self._vsup_timer.cancel()
         self._vsup_timer = None
+        self._vsup_release_probe()
         assert self._vsup_refusal is not None
-        self._vsup_last_word(self._vsup_policy.probe_answer(request_line, self._vsup_refusal))
+        self._vsup_last_word(self._vsup_clients.probe_answer(request_line, self._vsup_refusal))
+
+    def probe_evicted(self) -> None:
+        self._vsup_probe_end(b"")
+
+    def _vsup_release_probe(self) -> None:
+        if self._vsup_probing:
+            self._vsup_probing = False
+            self._vsup_clients.probe_done(self)
 
     def _vsup_last_word(self, answer: bytes) -> None:
         """Send `answer` and end the connection without reading another request. What the client
@@ -403,6 +413,11 @@ class _Handler(web_protocol.RequestHandler):
 _base_data_received = web_protocol.RequestHandler.data_received
 # How long a connection refused mid-request is read (and dropped) after its answer, at most.
 LINGER = 1.0
+
+
+def _ends_head(data: bytes) -> bool:
+    """Might `data` end a request's headers (a blank line in it, or the rest of one begun before)?"""
+    return b"\r\n\r\n" in data or b"\n\n" in data or data.startswith((b"\n", b"\r\n"))
 
 
 def _head_size(message) -> int:

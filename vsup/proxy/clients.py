@@ -16,6 +16,7 @@ import logging
 import resource
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage
@@ -80,6 +81,13 @@ def _quote(text: str) -> str:
     return text if len(text) <= QUOTE_LIMIT else text[:QUOTE_LIMIT] + "..."
 
 
+class ProbeHolder(Protocol):
+    """A refused connection holding a probe slot (aiohttp_internals' connection handler)."""
+
+    def probe_evicted(self) -> None:
+        """Refuse now: the slot is wanted by a newer connection."""
+
+
 class ClientPolicy:
     """Counts open client connections (bounded, in all and per address), answers requests aiohttp
     could not parse or that crashed a handler, and notes connections closed for being too slow.
@@ -94,7 +102,7 @@ class ClientPolicy:
         self.timeout = CLIENT_TIMEOUT
         self.open = 0
         self._by_address: dict[str, int] = {}
-        self.probing = 0
+        self._probing: dict[ProbeHolder, str] = {}  # oldest first
         self._probing_by_address: dict[str, int] = {}
         self.probes: dict[bytes, Callable[[], tuple[int, bytes]]] = {}
         self.probe_headers = b""
@@ -145,17 +153,23 @@ class ClientPolicy:
         if held:
             self._by_address[address] = held
 
-    def probe_slot(self, address: str) -> bool:
-        """May a refused connection still send a /health or /ready request line? (A few at once.)"""
+    def probe_slot(self, holder: ProbeHolder, address: str) -> bool:
+        """May a refused connection still send a /health or /ready request line? A few at once;
+        when all are taken the oldest is refused now (a health check sends its line at once, a
+        flood of silent connections cannot keep it out)."""
         held = self._probing_by_address.get(address, 0)
-        if self.probing >= PROBE_RESERVE or held >= PROBE_PER_CLIENT:
+        if held >= PROBE_PER_CLIENT:
             return False
-        self.probing += 1
+        if len(self._probing) >= PROBE_RESERVE:
+            next(iter(self._probing)).probe_evicted()  # calls probe_done
+        self._probing[holder] = address
         self._probing_by_address[address] = held + 1
         return True
 
-    def probe_done(self, address: str) -> None:
-        self.probing -= 1
+    def probe_done(self, holder: ProbeHolder) -> None:
+        address = self._probing.pop(holder, None)
+        if address is None:
+            return
         held = self._probing_by_address.pop(address, 1) - 1
         if held:
             self._probing_by_address[address] = held
