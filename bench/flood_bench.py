@@ -3,7 +3,7 @@
 hold (its RSS) and whether /health stays answered.
 
     .venv/bin/python bench/flood_bench.py [--connections 400] [--header-kib 960] [--idle 4300]
-                                          [--trickle-every 5] [--trickle-cap 150] [--baseline DIR]
+                                          [--trickle-every 5] [--trickle-cap 150] [--baseline DIR [--baseline-label TEXT]]
 
 Each run starts `vsup proxy` (this tree's, or with --baseline also another vsup source tree's, e.g.
 `git archive <commit> | tar -x -C DIR`, measured the same way after it) with its default settings
@@ -255,6 +255,7 @@ def main() -> None:
     parser.add_argument("--trickle-every", type=float, default=5.0, help="seconds between two trickled pieces")
     parser.add_argument("--trickle-cap", type=float, default=150.0, help="give up on a trickle after this many seconds")
     parser.add_argument("--baseline", metavar="DIR", help="also measure the proxy of the vsup source tree in DIR")
+    parser.add_argument("--baseline-label", metavar="TEXT", help="what the baseline is, for the result (e.g. its commit)")
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/bench/flood_bench.json")
     args = parser.parse_args()
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -266,6 +267,7 @@ def main() -> None:
     figures = {"open_file_limit": hard, "this": asyncio.run(measure(REPO, args))}
     if args.baseline:
         figures["baseline"] = asyncio.run(measure(Path(args.baseline).resolve(), args))
+        figures["baseline_label"] = args.baseline_label or Path(args.baseline).name
     for name in ("this", "baseline"):
         if name in figures:
             print(name, figures[name])
