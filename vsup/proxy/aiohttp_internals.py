@@ -218,9 +218,10 @@ async def send_and_close(request: web.BaseRequest, response: web.StreamResponse)
 class _Handler(web_protocol.RequestHandler):
     """aiohttp's connection handler, with the proxy's ClientPolicy (clients.py) wired in.
 
-    Before the parser sees them, the bytes of a request's line and headers are counted: over
-    policy.max_header_bytes the request is answered 431 and the connection closed, so a client
-    cannot make aiohttp's parser hold more than that (plus one socket read) for it. The headers
+    Before the parser sees them, the bytes of a request's line and headers are counted: a piece
+    that would take them over policy.max_header_bytes without ending them is answered 431 (and
+    the connection closed) instead of being parsed, so a client cannot make aiohttp's parser hold
+    more than that for it; heads that end in the piece are measured once parsed. The headers
     have policy.header_timeout from the connection (a keep-alive one: from the request's first
     byte); bytes that arrive while the previous request's body is incomplete are body bytes (the
     forwarder's body_timeout bounds those). A connection over a limit (ClientPolicy.opened) may
@@ -275,7 +276,7 @@ class _Handler(web_protocol.RequestHandler):
             self._vsup_timer = None
         if self._vsup_counted:
             self._vsup_counted = False
-            self._vsup_policy.closed(self._vsup_address)
+            self._vsup_clients.closed(self._vsup_address)
         self._vsup_release_probe()
         super().connection_lost(exc)
 
