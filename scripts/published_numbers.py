@@ -344,6 +344,35 @@ def metrics_cap(link: str) -> str:
             f"|---|---|---|---|---|\n{rows}\n\n{conditions(data, link)}")
 
 
+def flood(link: str) -> str:
+    data = with_file("flood_bench.json")
+    f = data["figures"]
+    runs = [("this vsup", f["this"])] + ([(f"before: {f.get('baseline_label', 'baseline')}", f["baseline"])] if "baseline" in f else [])
+    h = runs[0][1]["header_flood"]
+
+    def trickled(seconds: float | None, cap: float) -> str:
+        return f"open at {cap:g} s" if seconds is None else f"closed after {seconds:g} s"
+
+    rows = [
+        ("vsup's RSS before", lambda r: f"{r['header_flood']['rss_mib_before']:.0f} MiB"),
+        (f"… peak, {h['connections']} clients × {h['header_kib_each']} KiB of header lines never ended",
+         lambda r: f"{r['header_flood']['rss_mib_peak']:.0f} MiB (+{r['header_flood']['rss_mib_rise_peak']:.0f})"),
+        ("… while they stay connected", lambda r: f"{r['header_flood']['rss_mib_while_held']:.0f} MiB"),
+        ("… after they closed", lambda r: f"{r['header_flood']['rss_mib_after_close']:.0f} MiB"),
+        ("those clients answered 431", lambda r: f"{r['header_flood']['answered_431']} of {r['header_flood']['connections']}"),
+        (f"`GET /health` answered 200 while {runs[0][1]['idle_flood']['idle_connections']} idle connections are open",
+         lambda r: f"{r['idle_flood']['health_200']} of {r['idle_flood']['health_polls']}"),
+        (f"headers trickled, a line every {runs[0][1]['trickle']['every_s']:g} s",
+         lambda r: trickled(r["trickle"]["headers_closed_after_s"], r["trickle"]["cap_s"])),
+        (f"a body trickled, a byte every {runs[0][1]['trickle']['every_s']:g} s",
+         lambda r: trickled(r["trickle"]["body_closed_after_s"], r["trickle"]["cap_s"])),
+    ]
+    head = "| `bench/flood_bench.py`, default settings | " + " | ".join(name for name, _ in runs) + " |"
+    table = "\n".join([head, "|---" * (len(runs) + 1) + "|"]
+                      + [f"| {what} | " + " | ".join(cell(r) for _, r in runs) + " |" for what, cell in rows])
+    return f"{table}\n\n{conditions(data, link)}"
+
+
 # ---- the blocks -----------------------------------------------------------------------------------
 
 RENDERERS: dict[str, Callable[[str], str]] = {
@@ -361,6 +390,7 @@ RENDERERS: dict[str, Callable[[str], str]] = {
     "systemd-exposure": systemd,
     "soak": soak,
     "metrics-cap": metrics_cap,
+    "flood": flood,
 }
 
 

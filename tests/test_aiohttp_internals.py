@@ -14,6 +14,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from vsup.config.schema import ProxyConfig
 from vsup.errors import VsupError
 from vsup.proxy import aiohttp_internals
 from vsup.proxy.clients import ClientPolicy
@@ -124,7 +125,7 @@ async def test_a_body_sink_is_none_once_the_client_left():
 @contextlib.asynccontextmanager
 async def policed_server(handler, limit: int = 8, timeout: float = 0.3):
     metrics = ProxyMetrics(dict, dict, lambda name: False)
-    policy = ClientPolicy(metrics, limit=limit, timeout=timeout)
+    policy = ClientPolicy(metrics, ProxyConfig(header_timeout=timeout, body_timeout=timeout), limit=limit)
     server = aiohttp_internals.make_server(handler, policy=policy, max_body_bytes=1024, access_log=None)
     runner = web.ServerRunner(server)
     await runner.setup()

@@ -22,7 +22,8 @@ pytestmark = pytest.mark.timeout(60)
 
 # what these tests cover; test_reload_classes.py checks it is every live proxy key but drain_timeout
 COVERED = {"proxy.connect_timeout", "proxy.first_byte_timeout", "proxy.idle_timeout", "proxy.retries", "proxy.policy",
-           "proxy.affinity_prefix_chars", "proxy.affinity_max_imbalance", "proxy.api_key", "proxy.admin_routes"}
+           "proxy.affinity_prefix_chars", "proxy.affinity_max_imbalance", "proxy.api_key", "proxy.admin_routes",
+           "proxy.max_header_bytes", "proxy.header_timeout", "proxy.body_timeout", "proxy.max_connections_per_client"}
 
 
 @contextlib.contextmanager
@@ -274,5 +275,45 @@ async def test_admin_routes_open_and_close_at_once():
                 assert response.status == 404
             assert (await complete(proxy, session))[0] == 200  # the serving routes stay open
             assert upstream.hits == ["lora", "hi"]
+
+
+async def until(predicate, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+async def raw_answer(port: int, data: bytes, timeout: float = 3.0) -> bytes:
+    """Send `data` on a new connection and read until the proxy closes it."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(data)
+        return await asyncio.wait_for(reader.read(), timeout)
+    finally:
+        writer.close()
+
+
+async def test_the_front_door_settings_apply_to_the_next_connections():
+    upstream = await Upstream("0").start()
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
+    body = b'{"prompt": "hi"}'
+    padded = head + (b"X-Pad: " + b"a" * 3000 + b"\r\n") * 4 + b"Content-Length: %d\r\n\r\n" % len(body) + body
+    try:
+        async with proxy_over({"0": upstream.url}) as (proxy, session):
+            assert (await raw_answer(proxy.port, padded)).startswith(b"HTTP/1.1 200")
+            reconfigure(proxy, max_header_bytes=8192, header_timeout=0.3, body_timeout=0.3)
+            assert b" 431 " in (await raw_answer(proxy.port, padded))[:20]  # proxy.max_header_bytes
+            assert await raw_answer(proxy.port, head) == b""  # proxy.header_timeout: closed, not kept for 30 s
+            half = head + b"Content-Length: 100\r\n\r\n" + body
+            assert (await raw_answer(proxy.port, half)).startswith(b"HTTP/1.1 408")  # proxy.body_timeout
+            reconfigure(proxy, max_connections_per_client=1)  # (the held connection is silent: the default header_timeout)
+            await until(lambda: proxy.metrics.client_connections() == 0)  # the 408's connection lingers a moment
+            _, held = await asyncio.open_connection("127.0.0.1", proxy.port)
+            try:
+                await until(lambda: proxy.metrics.client_connections() == 1)
+                assert (await raw_answer(proxy.port, head)).startswith(b"HTTP/1.1 429")  # proxy.max_connections_per_client
+            finally:
+                held.close()
     finally:
         await upstream.stop()

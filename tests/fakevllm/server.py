@@ -470,7 +470,7 @@ class FakeVllm:
         rid = f"{prefix}-{self.name}-{next(self.ids)}"
         self.completion_requests += 1
         self.events.emit("request", path=request.path, id=rid, n=self.completion_requests,
-                         request_id=request.headers.get("X-Request-Id"))
+                         request_id=request.headers.get("X-Request-Id"), target=request.raw_path)
         f = self.faults
         crash_at_token = None
         if f.crash_after is not None and self.completion_requests == f.crash_after:

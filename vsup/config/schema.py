@@ -26,6 +26,7 @@ from vsup.config.reloading import LIVE, START, UNUSED, KeyReload, fixed, relaunc
 from vsup.errors import ConfigError
 
 GiB = 1024**3
+KiB = 1024
 MiB = 1024**2
 
 # vllm.spare_base_port when null: this far above vllm.base_port.
@@ -109,6 +110,12 @@ class ProxyConfig(_Section):
     @classmethod
     def _admin_routes(cls, value: list[str]) -> list[str]:
         return proxy_routes.check_admin_routes(value)
+
+    # The front door (vsup/proxy/clients.py): what a client may hold before it is authenticated.
+    max_header_bytes: int = Field(64 * KiB, ge=1024, description="a request's line and headers together may be this many bytes; more gets 431 and the connection closed (each line is also limited to 8190 bytes, and a request to 128 headers)", json_schema_extra=LIVE)
+    header_timeout: float = Field(30.0, gt=0, description="seconds a client has to send a request's line and headers: from its connection (on a keep-alive connection, from the request's first byte); later, the connection is closed", json_schema_extra=LIVE)
+    body_timeout: float = Field(60.0, gt=0, description="seconds a client has to send a request's whole body, from the end of its headers; later gets 408 and the connection closed (nothing reaches an instance)", json_schema_extra=LIVE)
+    max_connections_per_client: int = Field(512, ge=0, description="client connections one address may have open at once; more get 429 and are closed (/health and /ready are still answered). A reverse proxy in front counts as one client: raise it there; 0: no limit per address (the proxy's limit on all connections, 4096 or half the open-file limit, remains)", json_schema_extra=LIVE)
 
 
 class WarmupConfig(_Section):

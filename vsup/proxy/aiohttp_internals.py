@@ -10,11 +10,14 @@
   `keep_alive`, so the status line, headers and body go out in one write, without building a
   web.Response, its header multidict and aiohttp's payload writer (~15 µs per request).
 - The connection handler (`web_protocol.RequestHandler`) is subclassed (make_server, below) to
-  bound and count connections, close one that sends no complete request in time, answer what
-  its parser rejects in our own words (`handle_error`, which aiohttp calls with the parser's
-  exception and logs with a traceback), and fail the body of the request in progress when the
-  parser rejects bytes that arrive after its headers (aiohttp queues that error behind the
-  request instead, and the handler would wait for the rest of the body forever).
+  bound and count connections (answering /health and /ready on a few over the limit), count a
+  request's header bytes before its parser buffers them, close one that sends no complete
+  request in time, answer what its parser rejects in our own words (`handle_error`, which
+  aiohttp calls with the parser's exception and logs with a traceback; a request whose headers
+  came whole but too large is swapped in its queue for such an `_ErrInfo`), and fail the body
+  of the request in progress when the parser rejects bytes that arrive after its headers
+  (aiohttp queues that error behind the request instead, and the handler would wait for the
+  rest of the body forever).
 
 None is public API, so the range of aiohttp versions vsup is tested with is pinned in
 pyproject.toml (SUPPORTED below is the same range) and `check()` refuses to start the proxy
@@ -30,9 +33,11 @@ from http import HTTPStatus
 from typing import TYPE_CHECKING, cast
 
 import aiohttp
-from aiohttp import http_exceptions, http_writer, web, web_protocol
+from aiohttp import http_exceptions, http_parser, http_writer, web, web_protocol
+from aiohttp.streams import EMPTY_PAYLOAD, StreamReader
 
 from vsup.errors import VsupError
+from vsup.proxy.clients import PROBE_BYTES, PROBE_TIMEOUT, raw_response
 
 if TYPE_CHECKING:
     from vsup.proxy.clients import ClientPolicy
@@ -49,6 +54,8 @@ HANDLER_ATTRIBUTES = (
     "connection_made", "connection_lost", "data_received", "handle_error", "force_close",
     "_request_count", "_current_request", "_messages", "_manager", "_loop", "_force_close", "_keepalive_handle",
 )
+# What _Handler reads of a parsed request (aiohttp's RawRequestMessage) to size its headers.
+MESSAGE_FIELDS = ("method", "path", "raw_headers")
 # The parser's complaints (a malformed request, a bad chunk size, a body shorter than announced).
 BadRequest = http_exceptions.HttpProcessingError
 
@@ -88,6 +95,11 @@ def problems(version: str = aiohttp.__version__) -> list[str]:
         found.append(f"RequestHandler.handle_error takes {tuple(inspect.signature(handler.handle_error).parameters)}")
     if not hasattr(web_protocol, "_ErrInfo"):
         found.append("aiohttp.web_protocol has no `_ErrInfo`")
+    elif tuple(inspect.signature(web_protocol._ErrInfo).parameters) != ("status", "exc", "message"):
+        found.append(f"aiohttp's _ErrInfo takes {tuple(inspect.signature(web_protocol._ErrInfo).parameters)}")
+    missing = [f for f in MESSAGE_FIELDS if not hasattr(http_parser.RawRequestMessage, f)]
+    if missing:
+        found.append(f"aiohttp's RawRequestMessage has no {missing}")
     return found
 
 
@@ -196,13 +208,24 @@ async def send_and_close(request: web.BaseRequest, response: web.StreamResponse)
     except ConnectionResetError:
         pass  # the client is gone anyway
     protocol = request.protocol
-    if protocol is not None:
+    if isinstance(protocol, _Handler):
+        protocol.end_after_answer()  # flushed, then closed, the rest of the body dropped
+    elif protocol is not None:
         protocol.force_close()  # the transport flushes what was written, then closes
     return response
 
 
 class _Handler(web_protocol.RequestHandler):
-    """aiohttp's connection handler, with the proxy's ClientPolicy (clients.py) wired in."""
+    """aiohttp's connection handler, with the proxy's ClientPolicy (clients.py) wired in.
+
+    Before the parser sees them, the bytes of a request's line and headers are counted: a piece
+    that would take them over policy.max_header_bytes without ending them is answered 431 (and
+    the connection closed) instead of being parsed, so a client cannot make aiohttp's parser hold
+    more than that for it; heads that end in the piece are measured once parsed. The headers
+    have policy.header_timeout from the connection (a keep-alive one: from the request's first
+    byte); bytes that arrive while the previous request's body is incomplete are body bytes (the
+    forwarder's body_timeout bounds those). A connection over a limit (ClientPolicy.opened) may
+    get a probe slot: its request line alone is read, for /health or /ready."""
 
     @property
     def _vsup_policy(self) -> ClientPolicy:
@@ -211,50 +234,169 @@ class _Handler(web_protocol.RequestHandler):
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
-        policy = self._vsup_policy
-        refusal = policy.opened()
+        self._vsup_clients = policy = self._vsup_policy  # the same for the connection's life
+        peer = transport.get_extra_info("peername")
+        address = peer[0] if isinstance(peer, tuple) else ""
+        self._vsup_address = address
+        self._vsup_head = 0  # bytes of the awaited request's line and headers received so far
+        self._vsup_body: StreamReader | None = None  # the payload of the last request parsed
+        self._vsup_timer: asyncio.TimerHandle | None = None
+        # Not None: the bytes are not for aiohttp (a probe's request line, or a refused
+        # connection's rest, read and dropped until it closes: see _vsup_last_word).
+        self._vsup_probe: bytearray | None = None
+        self._vsup_probing = False  # holds one of the policy's probe slots
+        self._vsup_refusal = refusal = policy.opened(address)
         self._vsup_counted = refusal is None
-        self._vsup_timer = None
-        if refusal is not None:
-            transport.write(refusal)
-            self.force_close()  # flushes the refusal, then closes
-            return
         # Ours, not aiohttp's (which, from 3.10 on, also arms its keepalive timer here): the first
         # request's deadline is counted and logged (ClientPolicy.no_request_in_time).
         if self._keepalive_handle is not None:
             self._keepalive_handle.cancel()
             self._keepalive_handle = None
-        self._vsup_timer = self._loop.call_later(policy.timeout, self._vsup_first_request_late)
+        if refusal is None:
+            self._vsup_timer = self._loop.call_later(policy.header_timeout, self._vsup_head_late)
+        elif policy.probe_slot(self, address):
+            self._vsup_probing = True
+            self._vsup_probe = bytearray()
+            self._vsup_timer = self._loop.call_later(PROBE_TIMEOUT, self._vsup_probe_end, b"")
+        else:
+            transport.write(refusal)
+            self.force_close()  # flushes the refusal, then closes
 
-    def _vsup_first_request_late(self) -> None:
-        # After the first request, aiohttp's own keepalive_timeout closes a connection that
-        # leaves the proxy waiting for the next request's headers.
-        if self._request_count == 0 and not self._force_close and self.transport is not None:
+    def _vsup_head_late(self) -> None:
+        # After a request, aiohttp's own keepalive_timeout closes a connection that sends nothing
+        # more; this one closes it when a request's headers have begun but not ended in time.
+        self._vsup_timer = None
+        if not self._force_close and self.transport is not None:
             self._vsup_policy.no_request_in_time(self.transport.get_extra_info("peername"))
             self.force_close()
 
     def connection_lost(self, exc) -> None:
         if self._vsup_timer is not None:
             self._vsup_timer.cancel()
+            self._vsup_timer = None
         if self._vsup_counted:
             self._vsup_counted = False
-            self._vsup_policy.closed()
+            self._vsup_clients.closed(self._vsup_address)
+        self._vsup_release_probe()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self._current_request is None:  # no handler running (a small request arrives whole)
-            _base_data_received(self, data)
+        if self._vsup_probe is not None:
+            self._vsup_probe_data(data)
+            return
+        body = self._vsup_body
+        in_head = body is None or body.is_eof()  # else: bytes of the body, for the forwarder to bound
+        if in_head and self._vsup_head + len(data) > self._vsup_clients.max_header_bytes and not _ends_head(data):
+            self._vsup_refuse_head(self._vsup_head + len(data))  # before the parser holds any of it
             return
         count = self._request_count
         _base_data_received(self, data)
-        if self._request_count != count and self._current_request is not None:
+        if self._request_count != count:
+            self._vsup_parsed(count, len(data))
+        elif in_head and data:
+            head = self._vsup_head + len(data)
+            self._vsup_head = head
+            if head > self._vsup_clients.max_header_bytes:
+                self._vsup_refuse_head(head)
+            elif head == len(data) and self._vsup_timer is None:  # a keep-alive request's first bytes
+                self._vsup_timer = self._loop.call_later(self._vsup_policy.header_timeout, self._vsup_head_late)
+
+    def _vsup_parsed(self, count: int, received: int) -> None:
+        """The data just fed completed the line and headers of one or more requests."""
+        if self._vsup_timer is not None:
+            self._vsup_timer.cancel()
+            self._vsup_timer = None
+        new = self._request_count - count
+        messages = self._messages
+        if not messages:
+            return
+        self._vsup_body = messages[-1][1]
+        policy = self._vsup_clients
+        if self._vsup_head + received > policy.max_header_bytes:  # possibly over: measure each new head
+            for i in range(max(0, len(messages) - new), len(messages)):
+                message = messages[i][0]
+                if isinstance(message, web_protocol._ErrInfo):
+                    continue
+                size = _head_size(message)
+                if size > policy.max_header_bytes:  # answered by aiohttp's error path (handle_error)
+                    exc = policy.head_error(size)
+                    messages[i] = (web_protocol._ErrInfo(status=431, exc=exc, message=exc.message), EMPTY_PAYLOAD)
+        self._vsup_head = 0
+        if self._current_request is not None:
             # A message was parsed while a request is being handled: if it is the parser's
             # complaint about that request's body, fail the body now (see the module's docstring).
-            message = self._messages[-1][0] if self._messages else None
+            message = messages[-1][0]
             payload = self._current_request.content
             if isinstance(message, web_protocol._ErrInfo) and not payload.is_eof():
                 payload.set_exception(message.exc)
                 payload.feed_eof()  # nothing more to read: aiohttp must not linger reading it either
+
+    def _vsup_peer(self):
+        return self.transport.get_extra_info("peername") if self.transport is not None else None
+
+    def _vsup_refuse_head(self, size: int) -> None:
+        """Headers still arriving past max_header_bytes: 431 now, the rest is not read."""
+        transport = self.transport
+        if transport is None or self._force_close:
+            return
+        policy = self._vsup_policy
+        self._vsup_last_word(raw_response(policy.malformed(431, policy.head_error(size), self._vsup_peer())))
+
+    def _vsup_probe_data(self, data: bytes) -> None:
+        probe = self._vsup_probe
+        assert probe is not None
+        if self._vsup_timer is None or self.transport is None or self._force_close:
+            return  # the answer is out: dropped (see _vsup_last_word)
+        probe += data
+        end = probe.find(b"\r\n")
+        if end >= 0:
+            self._vsup_probe_end(bytes(probe[:end]))
+        elif len(probe) > PROBE_BYTES:
+            self._vsup_probe_end(b"")
+
+    def _vsup_probe_end(self, request_line: bytes) -> None:
+        """A connection over a limit: /health's or /ready's answer, or the refusal; then closed."""
+        if self._vsup_timer is None:
+            return  # answered already
+        self._vsup_timer.cancel()
+        self._vsup_timer = None
+        self._vsup_release_probe()
+        assert self._vsup_refusal is not None
+        self._vsup_last_word(self._vsup_clients.probe_answer(request_line, self._vsup_refusal))
+
+    def probe_evicted(self) -> None:
+        self._vsup_probe_end(b"")
+
+    def _vsup_release_probe(self) -> None:
+        if self._vsup_probing:
+            self._vsup_probing = False
+            self._vsup_clients.probe_done(self)
+
+    def _vsup_last_word(self, answer: bytes) -> None:
+        """Send `answer` and end the connection without reading another request. What the client
+        still sends is read and dropped for up to LINGER seconds after the FIN (closing with unread
+        bytes would reset the connection, and the client could lose the answer)."""
+        transport = self.transport
+        if transport is None or self._force_close:
+            return
+        transport.write(answer)
+        self.end_after_answer()
+
+    def end_after_answer(self) -> None:
+        """Close once what was written is sent, reading and dropping the client's bytes meanwhile
+        (for at most LINGER seconds), so that it gets the answer, not a reset."""
+        transport = self.transport
+        if transport is None or self._force_close:
+            return
+        if transport.can_write_eof():
+            transport.write_eof()
+            self._vsup_probe = bytearray()  # from now on, data is dropped
+            if self._vsup_timer is not None:
+                self._vsup_timer.cancel()
+            self._vsup_timer = None
+            self._loop.call_later(LINGER, self.force_close)
+        else:
+            self.force_close()
 
     def handle_error(self, request, status=500, exc=None, message=None):
         if request.writer.output_size > 0:  # as aiohttp: the answer has begun, nothing to replace it
@@ -270,6 +412,18 @@ class _Handler(web_protocol.RequestHandler):
 
 
 _base_data_received = web_protocol.RequestHandler.data_received
+# How long a connection refused mid-request is read (and dropped) after its answer, at most.
+LINGER = 1.0
+
+
+def _ends_head(data: bytes) -> bool:
+    """Might `data` end a request's headers (a blank line in it, or the rest of one begun before)?"""
+    return b"\r\n\r\n" in data or b"\n\n" in data or data.startswith((b"\n", b"\r\n"))
+
+
+def _head_size(message) -> int:
+    """The bytes of a parsed request's line and headers, as sent (give or take whitespace)."""
+    return len(message.method) + len(message.path) + 13 + sum(len(k) + len(v) + 4 for k, v in message.raw_headers)
 
 
 class _Server(web.Server):

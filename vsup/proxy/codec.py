@@ -22,6 +22,17 @@ _DROP_RESPONSE = frozenset(h.encode() for h in HOP_BY_HOP | {"content-length"})
 _PROXY_PREFIX = b"proxy-"
 
 
+def origin_form(target: str) -> str:
+    """An absolute-form request target (`http://host:port/path?query`, RFC 9112 §3.2.2) as the
+    origin-form an instance expects (`/path?query`); any other target is returned as it is."""
+    scheme, sep, rest = target.partition("://")
+    if not sep or "/" in scheme:
+        return target
+    cut = min((i for i in (rest.find("/"), rest.find("?")) if i >= 0), default=len(rest))
+    path = rest[cut:]
+    return path if path.startswith("/") else "/" + path
+
+
 def _connection_tokens(value: bytes) -> frozenset[bytes]:
     return frozenset(token.strip().lower() for token in value.split(b",") if token.strip())
 

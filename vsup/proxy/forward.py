@@ -4,8 +4,9 @@
 every request; its codecs (codec.py) and its state (exchange.py) are already outside.)
 
 The life of a request, and what can end it:
-  body         the rest of a body that did not come with the headers; a client silent
-               for CLIENT_TIMEOUT, or still here when a drain starts         -> 408/503
+  body         the rest of a body that did not come with the headers (after `100 Continue`
+               when the client waits for it); not all in within proxy.body_timeout, or
+               still here when a drain starts                                -> 408/503
   queued       body size-checked, JSON-validated; an instance chosen         -> 400/413/503
   first_byte   sent upstream, waiting for the status line and the first body byte
                connect error, stale keep-alive connection, 503 from the instance, or a
@@ -30,8 +31,8 @@ import time
 from aiohttp import web
 
 from vsup.config.schema import ProxyConfig
-from vsup.proxy import errors
-from vsup.proxy.aiohttp_internals import BadRequest, BodySink, RawResponse, send_and_close
+from vsup.proxy import codec, errors
+from vsup.proxy.aiohttp_internals import HTTP_11, BadRequest, BodySink, RawResponse, send_and_close
 from vsup.proxy.backends import Backend, BackendPool
 from vsup.proxy.clients import ClientPolicy
 from vsup.proxy.codec import header_lines, is_json, parse_json, request_headers, response_head, response_headers, str_headers
@@ -57,6 +58,7 @@ EJECT_SECONDS = 10.0
 _UNREACHABLE = frozenset({"connect", "gone"})
 # Longest period of the timeout watchdog (shorter when a configured timeout is very short).
 WATCHDOG_TICK = 0.1
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 
 class Forwarder:
@@ -85,7 +87,7 @@ class Forwarder:
         self.draining = False
         self.loop = asyncio.get_running_loop()
         # The watchdog's period: a limit is enforced within one tick of its deadline.
-        self.tick = max(0.005, min(WATCHDOG_TICK, config.first_byte_timeout / 4, config.idle_timeout / 4, clients.timeout / 4))
+        self.tick = max(0.005, min(WATCHDOG_TICK, config.first_byte_timeout / 4, config.idle_timeout / 4, config.body_timeout / 4))
         self._watchdog: asyncio.TimerHandle | None = None
 
     def _sweep(self) -> None:
@@ -154,8 +156,10 @@ class Forwarder:
         key = self.balancer.key(document, request.headers)  # prefix_affinity: its prefix or session; else None
 
         headers = request_headers(request.raw_headers, self.drop_authorization)
-        # The request target exactly as the client sent it (path and query, still percent-encoded).
-        target = request.raw_path.encode("utf-8", "surrogateescape")
+        # The request target exactly as the client sent it (path and query, still percent-encoded);
+        # an absolute-form one (`POST http://host/v1/...`, as to a forward proxy) in origin-form.
+        raw_path = request.raw_path
+        target = (raw_path if raw_path[:1] == "/" else codec.origin_form(raw_path)).encode("utf-8", "surrogateescape")
         tried: list[str] = []
         fallback: web.Response | None = None  # what to answer if every attempt fails
         reason: str | None = None
@@ -201,18 +205,24 @@ class Forwarder:
 
     async def _read_body(self, request: web.BaseRequest, exchange: Exchange, limit: int) -> bytes | web.StreamResponse:
         """A body that did not come whole with the headers, read as it arrives: at most `limit`
-        bytes, and at most CLIENT_TIMEOUT of silence between two pieces (a client that stops
-        half-way must not hold its connection and an in-flight slot forever, nor delay a drain,
-        which aborts requests still in this phase). The answer to send instead when it fails."""
+        bytes, all within proxy.body_timeout (a client that trickles it must not hold its
+        connection and an in-flight slot for long, nor delay a drain, which aborts requests
+        still in this phase). The answer to send instead when it fails."""
         exchange.phase = "body"
         loop = self.loop
-        exchange.arm(self.clients.timeout, "the client's request body", loop.time())
+        # One deadline for the whole body: the watchdog's `last` is not moved on by each piece.
+        exchange.arm(self.clients.body_timeout, "proxy.body_timeout", loop.time())
+        expect = request.headers.get("Expect")
+        if expect is not None and expect.lower() == "100-continue" and request.version == HTTP_11:
+            # The client waits for this before sending its body: auth and the declared size passed.
+            transport = request.transport
+            if transport is not None and not transport.is_closing():
+                transport.write(CONTINUE)
         payload = request.content
         parts: list[bytes] = []
         size = 0
         try:
             while piece := await payload.readany():
-                exchange.last = loop.time()
                 size += len(piece)
                 if size > limit:
                     return errors.too_large(None, limit)

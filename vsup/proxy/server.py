@@ -43,6 +43,7 @@ log = logging.getLogger("vsup.proxy")
 UPSTREAM_KEEPALIVE = 4.0
 # After the drain deadline, how long aborted streams get to write their error event.
 ABORT_GRACE = 2.0
+HEALTHY = b'{"status": "ok"}'
 
 
 def _has_dot_segment(path: str) -> bool:
@@ -91,7 +92,10 @@ class ProxyServer:
         )
         # The client-connection policy (clients.py): a bound on open connections, a timeout on
         # half-sent requests, OpenAI-shaped answers to malformed ones.
-        self._clients = ClientPolicy(self.metrics)
+        self._clients = ClientPolicy(self.metrics, config)
+        # Answered even on connections over a limit (clients.py's probe slots), from the request line.
+        self._clients.probes = {b"/health": lambda: (200, HEALTHY), b"/ready": self._readiness}
+        self._clients.probe_headers = f"{PROXY_HEADER}: {self._pid}\r\n".encode()
         self.metrics.client_connections = lambda: self._clients.open if self._clients else 0
         self._forwarder = Forwarder(
             config, self.pool, self._balancer, self._client, self.metrics, self._clients,
@@ -131,7 +135,7 @@ class ProxyServer:
     def reconfigure(self, config: ProxyConfig, api_key: str | None) -> None:
         """Apply changed settings at once (`vsup reload`): timeouts (connect_timeout reaches the
         upstream pools and /v1/models), retries, policy and its affinity settings, API key (also
-        the /status page's), admin routes (kept closed, with an error logged, when no key is set). Requests already in flight keep the timeouts they were armed with.
+        the /status page's), admin routes (kept closed, with an error logged, when no key is set), the client connections' limits (clients.py). Requests already in flight keep the timeouts they were armed with.
         host, port, max_connections and max_body_bytes are built into the listening socket and the
         pools: a reload refuses to change them (vsup/config/schema.py classes them fixed)."""
         self.config = config
@@ -150,6 +154,8 @@ class ProxyServer:
             self._balancer.max_imbalance = config.affinity_max_imbalance
         if self._client is not None:
             self._client.set_connect_timeout(config.connect_timeout)
+        if self._clients is not None:
+            self._clients.configure(config)  # header size and deadlines, body deadline, per-client limit
         if self._forwarder is not None:
             self._forwarder.config = config
             self._forwarder.balancer = self._balancer
@@ -268,13 +274,17 @@ class ProxyServer:
         return response
 
     async def _health(self, request: web.BaseRequest) -> web.Response:
-        return web.json_response({"status": "ok"})
+        return web.json_response({"status": "ok"})  # HEALTHY's bytes
 
-    async def _ready(self, request: web.BaseRequest) -> web.Response:
+    def _readiness(self) -> tuple[int, bytes]:
         ready = len(self.pool.ready())
         ok = ready > 0 and not self.draining
         body = {"ready": ok, "instances_ready": ready, "instances": len(self.pool.all()), "draining": self.draining}
-        return web.Response(status=200 if ok else 503, body=json.dumps(body).encode(), content_type="application/json")
+        return 200 if ok else 503, json.dumps(body).encode()
+
+    async def _ready(self, request: web.BaseRequest) -> web.Response:
+        status, body = self._readiness()
+        return web.Response(status=status, body=body, content_type="application/json")
 
     async def _metrics(self, request: web.BaseRequest) -> web.Response:
         if not self._auth.allows(request):
