@@ -275,6 +275,8 @@ async def test_admin_routes_open_and_close_at_once():
                 assert response.status == 404
             assert (await complete(proxy, session))[0] == 200  # the serving routes stay open
             assert upstream.hits == ["lora", "hi"]
+    finally:
+        await upstream.stop()
 
 
 async def until(predicate, timeout: float = 5.0) -> None:
