@@ -13,6 +13,7 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -78,7 +79,9 @@ class Recorder:
         facts = dict(self.machine, load_average_end=[round(x, 2) for x in os.getloadavg()])
         home = str(Path.home())  # the command as anyone would type it: ~ for this user's home
         args = ["~" + a[len(home):] if a.startswith(home + "/") else a for a in self.argv[1:]]
-        command = " ".join([".venv/bin/python", f"bench/{Path(self.argv[0]).name}", *args])
+        # quoted as a shell would need it (a value with a space stays one argument); ~ left bare
+        command = " ".join([".venv/bin/python", f"bench/{Path(self.argv[0]).name}",
+                            *("~" + shlex.quote(a[1:]) if a.startswith("~/") else shlex.quote(a) for a in args)])
         data = {
             "bench": self.name,
             "command": command,
