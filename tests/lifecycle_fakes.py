@@ -117,6 +117,7 @@ class FakeOps:
         self.processes: list[FakeProcess] = []
         self.stopped: list[int] = []  # pids stop_tree was called for, in order
         self.probes = 0
+        self.impostor: str | None = None  # owns_address answers this (someone else holds the address)
         self._pids = itertools.count(1000)
 
     def now(self) -> float:
@@ -162,6 +163,12 @@ class FakeOps:
             await self.clock.sleep(timeout)
             return HealthResult(False, f"timeout after {timeout:g}s")
         return HealthResult(process.health == 200, f"HTTP {process.health}")
+
+    async def clear_address(self, url: str) -> None:
+        pass
+
+    async def owns_address(self, process: FakeProcess, url: str, who: str) -> str | None:
+        return self.impostor
 
     async def warm_up(self, url: str, body: dict, timeout: float) -> HealthResult:
         process = self.process_at(url)

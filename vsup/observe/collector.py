@@ -24,6 +24,7 @@ from prometheus_client import generate_latest
 from vsup.observe import numa, procstats, scrape
 from vsup.observe.families import instance_families
 from vsup.observe.rates import CounterWindow
+from vsup.proxy.address import Sessions
 
 log = logging.getLogger("vsup.observe")
 
@@ -35,7 +36,7 @@ class Target:
     """One instance as the collector sees it at the start of a round (taken on the event loop)."""
 
     name: str
-    metrics_url: str | None  # None: not serving now (starting, stopped), not scraped
+    address: str | None  # the instance's (vsup.proxy.address), scraped at /metrics; None: not serving now, not scraped
     nodes: tuple[int, ...]  # the plan's NUMA nodes: memory there is local
     leader: int | None = None  # the tree's leader pid; None: no process
     token: str | None = None  # its VSUP_TREE token (proctree.find_tree)
@@ -55,14 +56,14 @@ class Collector:
     def __init__(
         self,
         targets: Callable[[], list[Target]],
-        session: aiohttp.ClientSession,
+        session: aiohttp.ClientSession | Sessions,
         *,
         interval: float,
         timeout: float,
         pids: Callable[[Target], list[int]],
     ) -> None:
         self._targets = targets
-        self._session = session
+        self._sessions = session if isinstance(session, Sessions) else Sessions.around(session)
         self.interval = interval
         self.timeout = timeout
         self._pids = pids
@@ -105,10 +106,11 @@ class Collector:
 
     async def _fetch(self, target: Target) -> tuple[str | None, str | None]:
         """(text, None), (None, why it failed), or (None, None) when the target is not scraped."""
-        if target.metrics_url is None:
+        if target.address is None:
             return None, None
+        session, base = self._sessions.get(target.address)
         try:
-            async with self._session.get(target.metrics_url, timeout=aiohttp.ClientTimeout(total=self.timeout)) as response:
+            async with session.get(f"{base}/metrics", timeout=aiohttp.ClientTimeout(total=self.timeout)) as response:
                 if response.status != 200:
                     return None, f"HTTP {response.status}"
                 body = bytearray()
