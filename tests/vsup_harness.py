@@ -81,6 +81,22 @@ class UnixHTTPConnection(http.client.HTTPConnection):
         self.sock.connect(self.path)
 
 
+def instance_get(address: str, route: str, timeout: float = 30.0) -> tuple[int, bytes]:
+    """GET `route` of an instance at the address `vsup status` shows: its socket's path (the
+    default, vllm.listen: unix) or host:port (tcp)."""
+    if address.startswith("/"):
+        conn: http.client.HTTPConnection = UnixHTTPConnection(address, timeout)
+    else:
+        host, port = address.rsplit(":", 1)
+        conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    try:
+        conn.request("GET", route)
+        response = conn.getresponse()
+        return response.status, response.read()
+    finally:
+        conn.close()
+
+
 def make_config(tmp: Path, *, instances: int = 2, **sections) -> dict:
     """A config for fast tests: each section's keys override these defaults."""
     base_port, spare_port, proxy_port = ports_for(instances)
