@@ -55,7 +55,9 @@ def http_base(url: str) -> str:
 class Sessions:
     """aiohttp sessions by instance address: one shared by every http address, one per Unix socket,
     all with the same connector and session options. `around(session)` wraps a session someone
-    else owns as the TCP one (it is not closed here)."""
+    else owns as the TCP one (it is not closed here). A socket's session lives until `close()`:
+    an instance's paths are its slots (`<i>.sock`, `<i>b.sock`), reused by every restart and
+    replacement, so there are at most two per instance index."""
 
     def __init__(self, connector: dict[str, Any] | None = None, **session: Any) -> None:
         self._connector = dict(connector or {})
@@ -83,13 +85,6 @@ class Sessions:
             session = self._unix[path] = aiohttp.ClientSession(
                 connector=aiohttp.UnixConnector(path, **self._connector), **self._session)
         return session, UNIX_BASE
-
-    async def discard(self, url: str) -> None:
-        """Close the session of a socket whose instance is gone."""
-        path = socket_path(url)
-        session = self._unix.pop(path, None) if path is not None else None
-        if session is not None:
-            await session.close()
 
     async def close(self) -> None:
         unix, self._unix = self._unix, {}
