@@ -94,7 +94,7 @@ class Fleet:
         owner = self.owner
         name = f"{plan.index}b" if port == self.spare_port(plan.index) else str(plan.index)
         argv, env = self.launch(plan, port)
-        url = instance_url(dataclasses.replace(plan, port=port), owner.config, owner.environ)
+        url = self.address(plan, port)
         log_config = owner.config.log
         directory = log_config.dir if log_config.dir is not None else default_log_dir(owner.environ)
         log = InstanceLog(
@@ -130,6 +130,9 @@ class Fleet:
 
     def launch(self, plan: InstancePlan, port: int) -> tuple[list[str], dict[str, str]]:
         return build_command(dataclasses.replace(plan, port=port), self.owner.config, self.owner.environ)
+
+    def address(self, plan: InstancePlan, port: int) -> str:
+        return instance_url(dataclasses.replace(plan, port=port), self.owner.config, self.owner.environ)
 
     def spare_port(self, index: int) -> int:
         return spare_base_port(self.owner.config) + index
