@@ -81,14 +81,18 @@ class UnixHTTPConnection(http.client.HTTPConnection):
         self.sock.connect(self.path)
 
 
-def instance_get(address: str, route: str, timeout: float = 30.0) -> tuple[int, bytes]:
-    """GET `route` of an instance at the address `vsup status` shows: its socket's path (the
-    default, vllm.listen: unix) or host:port (tcp)."""
+def instance_connection(address: str, timeout: float = 30.0) -> http.client.HTTPConnection:
+    """An HTTP connection to an instance at the address `vsup status` shows: its socket's path
+    (the default, vllm.listen: unix) or host:port (tcp)."""
     if address.startswith("/"):
-        conn: http.client.HTTPConnection = UnixHTTPConnection(address, timeout)
-    else:
-        host, port = address.rsplit(":", 1)
-        conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+        return UnixHTTPConnection(address, timeout)
+    host, port = address.rsplit(":", 1)
+    return http.client.HTTPConnection(host, int(port), timeout=timeout)
+
+
+def instance_get(address: str, route: str, timeout: float = 30.0) -> tuple[int, bytes]:
+    """GET `route` of an instance at `address` (instance_connection)."""
+    conn = instance_connection(address, timeout)
     try:
         conn.request("GET", route)
         response = conn.getresponse()

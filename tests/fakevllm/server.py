@@ -85,7 +85,7 @@ class FakeVllm:
     def __init__(self, args: ServeArgs, faults: Faults) -> None:
         self.args = args
         self.faults = faults
-        self.name = faults.name or str(args.port)
+        self.name = faults.name or args.uds or str(args.port)  # with --uds: the socket's path (unique)
         self.fingerprint = f"fakevllm-{self.name}"
         self.events = EventLog(faults.events, self.name)
         self.shm: SharedMemoryFiles | None = None
