@@ -261,7 +261,9 @@ def start_instances(args, layout: Layout, workdir: Path) -> list[str]:
         "served_model_name": SERVED_NAME,
         "instances": args.instances,
         "placement": {"reserve_cores": 0, "kvcache_gib": args.kvcache_gib},
-        "vllm": {"venv": str(args.venv), "base_port": base, "env": {"HF_HUB_OFFLINE": "1"},
+        # listen: tcp: the `vsup proxy` processes below reach these instances directly, from outside
+        # vsup (what vllm.listen: tcp is for; its owner check still guards the ports)
+        "vllm": {"venv": str(args.venv), "listen": "tcp", "base_port": base, "env": {"HF_HUB_OFFLINE": "1"},
                  "args": ["--dtype", "float32", "--enforce-eager", "--max-model-len", str(args.max_model_len),
                           "--max-num-seqs", str(max(args.concurrency, 8)), "--enable-prefix-caching"]},
         "proxy": {"port": port},

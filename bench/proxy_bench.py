@@ -160,7 +160,7 @@ def run_proxy(port: int, upstreams: list[str], pids: list[int], interval: float)
         await proxy.start()
         if interval > 0:
             session = aiohttp.ClientSession()
-            targets = [Target(str(i), f"{url}/metrics", (0,), leader=pid) for i, (url, pid) in enumerate(zip(upstreams, pids, strict=True))]
+            targets = [Target(str(i), url, (0,), leader=pid) for i, (url, pid) in enumerate(zip(upstreams, pids, strict=True))]
             collector = Collector(lambda: targets, session, interval=interval, timeout=2.0, pids=tree_pids)
             proxy.extra_metrics = collector.text
             asyncio.get_running_loop().create_task(collector.run())

@@ -1,8 +1,10 @@
 """`vllm.command` for supervisor tests that need different faults per instance.
 
 vsup gives every instance the same environment, so a test sets `PORT<port>__FAKE_VLLM_<KEY>=value`
-and this wrapper, seeing `--port <port>` on its command line, turns it into `FAKE_VLLM_<KEY>=value`
-before it execs the fake vLLM server (same pid: the supervisor's child is the server itself).
+(vllm.listen: tcp) or `SOCK<name>__FAKE_VLLM_<KEY>=value` (unix: the socket's file name without
+.sock, `0` or `0b`) and this wrapper, seeing `--port <port>` or `--uds .../<name>.sock` on its
+command line, turns it into `FAKE_VLLM_<KEY>=value` before it execs the fake vLLM server (same pid:
+the supervisor's child is the server itself).
 """
 
 import os
@@ -14,10 +16,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def main() -> None:
     args = sys.argv[1:]
-    port = args[args.index("--port") + 1] if "--port" in args else None
-    prefix = f"PORT{port}__"
+    if "--uds" in args:
+        prefix: str | None = f"SOCK{Path(args[args.index('--uds') + 1]).stem}__"
+    else:
+        prefix = f"PORT{args[args.index('--port') + 1]}__" if "--port" in args else None
     for name, value in list(os.environ.items()):
-        if port is not None and name.startswith(prefix):
+        if prefix is not None and name.startswith(prefix):
             os.environ[name[len(prefix):]] = value
     os.environ["PYTHONPATH"] = str(ROOT) + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
     os.execv(sys.executable, [sys.executable, "-P", "-m", "tests.fakevllm", *args])

@@ -117,6 +117,7 @@ class FakeOps:
         self.processes: list[FakeProcess] = []
         self.stopped: list[int] = []  # pids stop_tree was called for, in order
         self.probes = 0
+        self.impostor: str | None = None  # owns_address answers this (someone else holds the address)
         self._pids = itertools.count(1000)
 
     def now(self) -> float:
@@ -130,13 +131,13 @@ class FakeOps:
         return self.processes[-1] if self.processes else None
 
     def process_at(self, url: str) -> FakeProcess | None:
-        """The latest process started with `--port P` of this URL (several instances share one
-        FakeOps in the supervisor's tests); else the latest process."""
-        port = url.rsplit(":", 1)[-1]
+        """The latest process started with `--port P` or `--uds PATH` of this URL (several instances
+        share one FakeOps in the supervisor's tests); else the latest process."""
+        flag, where = ("--uds", url[len("unix:"):]) if url.startswith("unix:") else ("--port", url.rsplit(":", 1)[-1])
         for process in reversed(self.processes):
-            if "--port" in process.argv and process.argv[process.argv.index("--port") + 1] == port:
+            if flag in process.argv and process.argv[process.argv.index(flag) + 1] == where:
                 return process
-        return None if any("--port" in p.argv for p in self.processes) else self.current
+        return None if any(f in p.argv for p in self.processes for f in ("--port", "--uds")) else self.current
 
     async def spawn(self, argv, env, log) -> FakeProcess:
         if self.spawn_error is not None:
@@ -162,6 +163,12 @@ class FakeOps:
             await self.clock.sleep(timeout)
             return HealthResult(False, f"timeout after {timeout:g}s")
         return HealthResult(process.health == 200, f"HTTP {process.health}")
+
+    async def clear_address(self, url: str) -> None:
+        pass
+
+    async def owns_address(self, process: FakeProcess, url: str, who: str) -> str | None:
+        return self.impostor
 
     async def warm_up(self, url: str, body: dict, timeout: float) -> HealthResult:
         process = self.process_at(url)

@@ -20,7 +20,8 @@ def vsup(tmp_path):
         base = config["vllm"]["base_port"]
         instance_env = dict(config["vllm"]["env"])
         for index, values in (faults or {}).items():
-            instance_env.update({f"PORT{base + index}__FAKE_VLLM_{key}": str(value) for key, value in values.items()})
+            prefix = f"PORT{base + index}__" if config["vllm"].get("listen") == "tcp" else f"SOCK{index}__"
+            instance_env.update({f"{prefix}FAKE_VLLM_{key}": str(value) for key, value in values.items()})
         config["vllm"]["env"] = instance_env
         run = VsupRun(tmp_path, config, env)
         runs.append(run)

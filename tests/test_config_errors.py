@@ -75,7 +75,7 @@ def proxy(config: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("instances", ["2", "auto"])
 def test_proxy_port_on_an_instance_port_is_refused_by_plan_and_run(tmp_path, fsroot, instances):
-    config = write(tmp_path, f"model: fake-model\ninstances: {instances}\n{SMALL}vllm:\n  command: ['false']\n"
+    config = write(tmp_path, f"model: fake-model\ninstances: {instances}\n{SMALL}vllm:\n  listen: tcp\n  command: ['false']\n"
                              "  base_port: 8100\nproxy:\n  port: 8101\n")
     for result in (plan(config, fsroot), run(config, fsroot)):
         assert one_error_line(result) == (
@@ -85,7 +85,7 @@ def test_proxy_port_on_an_instance_port_is_refused_by_plan_and_run(tmp_path, fsr
 
 
 def test_proxy_port_default_against_a_base_port_flag(tmp_path, fsroot):
-    config = write(tmp_path, f"model: fake-model\ninstances: 1\n{SMALL}")
+    config = write(tmp_path, f"model: fake-model\ninstances: 1\n{SMALL}vllm:\n  listen: tcp\n")
     message = one_error_line(plan(config, fsroot, "--base-port", "8000"))
     assert message == (f"{config}: proxy.port (default): 8000 is the port of instance 0 (from --base-port 8000); "
                        "choose a proxy.port outside 8000 or move vllm.base_port")
@@ -94,6 +94,13 @@ def test_proxy_port_default_against_a_base_port_flag(tmp_path, fsroot):
     assert plan(write(tmp_path, f"model: fake-model\ninstances: 2\n{SMALL}proxy:\n  port: 0\nvllm:\n  base_port: 1\n",
                       "zero.yaml"), fsroot).returncode == 0
 
+
+
+def test_without_instance_ports_the_proxy_may_take_any_port(tmp_path, fsroot):
+    # vllm.listen: unix (the default): the instances have sockets, base_port is not bound
+    config = write(tmp_path, f"model: fake-model\ninstances: 2\n{SMALL}vllm:\n  base_port: 8100\nproxy:\n  port: 8101\n")
+    result = plan(config, fsroot)
+    assert result.returncode == 0, result.stderr
 
 # --- 7.9: the base port overflow names its source -----------------------------------------------
 
@@ -250,7 +257,8 @@ def test_a_hub_name_or_an_existing_directory_is_accepted(tmp_path):
 
 @pytest.mark.parametrize(("vllm", "expected"), [
     ("  command: ['false']\n  args: [--port, '9000']\n",
-     "{config}:{line[args:]}: vllm.args.0: '--port' is not allowed: vsup gives instance i the port vllm.base_port + i"),
+     "{config}:{line[args:]}: vllm.args.0: '--port' is not allowed: vsup sets every instance's address "
+     "(vllm.listen: tcp gives instance i the port vllm.base_port + i)"),
     ("  command: ['false']\n  env:\n    OMP_NUM_THREADS: '64'\n",
      "{config}:{line[OMP_NUM_THREADS:]}: vllm.env.OMP_NUM_THREADS: '64' contradicts the placement of instance 0 "
      "(the plan sets '4'); remove it and set placement.cores_per_instance / placement.omp_threads / placement.smt / placement.housekeeping_core instead"),
@@ -270,7 +278,7 @@ def test_plan_in_every_format_refuses_what_run_refuses(tmp_path, fsroot, vllm, e
 
 
 def test_proxy_port_on_a_spare_port_is_refused_by_plan_and_run(tmp_path, fsroot):
-    config = write(tmp_path, f"model: fake-model\ninstances: 2\n{SMALL}vllm:\n  command: ['false']\n  base_port: 8100\n"
+    config = write(tmp_path, f"model: fake-model\ninstances: 2\n{SMALL}vllm:\n  listen: tcp\n  command: ['false']\n  base_port: 8100\n"
                              "proxy:\n  port: 8201\n")
     for result in (plan(config, fsroot), run(config, fsroot)):
         assert one_error_line(result) == (
@@ -285,7 +293,7 @@ def test_proxy_port_on_a_spare_port_is_refused_by_plan_and_run(tmp_path, fsroot)
     (65535, "the spare ports of 2 instance(s) would end at 65536, above 65535; set vllm.spare_base_port lower"),
 ])
 def test_spare_ports_must_fit_and_stay_clear_of_the_instances(tmp_path, fsroot, spare, expected):
-    config = write(tmp_path, f"model: fake-model\ninstances: 2\n{SMALL}vllm:\n  base_port: 8100\n  spare_base_port: {spare}\n")
+    config = write(tmp_path, f"model: fake-model\ninstances: 2\n{SMALL}vllm:\n  listen: tcp\n  base_port: 8100\n  spare_base_port: {spare}\n")
     assert one_error_line(plan(config, fsroot)) == (
         f"{config}:{line(config, 'spare_base_port:')}: vllm.spare_base_port: "
         + expected.format(config=config, base=line(config, "base_port:")))

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
+
 import pytest
 
 from tests.machines import GiB, make_machine
 from vsup.config.schema import parse_config
 from vsup.errors import ConfigError
-from vsup.supervisor.launch import access_log_args, build_command, child_environment
+from vsup.supervisor.launch import access_log_args, build_command, child_environment, instance_url
 from vsup.topology.plan_model import PlanSettings
 from vsup.topology.planner import plan
 
@@ -22,23 +25,45 @@ def config(extra: str = ""):
     return parse_config("model: /models/tiny\nvllm:\n  command: [vllm, serve]\n" + extra)
 
 
-def test_argv_is_prefix_command_model_host_port_then_args():
+def test_argv_is_prefix_command_model_socket_then_args():
     cfg = parse_config(
         "model: /models/tiny\nserved_model_name: tiny\n"
         "vllm:\n  command: [vllm, serve]\n  args: [--dtype, float32]\n"
     )
-    argv, _ = build_command(instance(), cfg, {})
+    argv, _ = build_command(instance(), cfg, {"TMPDIR": "/scratch"})
     assert argv == [
         "numactl", "--physcpubind=4-7,12-15", "--membind=1",
-        "vllm", "serve", "/models/tiny", "--host", "127.0.0.1", "--port", "8101",
+        "vllm", "serve", "/models/tiny", "--uds", f"/scratch/vsup-{os.getuid()}/instances-8000/1.sock",
         "--served-model-name", "tiny", "--disable-access-log-for-endpoints", "/health,/metrics", "--dtype", "float32",
     ]
+
+
+def test_listen_tcp_gives_host_and_port():
+    cfg = config("  listen: tcp\n")
+    argv, _ = build_command(instance(launcher="none"), cfg, {})
+    assert argv[3:7] == ["--host", "127.0.0.1", "--port", "8101"]
+    assert instance_url(instance(), cfg, {}) == "http://127.0.0.1:8101"
+
+
+def test_each_slot_and_each_vsup_has_its_own_socket_under_the_runtime_directory():
+    cfg = config()
+    one = instance()
+    assert instance_url(one, cfg, {"RUNTIME_DIRECTORY": "/run/vsup"}) == "unix:/run/vsup/instances-8000/1.sock"
+    beside = dataclasses.replace(one, port=8201)  # spare_base_port (null: base_port + 100) + 1
+    assert instance_url(beside, cfg, {"RUNTIME_DIRECTORY": "/run/vsup"}) == "unix:/run/vsup/instances-8000/1b.sock"
+    other_vsup = parse_config("model: m\nproxy:\n  port: 9000\n")
+    assert instance_url(one, other_vsup, {"RUNTIME_DIRECTORY": "/run/vsup"}) == "unix:/run/vsup/instances-9000/1.sock"
+
+
+def test_a_socket_path_too_long_for_sun_path_names_tmpdir():
+    with pytest.raises(ConfigError, match=r"longer than the 107 bytes .* point TMPDIR \(or RUNTIME_DIRECTORY\)"):
+        build_command(instance(), config(), {"TMPDIR": "/" + "d" * 90})
 
 
 def test_api_server_module_gets_the_model_as_an_option():
     cfg = parse_config("model: m\nvllm:\n  command: [python3, -m, vllm.entrypoints.openai.api_server]\n")
     argv, _ = build_command(instance(launcher="none"), cfg, {})
-    assert argv[:7] == ["python3", "-m", "vllm.entrypoints.openai.api_server", "--model", "m", "--host", "127.0.0.1"]
+    assert argv[:6] == ["python3", "-m", "vllm.entrypoints.openai.api_server", "--model", "m", "--uds"]
 
 
 def test_sub_gib_kv_cache_goes_to_argv_and_a_stale_env_value_is_dropped():
@@ -75,6 +100,7 @@ def test_user_env_may_repeat_a_placement_value():
         ("  env:\n    VLLM_CPU_OMP_THREADS_BIND: auto\n", r"^<config>:5: vllm.env.VLLM_CPU_OMP_THREADS_BIND: 'auto' contradicts"),
         ("  args: ['--port=9000']\n", r"^<config>:4: vllm.args.0: '--port=9000' is not allowed"),
         ("  args: [--host, 0.0.0.0]\n", r"^<config>:4: vllm.args.0: '--host' is not allowed: .*proxy.host"),
+        ("  args: [--uds, /tmp/x.sock]\n", r"^<config>:4: vllm.args.0: '--uds' is not allowed: .*private runtime directory"),
     ],
 )
 def test_contradicting_the_plan_is_a_config_error(extra, message):
@@ -92,7 +118,7 @@ def test_default_command_puts_the_model_right_after_it():
     argv, _ = build_command(instance(launcher="none"), cfg, {"PATH": "/nonexistent"})
     model_at = argv.index("/models/tiny")
     assert argv[model_at - 1] in ("serve", "--model")
-    assert argv[model_at + 1 :][:4] == ["--host", "127.0.0.1", "--port", "8101"]
+    assert argv[model_at + 1] == "--uds" and argv[model_at + 2].endswith("/instances-8000/1.sock")
 
 
 @pytest.mark.parametrize("extra, expected", [
@@ -108,7 +134,7 @@ def test_access_log_leaves_out_vsups_own_polls_unless_the_user_chose(extra, expe
     cfg = config(extra)
     assert access_log_args(cfg) == expected
     argv, _ = build_command(instance(launcher="none"), cfg, {})
-    assert argv[argv.index("8101") + 1:][:len(expected)] == expected  # before the user's args
+    assert argv[argv.index("--uds") + 2:][:len(expected)] == expected  # before the user's args
 
 
 def test_a_bad_access_log_value_names_the_key():

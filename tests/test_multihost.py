@@ -35,7 +35,6 @@ def test_front_proxy_shares_by_ready_instances_ejects_at_zero_and_recovers(tmp_p
             hosts[name] = VsupRun(tmp_path / name, config, env=env)
         a, b = hosts["a"], hosts["b"]
         url = {name: f"http://127.0.0.1:{run.proxy_port}" for name, run in hosts.items()}
-        host_of = {str(run.port(i)): name for name, run in hosts.items() for i in run.config_instances()}
 
         port = free_port()
         front_config = tmp_path / "front.yaml"
@@ -49,6 +48,8 @@ def test_front_proxy_shares_by_ready_instances_ejects_at_zero_and_recovers(tmp_p
             )
         a.wait_ready()
         b.wait_ready()
+        # the fake names itself by its socket's path (the instance's address in vsup status)
+        host_of = {inst["address"]: name for name, run in hosts.items() for inst in run.status()["instances"]}
         wait_until(lambda: weights(front_log.read_text()) == {url["a"]: 4, url["b"]: 2}, 30,
                    "the front proxy to weight the hosts 4 and 2")
 

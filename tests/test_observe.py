@@ -248,8 +248,8 @@ async def test_collector_scrapes_and_measures_real_instances(fake_vllm):
     refused = fake_vllm(name="x")  # started but we scrape a closed port in its name below
     refused.wait_ready()
     targets = [
-        Target("0", f"{srv.url}/metrics", (0,), leader=srv.pid),
-        Target("1", "http://127.0.0.1:9/metrics", (0,), leader=refused.pid),  # nothing listens on 9
+        Target("0", srv.url, (0,), leader=srv.pid),
+        Target("1", "http://127.0.0.1:9", (0,), leader=refused.pid),  # nothing listens on 9
         Target("2", None, (0,), leader=None),  # not serving, no process
     ]
     async with aiohttp.ClientSession() as session:
@@ -281,7 +281,7 @@ async def test_a_hung_instance_costs_the_timeout_not_the_round(fake_vllm):
     hung = fake_vllm(env={"FAKE_VLLM_HANG_AFTER": "1"}).wait_ready()
     hung.wait_event("hang", timeout=10)
     async with aiohttp.ClientSession() as session:
-        collector = Collector(lambda: [Target("0", f"{hung.url}/metrics", (0,))], session, interval=1.0, timeout=0.5, pids=tree_pids)
+        collector = Collector(lambda: [Target("0", hung.url, (0,))], session, interval=1.0, timeout=0.5, pids=tree_pids)
         began = time.monotonic()
         await collector.collect()
     assert time.monotonic() - began < 3

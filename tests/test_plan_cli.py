@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from vsup.supervisor.rundir import runtime_dir
+
 VSUP = [sys.executable, "-m", "vsup.cli.main"] if not (Path(sys.executable).parent / "vsup").exists() else [str(Path(sys.executable).parent / "vsup")]
 XEON = "32intel64-2p8co2t+8ve"  # 2 × Xeon 8 cores / 16 threads, 2 NUMA nodes of ~47 GiB
 
@@ -66,7 +68,7 @@ def test_shell_lines_are_runnable_commands(xeon, tmp_path):
     start = words.index("numactl")
     assert words[start:] == [
         "numactl", "--physcpubind=8-15,24-31", "--membind=1", "vllm", "serve", "/models/my model",
-        "--host", "127.0.0.1", "--port", "8101",
+        "--uds", str(runtime_dir() / "instances-8000" / "1.sock"),  # vllm.listen: unix (the default)
         "--disable-access-log-for-endpoints", "/health,/metrics",  # vllm.access_log: clients (the default)
         "--kv-cache-memory-bytes", str(2**29), "--dtype", "float32",
     ]

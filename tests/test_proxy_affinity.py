@@ -389,7 +389,7 @@ def test_vsup_run_with_prefix_affinity_and_the_instances_cache_hits_in_its_metri
     /metrics beside the policy's decisions."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from tests.vsup_harness import VsupRun, make_config
+    from tests.vsup_harness import VsupRun, instance_get, make_config
 
     config = make_config(tmp_path, proxy={"policy": "prefix_affinity"}, metrics={"interval": 0.3, "timeout": 1.0},
                          vllm={"env": {"FAKE_VLLM_TOKEN_DELAY": "0.001", "FAKE_VLLM_ACCESS_LOG": "0",
@@ -407,19 +407,21 @@ def test_vsup_run_with_prefix_affinity_and_the_instances_cache_hits_in_its_metri
                 with urllib.request.urlopen(request, timeout=30) as response:
                     assert response.status == 200
 
-        def families(port: int) -> dict:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-                return {f.name: f for f in text_string_to_metric_families(response.read().decode())}
+        def families(address: str) -> dict:  # an instance's socket, or the proxy's host:port
+            status, body = instance_get(address, "/metrics", timeout=10)
+            assert status == 200
+            return {f.name: f for f in text_string_to_metric_families(body.decode())}
 
         def per_instance(found: dict, name: str) -> dict[str, float]:
             family = found.get(name)
             return {s.labels.get("instance", ""): s.value for s in family.samples if s.name == name + "_total"} if family else {}
 
         # what the instances count now, all requests answered; the collector re-exports every 0.3 s
-        final = {str(i): per_instance(families(run.port(i)), "vllm:prefix_cache_queries")[""] for i in range(2)}
+        addresses = [inst["address"] for inst in run.status()["instances"]]
+        final = {str(i): per_instance(families(addresses[i]), "vllm:prefix_cache_queries")[""] for i in range(2)}
         deadline = time.monotonic() + 30
         while True:
-            found = families(run.proxy_port)
+            found = families(f"127.0.0.1:{run.proxy_port}")
             queries = per_instance(found, "vllm:prefix_cache_queries")
             if queries == final or time.monotonic() > deadline:
                 break

@@ -13,6 +13,7 @@ import pytest
 
 from tests.proxy_support import LEAN, ready_pool, running_proxy, start_fakes
 from vsup.config.schema import VsupConfig
+from vsup.proxy.address import Sessions
 from vsup.proxy.backends import BackendPool
 from vsup.proxy.health import PROXY_HEADER, probe_health
 from vsup.supervisor.lifecycle import Instance
@@ -56,7 +57,7 @@ async def test_an_instance_on_the_proxys_port_never_counts_as_ready(tmp_path):
     log = InstanceLog("i0", tmp_path, max_bytes=1 << 20, backups=0, echo=False, logger=logging.getLogger("t"))
     async with running_proxy(BackendPool()) as proxy, aiohttp.ClientSession() as session:
         inst = Instance(0, [sys.executable, "-c", "import time; time.sleep(60)"], {}, port=proxy.port, config=config,
-                        log=log, ops=SystemOperations(session))
+                        log=log, ops=SystemOperations(Sessions.around(session)))
         task = asyncio.create_task(inst.run())
         try:
             inst.start()

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from tests.test_supervisor import alive, cli, proxy_get, transitions
-from tests.vsup_harness import VsupRun
+from tests.vsup_harness import VsupRun, instance_connection
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -210,7 +210,7 @@ def test_memory_watchdog_drains_and_restarts_a_growing_instance_while_the_other_
     load = Load(run, clients=2)
     try:
         time.sleep(0.5)
-        conn = http.client.HTTPConnection("127.0.0.1", run.port(0), timeout=30)
+        conn = instance_connection(zero["address"])
         conn.request("POST", "/fake/grow", body=json.dumps({"mib": 350}), headers={"Content-Type": "application/json"})
         assert conn.getresponse().status == 200
         conn.close()

@@ -124,7 +124,7 @@ FIXED_CHANGES = {"proxy.host": {"proxy": {"host": "127.0.0.2"}}, "proxy.port": {
                  "proxy.max_body_bytes": {"proxy": {"max_body_bytes": 4096}},
                  "proxy.max_connections": {"proxy": {"max_connections": 3}},
                  "log.max_bytes": {"log": {"max_bytes": 8192}}, "log.backups": {"log": {"backups": 1}},
-                 "log.echo": {"log": {"echo": True}}}
+                 "log.echo": {"log": {"echo": True}}, "vllm.listen": {"vllm": {"listen": "tcp"}}}
 
 
 async def test_fixed_keys_are_refused_and_start_and_tune_keys_are_reported_not_applied(fleet, tmp_path):
@@ -161,7 +161,7 @@ async def test_a_relaunch_key_replaces_the_instances(fleet):
 
 async def test_connect_and_drain_timeouts_apply_through_a_reload(tmp_path):
     with black_hole() as port:  # instance 0's port: the proxy's connects to it never complete
-        f = Fleet(tmp_path, instances=1, vllm={"base_port": port}, proxy={"connect_timeout": 30, "drain_timeout": 5})
+        f = Fleet(tmp_path, instances=1, vllm={"listen": "tcp", "base_port": port}, proxy={"connect_timeout": 30, "drain_timeout": 5})
         await f.start()
         try:
             async with aiohttp.ClientSession() as session:
@@ -173,13 +173,13 @@ async def test_connect_and_drain_timeouts_apply_through_a_reload(tmp_path):
 
                 stuck = asyncio.ensure_future(post())  # in flight, connecting with the 30 s its pool was built with
                 await f.until(lambda: f.sup.proxy.total_in_flight() == 1, "a request in flight")
-                record = await reload(f, instances=1, vllm={"base_port": port}, proxy={"connect_timeout": 30, "drain_timeout": 2})
+                record = await reload(f, instances=1, vllm={"listen": "tcp", "base_port": port}, proxy={"connect_timeout": 30, "drain_timeout": 2})
                 assert record["applied"] == ["proxy.drain_timeout"]
                 await f.run(f.sup.restart([0], rolling=True))  # the drain waits for the stuck request
                 assert any("proxy.drain_timeout of 2s passed with 1 request(s)" in r for r in reasons(f.sup.instances[0]))
                 stuck.cancel()
 
-                record = await reload(f, instances=1, vllm={"base_port": port}, proxy={"connect_timeout": 0.3, "drain_timeout": 2})
+                record = await reload(f, instances=1, vllm={"listen": "tcp", "base_port": port}, proxy={"connect_timeout": 0.3, "drain_timeout": 2})
                 assert record["applied"] == ["proxy.connect_timeout"]
                 await f.until(lambda: f.sup.pool.is_ready("0"), "instance 0 back in the rotation")
                 status, text = await f.run(post(timeout=10))
@@ -295,14 +295,14 @@ async def test_stop_timeout_and_log_level_apply_at_once(fleet):
 
 async def test_metrics_keys_apply_to_the_collection(tmp_path):
     with black_hole() as port:  # instance 0's /metrics never answers
-        f = Fleet(tmp_path, instances=1, vllm={"base_port": port}, metrics={"interval": 0.5, "timeout": 2})
+        f = Fleet(tmp_path, instances=1, vllm={"listen": "tcp", "base_port": port}, metrics={"interval": 0.5, "timeout": 2})
         await f.start()
         try:
             def error() -> str:
                 return str(f.sup.status()["instances"][0]["metrics"])
 
             await f.until(lambda: "no answer within 2s" in error(), "a timed-out scrape")
-            record = await reload(f, instances=1, vllm={"base_port": port}, metrics={"interval": 0.5, "timeout": 0.3})
+            record = await reload(f, instances=1, vllm={"listen": "tcp", "base_port": port}, metrics={"interval": 0.5, "timeout": 0.3})
             assert record["applied"] == ["metrics.timeout"]
             await f.until(lambda: "no answer within 0.3s" in error(), "a scrape with the new timeout")
             assert f.sup.metrics.collector.max_series == 20000
@@ -313,7 +313,7 @@ async def test_metrics_keys_apply_to_the_collection(tmp_path):
             async with aiohttp.ClientSession() as session:
                 async with session.get(f"http://127.0.0.1:{f.sup.proxy.port}/metrics") as response:
                     assert "vsup_metrics_collected_timestamp_seconds" in await f.run(response.text())
-            record = await reload(f, instances=1, vllm={"base_port": port}, metrics={"interval": 0, "timeout": 0.3, "max_series_per_instance": 7})
+            record = await reload(f, instances=1, vllm={"listen": "tcp", "base_port": port}, metrics={"interval": 0, "timeout": 0.3, "max_series_per_instance": 7})
             assert record["applied"] == ["metrics.interval"]
             async with aiohttp.ClientSession() as session:
                 async with session.get(f"http://127.0.0.1:{f.sup.proxy.port}/metrics") as response:

@@ -53,7 +53,7 @@ def test_a_storm_of_sighups_during_a_reload_ends_on_the_last_file_with_one_follo
 
 
 def test_a_reload_onto_a_busy_port_is_refused_naming_the_holder_and_the_fleet_keeps_serving(vsup):
-    run = vsup()
+    run = vsup(vllm={"listen": "tcp"})  # instances on ports (under unix a base_port change moves nothing)
     before = run.wait_ready(2)["instances"]
     taken = {run.base_port, run.base_port + 1, run.spare_base_port, run.spare_base_port + 1, run.proxy_port}
     while True:  # the new base port: two free ports away from every port this vsup uses
@@ -94,7 +94,7 @@ def planned(base: int, count: int) -> SimpleNamespace:
 
 
 def config_with(base: int) -> VsupConfig:
-    return VsupConfig.model_validate({"model": "m", "vllm": {"base_port": base, "spare_base_port": 9000}})
+    return VsupConfig.model_validate({"model": "m", "vllm": {"listen": "tcp", "base_port": base, "spare_base_port": 9000}})
 
 
 def test_busy_port_follows_the_rollouts_slots():
@@ -112,3 +112,6 @@ def test_busy_port_follows_the_rollouts_slots():
     # moving onto a port another instance of this vsup still holds
     assert "is held by instance 1 of this vsup, which still runs when instance 0 moves there" in busy_port(
         config_with(8001), planned(8001, 2), [8000, 8001], {8000: "0", 8001: "1"}, lambda port: True, holder)
+    # under vllm.listen: unix the instances hold no port: nothing is taken
+    unix = VsupConfig.model_validate({"model": "m", "vllm": {"base_port": 7000, "spare_base_port": 9000}})
+    assert busy_port(unix, planned(7000, 2), [8000, 8001], {}, lambda port: False, holder) is None

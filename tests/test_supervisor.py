@@ -156,7 +156,7 @@ def test_staggered_slow_start_is_ready_only_after_health_then_serves_through_the
         (0, "ready", zero["pid"], run.port(0)), (1, "ready", one["pid"], run.port(1))]
     text = cli("status", "--socket", run.socket)
     assert text.returncode == 0 and "2/2 instances ready" in text.stdout
-    assert str(zero["pid"]) in text.stdout and str(run.port(1)) in text.stdout
+    assert str(zero["pid"]) in text.stdout and f"/instances-{run.proxy_port}/1.sock" in text.stdout  # the socket
 
     answer = completion_through_proxy(run.proxy_port)
     assert answer["choices"][0]["text"]
@@ -393,8 +393,9 @@ def test_restart_of_an_unknown_instance_is_a_clear_error(vsup):
 # ---- when vsup itself is killed ----------------------------------------------------------------------
 
 def test_a_sigkilled_vsup_takes_its_instances_along_and_the_next_run_sweeps_what_stayed(vsup, tmp_path):
-    # instance 1 ignores SIGTERM (a hung vLLM): the one thing that can outlive its vsup
-    run = vsup(faults={1: {"IGNORE_SIGTERM": 1}})
+    # instance 1 ignores SIGTERM (a hung vLLM): the one thing that can outlive its vsup; on TCP
+    # ports, where another vsup can meet it
+    run = vsup(faults={1: {"IGNORE_SIGTERM": 1}}, vllm={"listen": "tcp"})
     zero, one = run.wait_ready(2)["instances"]
     records = [start_record(run, 0, zero["pid"]), start_record(run, 1, one["pid"])]
     trees = [run.tree(zero["pid"]), run.tree(one["pid"])]

@@ -368,9 +368,9 @@ async def test_rolling_restart_drains_restarts_and_warms_each_instance_in_turn(f
 
 
 async def test_a_new_base_port_moves_each_instance_one_at_a_time(fleet):
-    f = await fleet()
+    f = await fleet(vllm={"listen": "tcp"})
     old = list(f.sup.instances)
-    f.write(vllm={"base_port": 42000})
+    f.write(vllm={"listen": "tcp", "base_port": 42000})
     record = await f.run(f.sup.reload("vsup reload"))
     assert record["state"] == "done", record
     assert [s["why"].split(";")[0] for s in record["steps"]] == ["port 41000 -> 42000", "port 41001 -> 42001"]
@@ -380,3 +380,17 @@ async def test_a_new_base_port_moves_each_instance_one_at_a_time(fleet):
     assert set(f.sup.pool.states()) == {"0", "1"} and {b.url for b in f.sup.pool.all()} == {
         "http://127.0.0.1:42000", "http://127.0.0.1:42001"}
     assert min(f.rotation) == 1
+
+
+async def test_on_unix_sockets_a_new_base_port_moves_nothing(fleet):
+    # the instances' sockets are <i>.sock whatever base_port says: a replacement "on the new port"
+    # would have taken the running instance's own socket path
+    f = await fleet()
+    old = list(f.sup.instances)
+    urls = {b.url for b in f.sup.pool.all()}
+    assert all(url.startswith("unix:") for url in urls)
+    f.write(vllm={"base_port": 42000})
+    record = await f.run(f.sup.reload("vsup reload"))
+    assert record["state"] == "done" and record["steps"] == [] and record["unchanged"] == [0, 1], record
+    assert f.sup.instances == old and all(i.state is State.READY for i in old)
+    assert {b.url for b in f.sup.pool.all()} == urls and f.ops.stopped == []

@@ -100,6 +100,7 @@ def test_a_candidate_config_replaces_placement_flags_and_preload_and_nothing_els
     runtime = configs.for_measurement(data, proxy_port=9000, base_port=9100, log_dir="/r/logs", socket="/tmp/s.sock")
     parsed = parse_config(configs.render(runtime, ["a comment"]))
     assert parsed.proxy.port == 9000 and parsed.vllm.base_port == 9100 and parsed.control.socket.name == "s.sock"
+    assert parsed.vllm.listen == "unix"  # a tuned config with listen: tcp still measures on private sockets
     assert configs.flag_value(base["vllm"]["args"], "--max-num-seqs") == 32
 
 

@@ -26,7 +26,6 @@ import signal
 import subprocess
 import threading
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -37,7 +36,7 @@ import psutil
 import pytest
 import yaml
 
-from tests.vsup_harness import VSUP, VsupRun, port_is_free, ports_for
+from tests.vsup_harness import VSUP, VsupRun, instance_get, port_is_free, ports_for
 from tests.wheel import build_wheel
 from vsup.topology.cpulist import parse_list
 
@@ -273,10 +272,11 @@ def served(vllm_install, vsup_in_vllm_venv, tmp_path_factory):
         yield served
 
 
-def metric_total(port: int, name: str) -> float:
+def metric_total(address: str, name: str) -> float:
     """Sum of one counter over all its label sets, read from an instance's own /metrics."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
-        text = response.read().decode()
+    status, body = instance_get(address, "/metrics")
+    assert status == 200, body[:200]
+    text = body.decode()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith(name) and not line.startswith("#") and line[len(name)] in "{ ")
 
@@ -321,7 +321,10 @@ def test_streaming_chat(served):
 
 
 def test_requests_reach_both_instances(served):
-    ports = [served.run.port(i) for i in served.run.config_instances()]
+    ports = [inst["address"] for inst in served.run.status()["instances"]]
+    # vLLM's --uds: each instance on its own Unix socket in vsup's private folder, no TCP port
+    assert all(address.startswith("/") and address.endswith(".sock") for address in ports), ports
+    assert all(port_is_free(served.run.port(i)) for i in served.run.config_instances())
     before = [metric_total(port, "vllm:request_success_total") for port in ports]
     client = served.client()
     for n in range(2 * len(ports)):
@@ -476,8 +479,7 @@ def test_kill9_of_one_api_server_under_load(served):
     assert not {name for name in victim_shm if os.path.exists(f"/dev/shm/{name}")}, "leftover /dev/shm files"
     assert back["instances"][0]["restarts"] >= 1
     # the new instance really serves
-    with urllib.request.urlopen(f"http://127.0.0.1:{run.port(0)}/health", timeout=30) as response:
-        assert response.status == 200
+    assert instance_get(back["instances"][0]["address"], "/health")[0] == 200
 
 
 # ---- SIGTERM: everything goes (last: it ends the shared vsup) ------------------------------------
@@ -488,9 +490,12 @@ def test_sigterm_to_vsup_stops_every_vllm_process(served):
     pids = served.vllm_pids()
     assert len(pids) >= 6, f"expected API server, EngineCore and Worker of 2 instances, found {pids}"
     shm = shm_files_of(pids)
-    ports = [run.proxy_port, *(run.port(i) for i in run.config_instances())]
+    ports = [run.proxy_port]
+    sockets = [inst["address"] for inst in run.status()["instances"]]
+    assert all(os.path.exists(path) for path in sockets), sockets
 
     assert run.terminate(timeout=180) == 0, run.log()[-3000:]
+    assert not any(os.path.lexists(path) for path in sockets), "instance sockets left after the stop"
 
     assert not alive(pids), f"still running after vsup exited: {[(p, comm(p)) for p in alive(pids)]}"
     assert not served.vllm_pids()

@@ -81,6 +81,26 @@ class UnixHTTPConnection(http.client.HTTPConnection):
         self.sock.connect(self.path)
 
 
+def instance_connection(address: str, timeout: float = 30.0) -> http.client.HTTPConnection:
+    """An HTTP connection to an instance at the address `vsup status` shows: its socket's path
+    (the default, vllm.listen: unix) or host:port (tcp)."""
+    if address.startswith("/"):
+        return UnixHTTPConnection(address, timeout)
+    host, port = address.rsplit(":", 1)
+    return http.client.HTTPConnection(host, int(port), timeout=timeout)
+
+
+def instance_get(address: str, route: str, timeout: float = 30.0) -> tuple[int, bytes]:
+    """GET `route` of an instance at `address` (instance_connection)."""
+    conn = instance_connection(address, timeout)
+    try:
+        conn.request("GET", route)
+        response = conn.getresponse()
+        return response.status, response.read()
+    finally:
+        conn.close()
+
+
 def make_config(tmp: Path, *, instances: int = 2, **sections) -> dict:
     """A config for fast tests: each section's keys override these defaults."""
     base_port, spare_port, proxy_port = ports_for(instances)

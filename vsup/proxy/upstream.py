@@ -26,9 +26,13 @@ import asyncio
 import collections
 import contextlib
 import socket
-from urllib.parse import urlsplit
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
+from vsup.proxy.address import host_port, label, socket_path
 from vsup.proxy.upstream_conn import ConnectFailed, Connection, StaleConnection, UpstreamBroken, UpstreamResponse
+
+_P = TypeVar("_P", bound=asyncio.BaseProtocol)
 
 
 class UpstreamPool:
@@ -36,12 +40,10 @@ class UpstreamPool:
     `limit` exist at once; beyond that, requests wait in line for one."""
 
     def __init__(self, url: str, limit: int, connect_timeout: float, keepalive: float, loop: asyncio.AbstractEventLoop) -> None:
-        parts = urlsplit(url)
-        if parts.scheme != "http":
-            raise ValueError(f"{url}: the proxy talks plain http to its instances")
-        self.host = parts.hostname or "127.0.0.1"
-        self.port = parts.port or 80
-        self.host_header = f"Host: {parts.netloc}\r\n".encode()
+        self.path = socket_path(url)  # a Unix socket (vsup run's default), else TCP host:port
+        self.host, self.port = ("localhost", 0) if self.path is not None else host_port(url)
+        self.label = label(url)
+        self.host_header = f"Host: {self.host if self.path is not None else self.label}\r\n".encode()
         self.limit = limit
         self.connect_timeout = connect_timeout
         self.keepalive = keepalive
@@ -90,20 +92,26 @@ class UpstreamPool:
         self.open += 1
         try:
             async with asyncio.timeout(self.connect_timeout):
-                _, conn = await self.loop.create_connection(lambda: Connection(self), self.host, self.port)
+                _, conn = await self.open_transport(lambda: Connection(self))
         except TimeoutError:
             self._slot_freed()
-            raise ConnectFailed(f"no connection to {self.host}:{self.port} within {self.connect_timeout:g} s") from None
+            raise ConnectFailed(f"no connection to {self.label} within {self.connect_timeout:g} s") from None
         except OSError as exc:
             self._slot_freed()
-            raise ConnectFailed(f"cannot connect to {self.host}:{self.port}: {exc.strerror or exc}") from None
+            raise ConnectFailed(f"cannot connect to {self.label}: {exc.strerror or exc}") from None
         except BaseException:
             self._slot_freed()
             raise
         sock = conn.transport.get_extra_info("socket")
-        if sock is not None:
+        if sock is not None and self.path is None:  # no Nagle on AF_UNIX to turn off
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return conn
+
+    def open_transport(self, factory: Callable[[], _P]) -> Coroutine[Any, Any, tuple[asyncio.Transport, _P]]:
+        """The loop's connect to the instance: its Unix socket or TCP host:port."""
+        if self.path is not None:
+            return self.loop.create_unix_connection(factory, self.path)
+        return self.loop.create_connection(factory, self.host, self.port)
 
     def release(self, conn: Connection, reusable: bool) -> None:
         if not reusable or self.closed or not self.reusable:
@@ -210,7 +218,7 @@ class UpstreamClient:
         pool = self.pool(url)
         try:
             async with asyncio.timeout(self.connect_timeout):
-                transport, _ = await pool.loop.create_connection(asyncio.Protocol, pool.host, pool.port)
+                transport, _ = await pool.open_transport(asyncio.Protocol)
         except TimeoutError:
             return True
         except OSError:

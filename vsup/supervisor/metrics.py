@@ -10,12 +10,11 @@ import asyncio
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import aiohttp
-
 from vsup.config.schema import VsupConfig
 from vsup.observe.collector import Collector, Target
 from vsup.observe.page import status_page
 from vsup.proxy import ProxyServer
+from vsup.proxy.address import Sessions
 from vsup.supervisor import proctree
 from vsup.supervisor.fleet import Fleet
 from vsup.supervisor.processes import Child
@@ -37,9 +36,9 @@ class Metrics:
         self._task: asyncio.Task[None] | None = None
         self._ended: list[asyncio.Task[None]] = []  # cancelled by a reload; `close` gathers them
         self._proxy: ProxyServer | None = None
-        self._session: aiohttp.ClientSession | None = None
+        self._session: Sessions | None = None
 
-    def start(self, config: VsupConfig, proxy: ProxyServer, session: aiohttp.ClientSession) -> None:
+    def start(self, config: VsupConfig, proxy: ProxyServer, session: Sessions) -> None:
         """At `vsup run`: the /status page, and the collection when the interval is above 0."""
         self._proxy, self._session = proxy, session
         self.apply(config)
@@ -90,7 +89,7 @@ class Metrics:
             serving = inst.state in (State.READY, State.UNHEALTHY)
             targets.append(Target(
                 name=inst.name,
-                metrics_url=f"{inst.url}/metrics" if serving else None,
+                address=inst.url if serving else None,
                 nodes=tuple(fleet.plans[inst.name].nodes) if inst.name in fleet.plans else (),
                 leader=child.pid if child else None,
                 token=child.token if child else None,

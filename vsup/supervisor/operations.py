@@ -6,9 +6,11 @@ object and of trio's `deliver_cancel` parameter. `SystemOperations` is the real 
 a /health GET, the monotonic clock); the unit tests pass fakes on a virtual clock, so every
 transition and race runs in-process in milliseconds.
 
-Seven operations, and no more: the five the lifecycle started with (spawn, stop_tree, probe, now,
-sleep) and the two measurements a feature could not be built without — `warm_up` (the warm-up
-request of `warming`) and `tree_rss` (the memory watchdog's reading). Draining needs none (the
+Nine operations, and no more: the five the lifecycle started with (spawn, stop_tree, probe, now,
+sleep), the two measurements a feature could not be built without — `warm_up` (the warm-up
+request of `warming`) and `tree_rss` (the memory watchdog's reading) — and the two that keep
+another user from answering for an instance: `clear_address` before each start and `owns_address`
+before it counts as healthy (vsup/supervisor/listener.py). Draining needs none (the
 proxy's in-flight count is handed to the instance), reload and rolling restart none (they are
 intents). A new lifecycle feature is a new state or intent in the driver built from these, not a
 new hook here.
@@ -20,13 +22,13 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
+from vsup.proxy.address import Sessions, host_port, socket_path
 from vsup.proxy.health import HealthResult, probe_health
+from vsup.supervisor import listener, proctree
 from vsup.supervisor.processes import Child, StopReport, spawn, stop_tree, tree_rss
 from vsup.supervisor.warmup import warm_up
 
 if TYPE_CHECKING:
-    import aiohttp
-
     from vsup.supervisor.logs import InstanceLog
 
 
@@ -69,16 +71,25 @@ class Operations(Protocol):
         """The warm-up request (vsup/supervisor/warmup.py) to the instance at `url`, bounded by
         `timeout`: ok, or why not."""
 
+    async def clear_address(self, url: str) -> None:
+        """Before a start: remove the socket a dead instance left at its Unix address (nothing for
+        TCP); VsupError (one line) when something else is there."""
+
+    async def owns_address(self, process: Process, url: str, who: str) -> str | None:
+        """None when what listens at `url` is the process's own tree (a Unix socket of ours; every
+        listener on a TCP port one of the tree's sockets); else why not, naming the holder."""
+
     async def tree_rss(self, process: Process) -> int | None:
         """Resident memory of the process's whole tree (API server, EngineCore, Worker) in bytes;
         None when it cannot be read (the tree is gone)."""
 
 
 class SystemOperations:
-    """The real world: child processes, /health over HTTP, time.monotonic."""
+    """The real world: child processes, /health over HTTP or the instance's Unix socket, /proc,
+    time.monotonic."""
 
-    def __init__(self, session: aiohttp.ClientSession) -> None:
-        self.session = session
+    def __init__(self, sessions: Sessions) -> None:
+        self.sessions = sessions
 
     def now(self) -> float:
         return time.monotonic()
@@ -96,10 +107,28 @@ class SystemOperations:
         return await stop_tree(process, timeout)
 
     async def probe(self, url: str, timeout: float) -> HealthResult:
-        return await probe_health(self.session, url, timeout, expect_instance=True)
+        session, base = self.sessions.get(url)
+        return await probe_health(session, base, timeout, expect_instance=True)
 
     async def warm_up(self, url: str, body: dict[str, Any], timeout: float) -> HealthResult:
-        return await warm_up(self.session, url, body, timeout)
+        session, base = self.sessions.get(url)
+        return await warm_up(session, base, body, timeout)
+
+    async def clear_address(self, url: str) -> None:
+        path = socket_path(url)
+        if path is not None:
+            listener.clear_socket(path)
+
+    async def owns_address(self, process: Process, url: str, who: str) -> str | None:
+        path = socket_path(url)
+        if path is not None:
+            return listener.check_socket(path)  # its directory is ours alone: the socket is the instance's
+        assert isinstance(process, Child), process
+        port = host_port(url)[1]
+        # reading /proc for every process on the machine takes a while: not on the proxy's loop
+        tree = await asyncio.to_thread(proctree.find_tree, process.pid, token=process.token, known=dict(process.seen))
+        process.seen.update((pid, st.start) for pid, st in tree.items())
+        return await asyncio.to_thread(listener.check_port, port, tree, who)
 
     async def tree_rss(self, process: Process) -> int | None:
         assert isinstance(process, Child), process

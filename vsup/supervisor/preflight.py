@@ -29,7 +29,8 @@ def checked_plan(cfg: VsupConfig, fsroot: str, environ: Mapping[str, str], *, ru
     if runs_here:
         check_model_path(cfg, flags.get("model"))
     machine, plan = plan_from_config(cfg, fsroot, flags=planned)
-    check_instance_ports(cfg, len(plan.instances), flags.get("vllm.base_port"))
+    if cfg.vllm.listen == "tcp":  # under unix the instances have sockets, no ports
+        check_instance_ports(cfg, len(plan.instances), flags.get("vllm.base_port"))
     check_rss_limit(cfg, [instance.weights_bytes for instance in plan.instances])
     for instance in plan.instances:
         build_command(instance, cfg, environ)

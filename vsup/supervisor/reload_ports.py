@@ -34,6 +34,8 @@ def busy_port(config: VsupConfig, plan: Plan, current: Sequence[int], own: Mappi
             return None
         return holder(port) or "held by a process vsup cannot see (another user's)"
 
+    if config.vllm.listen != "tcp":
+        return None  # instances on Unix sockets in vsup's own folder: no port to take
     spare = spare_base_port(config)
     for new in plan.instances:
         slots = (new.port, spare + new.index)

@@ -79,8 +79,11 @@ def reload_steps(fleet: rollout.Fleet, plan: Plan) -> tuple[list[rollout.Step], 
         inst = fleet.instances[new.index]
         argv, env = inst.launch or (inst.argv, inst.env)
         current = rollout.Launch.of(argv, env, fleet.plan_of(inst))
-        if inst.port in (new.port, fleet.spare_port(new.index)):
-            changes = rollout.launch_changes(current, rollout.Launch.of(*fleet.launch(new, inst.port), new))
+        # its slot under the new plan: the one at its address (under vllm.listen: unix a socket,
+        # whatever base_port says), else it moves to the new base port
+        slot = next((port for port in (new.port, fleet.spare_port(new.index)) if fleet.address(new, port) == inst.url), None)
+        if slot is not None:
+            changes = rollout.launch_changes(current, rollout.Launch.of(*fleet.launch(new, slot), new))
         else:
             changes = [f"port {inst.port} -> {new.port}",
                        *rollout.launch_changes(current, rollout.Launch.of(*fleet.launch(new, new.port), new))]

@@ -222,6 +222,9 @@ class Fleet(Protocol):
 
     def spare_port(self, index: int) -> int: ...
 
+    def address(self, plan: InstancePlan, port: int) -> str:
+        """Where `plan` listens in the slot `port` (vsup.proxy.address: its socket, or the port)."""
+
     def create(self, plan: InstancePlan, port: int) -> Instance:
         """A new instance (not started), its driver running, its backend known to the proxy."""
 
@@ -269,7 +272,10 @@ class Rollout:
         assert plan is not None
         slots = (plan.port, fleet.spare_port(step.index))
         beside, why = surge_room(plan, fleet.live_plans(), fleet.plan)
-        other = slots[1] if old.port == slots[0] else slots[0]
+        # which slot the old one is in, by its address: under vllm.listen: unix a socket, which a
+        # changed base_port does not move
+        at = next((port for port in slots if fleet.address(plan, port) == old.url), None)
+        other = slots[1] if at == slots[0] else slots[0]
         if beside and not port_is_free(other):
             beside, why = False, f"its other port {other} is taken"
         if beside:
@@ -288,9 +294,9 @@ class Rollout:
             fleet.forget(old)
             step.detail = f"{new.name} ready on port {new.port}; the old one drained and stopped"
             return True
-        port = old.port if old.port in slots else plan.port
+        port = at if at is not None else plan.port
         step.how = f"in place, on port {port}: {why}"
-        if port == old.port:
+        if at is not None:
             argv, env = fleet.launch(plan, port)
             old.relaunch(argv, env)
             fleet.adopt(old, plan)

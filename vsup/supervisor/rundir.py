@@ -1,8 +1,10 @@
-"""Where a running vsup keeps its files: its state file and, by default, its control socket.
+"""Where a running vsup keeps its files: its state file, by default its control socket, and the
+instances' Unix sockets (vllm.listen: unix) in a private folder of their own, `instances-<proxy.port>`.
 
 Under systemd (`RuntimeDirectory=vsup`) that is `$RUNTIME_DIRECTORY` (/run/vsup). Elsewhere it is
 a private directory of the user, `$TMPDIR/vsup-<uid>` or `/tmp/vsup-<uid>`, mode 0700 and checked
-on every use: in a shared /tmp another user could have created it first.
+on every use: in a shared /tmp another user could have created it first. systemd's runtime
+directory may be readable by others (RuntimeDirectoryMode), the instances' folder is 0700 always.
 """
 
 from __future__ import annotations
@@ -46,3 +48,33 @@ def prepare_runtime_dir(environ: Mapping[str, str] = os.environ) -> Path:
     elif not directory.is_dir():
         raise VsupError(f"RUNTIME_DIRECTORY {str(directory)!r} does not exist")
     return directory
+
+
+def instance_dir(proxy_port: int, environ: Mapping[str, str] = os.environ) -> Path:
+    """The folder of the instances' sockets: one per vsup run of this user (`vsup tune` runs child
+    vsups, each on its own proxy port; with port 0 the folder is this process's)."""
+    return runtime_dir(environ) / f"instances-{proxy_port or f'pid{os.getpid()}'}"
+
+
+def prepare_instance_dir(proxy_port: int, environ: Mapping[str, str] = os.environ) -> Path:
+    """The instances' socket folder, created or checked private (0700, ours); VsupError naming it."""
+    prepare_runtime_dir(environ)
+    directory = instance_dir(proxy_port, environ)
+    ensure_private(directory, "instance socket", "point TMPDIR or RUNTIME_DIRECTORY elsewhere")
+    return directory
+
+
+def remove_instance_dir(proxy_port: int, environ: Mapping[str, str] = os.environ) -> None:
+    """After the instances have stopped: their sockets (vLLM leaves them) and the folder, if ours."""
+    directory = instance_dir(proxy_port, environ)
+    try:
+        info = directory.lstat()
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+            return
+        for entry in directory.iterdir():
+            found = entry.lstat()
+            if stat.S_ISSOCK(found.st_mode) and found.st_uid == os.getuid():
+                entry.unlink()
+        directory.rmdir()
+    except OSError:
+        pass  # something else in it, or gone already: the next run checks and clears its own sockets

@@ -34,6 +34,7 @@ class Event(StrEnum):
     DRAIN = "drain"  # leave the rotation and let the requests in flight finish (recycle, retire)
     DRAINED = "drained"  # nothing in flight any more, or the drain timeout passed
     STARTUP_TIMEOUT = "startup_timeout"  # not healthy within health.startup_timeout
+    IMPOSTOR = "impostor"  # /health answered, but what listens at its address is not its own process tree
     UNHEALTHY = "unhealthy"  # health.failures failed polls in a row
     EXITED = "exited"  # the process ended by itself (any exit status)
     STOP = "stop"  # a stop was asked for (shutdown, restart) or follows from unhealthy
@@ -49,6 +50,7 @@ TRANSITIONS: dict[tuple[State, Event], State] = {
     (S.STOPPED, E.START): S.STARTING,
     (S.STARTING, E.HEALTHY): S.WARMING,
     (S.STARTING, E.STARTUP_TIMEOUT): S.STOPPING,
+    (S.STARTING, E.IMPOSTOR): S.STOPPING,
     (S.STARTING, E.EXITED): S.STOPPING,
     (S.STARTING, E.STOP): S.STOPPING,
     (S.WARMING, E.WARMED): S.READY,

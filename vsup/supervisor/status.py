@@ -10,6 +10,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from vsup.config.schema import VsupConfig
+from vsup.proxy.address import label
 from vsup.supervisor.lifecycle import Instance
 from vsup.supervisor.states import State
 from vsup.systemd.notify import Notifier
@@ -52,7 +53,8 @@ def instance_status(sup: Supervisor, inst: Instance) -> dict[str, Any]:
         "name": inst.name,
         "state": inst.state.value,
         "pid": inst.pid,
-        "port": inst.port,
+        "port": inst.port,  # its slot: base_port + i, or spare_base_port + i beside
+        "address": label(inst.url),  # where it listens: its Unix socket, or 127.0.0.1:<port> (vllm.listen)
         "cpus": list(plan.cpus),
         "nodes": list(plan.nodes),
         "uptime": round(now - inst.started_at, 3) if inst.pid is not None and inst.started_at is not None else None,

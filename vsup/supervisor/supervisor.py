@@ -42,6 +42,7 @@ import aiohttp
 from vsup.config.schema import VsupConfig, spare_base_port
 from vsup.errors import VsupError
 from vsup.proxy import ProxyServer
+from vsup.proxy.address import Sessions
 from vsup.proxy.backends import BackendPool
 from vsup.supervisor import leftovers
 from vsup.supervisor import status as status_json
@@ -54,7 +55,7 @@ from vsup.supervisor.metrics import Metrics
 from vsup.supervisor.operations import Operations, SystemOperations
 from vsup.supervisor.reloading import Changes
 from vsup.supervisor.rollout import Record
-from vsup.supervisor.rundir import prepare_runtime_dir
+from vsup.supervisor.rundir import prepare_instance_dir, prepare_runtime_dir, remove_instance_dir
 from vsup.supervisor.states import State, Transition
 from vsup.systemd.notify import Notifier
 from vsup.topology.cpulist import format_list
@@ -134,13 +135,13 @@ class Supervisor:
             logger.warning("could not become a child subreaper; orphaned instance processes are reaped by init")
         self._sweep_shm("left by an earlier run")
         self._state_file = self._write_state()
-        session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, force_close=False),
-            timeout=aiohttp.ClientTimeout(total=None),
-        )
+        # probes, warm-ups and scrapes: one session for TCP instances, one per instance socket
+        session = Sessions(connector={"limit": 0, "force_close": False}, timeout=aiohttp.ClientTimeout(total=None))
         if self._ops is None:
             self._ops = SystemOperations(session)
         try:
+            if self.config.vllm.listen == "unix":  # private (0700) before any instance binds there
+                logger.info("instance sockets in %s", prepare_instance_dir(self.config.proxy.port, self.environ))
             self.fleet.build()
             api_key = self.environ.get("VSUP_API_KEY") or self.config.proxy.api_key
             self.proxy = ProxyServer(self.config.proxy, self.pool, api_key=api_key)
@@ -190,8 +191,11 @@ class Supervisor:
             for log in self.fleet.logs.values():
                 self._step(f"closing the log {log.name}", log.close)
             self._step("closing the sd_notify socket", self.notifier.close)
-            if self._state_file is not None and all(inst.child is None for inst in self.fleet.drivers):
-                self._step("removing the state file", self._state_file.unlink, True)
+            if all(inst.child is None for inst in self.fleet.drivers):
+                if self._state_file is not None:
+                    self._step("removing the state file", self._state_file.unlink, True)
+                if self.config.vllm.listen == "unix":
+                    self._step("removing the instance sockets", remove_instance_dir, self.config.proxy.port, self.environ)
 
     def _write_state(self) -> Path | None:
         """The state file that lets the next vsup clean up if this one is killed (leftovers.py):
