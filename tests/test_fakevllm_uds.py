@@ -5,6 +5,7 @@ proxy's own upstream client and the aiohttp sessions of address.Sessions (probe,
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -46,7 +47,7 @@ def served(tmp_path):
         wait_for_socket(path, proc)
         yield path, proc, tmp_path / "fake.log"
     finally:
-        proc.kill()
+        os.killpg(proc.pid, signal.SIGKILL)  # its session: the engine core too, not only the API server
         proc.wait()
 
 
