@@ -66,7 +66,7 @@ async def serve(text: str) -> tuple[web.AppRunner, str]:
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
-    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}/metrics"
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"  # the instance address: the collector asks for /metrics
 
 
 async def main(series: int) -> dict:

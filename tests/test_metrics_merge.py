@@ -39,7 +39,7 @@ async def instances(texts: list[str]):
             site = web.TCPSite(runner, "127.0.0.1", 0)
             await site.start()
             runners.append(runner)
-            urls.append(f"http://127.0.0.1:{runner.addresses[0][1]}/metrics")
+            urls.append(f"http://127.0.0.1:{runner.addresses[0][1]}")  # an instance address (the collector asks /metrics)
         yield urls
     finally:
         for runner in runners:
@@ -154,7 +154,7 @@ async def test_random_clashing_instances_always_give_text_promtool_parses():
         for _ in range(25):
             texts = ["".join(_family(rng, rng.choice(NAMES)) for _ in range(rng.randint(1, 6))) for _ in range(3)]
             async with instances(texts) as urls:
-                text = await proxy_metrics([fake.url + "/metrics", *urls])
+                text = await proxy_metrics([fake.url, *urls])
             promtool_parses(text)
             own_families_intact(text)
             families = list(text_string_to_metric_families(text))  # and prometheus_client's parser too
