@@ -53,11 +53,21 @@ async def test_a_config_that_cannot_be_parsed_is_its_error_and_the_default_vsup_
     server = ControlServer(default, target, {"TMPDIR": str(tmp_path)})
     await server.start()
     try:
-        bad = tmp_path / "other.yaml"
-        bad.write_text("model: m\ninstances: 0\n")  # another vsup's file, with a typo
+        # another vsup's file (proxy port 8123), with a typo elsewhere: its own vsup is asked (it
+        # re-reads and refuses its file itself); none runs, and the one on 8000 is not tried
+        other = tmp_path / "other.yaml"
+        other.write_text("model: m\ninstances: 0\nproxy:\n  port: 8123\n")
+        code, out, err = await vsup_cli(*command, "--config", str(other), env={"TMPDIR": str(tmp_path)})
+        assert code == 2, out + err
+        line = one_line_error(err)
+        assert line.startswith("vsup: error: vsup is not running: no control socket answers at ") and "control-8123.sock" in line
+        assert "control-8000.sock" not in line, line
+        # the keys that say where it listens are wrong: that is the error
+        bad = tmp_path / "bad.yaml"
+        bad.write_text("model: m\nproxy:\n  port: 70000\n")
         code, out, err = await vsup_cli(*command, "--config", str(bad), env={"TMPDIR": str(tmp_path)})
         assert code == 2, out + err
-        assert one_line_error(err) == f"vsup: error: {bad}:2: instances: 0 is not valid: must be at least 1, or auto"
+        assert one_line_error(err).startswith(f"vsup: error: {bad}:3: proxy.port: 70000 is not valid"), err
         unreadable = tmp_path / "broken.yaml"
         unreadable.write_text("model: [m\n")
         code, _out, err = await vsup_cli(*command, "--config", str(unreadable), env={"TMPDIR": str(tmp_path)})

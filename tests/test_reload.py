@@ -143,6 +143,11 @@ def test_an_invalid_file_is_refused_with_the_error_and_the_fleet_is_untouched(vs
     status = run.status()
     assert [(i["pid"], i["state"]) for i in status["instances"]] == before
     assert status["rollout"]["state"] == "rejected"
+    # by --config too (systemd's ExecReload): the broken file still says where its vsup listens,
+    # and that vsup refuses it and records the refusal
+    result = cli("reload", "--config", str(run.config_path))
+    assert result.returncode == 2 and result.stderr.startswith("vsup: error: reload refused, nothing was changed: "), result.stderr
+    assert run.status()["rollout"]["state"] == "rejected"
     shown = cli("status", "--socket", run.socket)
     assert "last reload (vsup reload): REJECTED" in shown.stdout and "instances: 0 is not valid" in shown.stdout
 

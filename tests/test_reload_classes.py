@@ -306,7 +306,7 @@ async def test_metrics_keys_apply_to_the_collection(tmp_path):
             assert record["applied"] == ["metrics.timeout"]
             await f.until(lambda: "no answer within 0.3s" in error(), "a scrape with the new timeout")
             assert f.sup.metrics.collector.max_series == 20000
-            record = await reload(f, instances=1, vllm={"base_port": port},
+            record = await reload(f, instances=1, vllm={"listen": "tcp", "base_port": port},
                                   metrics={"interval": 0.5, "timeout": 0.3, "max_series_per_instance": 7})
             assert record["applied"] == ["metrics.max_series_per_instance"]
             assert f.sup.metrics.collector.max_series == 7  # the next round reads and keeps at most 7 series

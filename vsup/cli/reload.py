@@ -29,11 +29,12 @@ def reload_command(no_wait: bool, config_path: str | None, socket_path: str | No
     restart and stop settings apply at once; instances whose command line, environment, CPUs or
     memory binding changed are replaced one at a time (warmed up before they serve, the old one
     drained). Waits until it is done; exit code 1 if an instance did not come up. Same as SIGHUP
-    and `systemctl reload vsup`. --config only finds the running vsup's control socket (a file
-    that cannot be read or is invalid is refused here, exit 2); with --socket it is not read.
+    and `systemctl reload vsup`. --config only finds the running vsup's control socket (from its
+    proxy.port and control.socket: a file that is not YAML or has those wrong is refused here,
+    exit 2); with --socket it is not read.
     """
-    # a --config that cannot be read is its one-line error (exit 2): never a guess at the default
-    # sockets, where another vsup may be the one that answers
+    # a --config that cannot say where its vsup listens is its one-line error (exit 2): never a
+    # guess at the default sockets, where another vsup may be the one that answers
     path = socket_for(config_path, socket_path)
     data = asyncio.run(request(path, "POST", "/reload", {"wait": not no_wait}))
     record = data["rollout"]

@@ -7,7 +7,7 @@ import json
 
 import click
 
-from vsup.config.schema import load_config
+from vsup.config.schema import load_control_keys
 from vsup.observe import fmt
 from vsup.observe.fmt import duration
 from vsup.safetext import printable
@@ -24,11 +24,13 @@ socket_option = click.option("--socket", "socket_path", type=click.Path(dir_okay
 
 def socket_for(config_path: str | None, socket_path: str | None):
     """--socket as given; else where --config's vsup (or, without one, a default vsup) listens.
-    A --config that cannot be read or validated is a ConfigError: never a fall-back to the default
-    sockets (another vsup may answer there)."""
+    Of --config only proxy.port and control.socket are read: a file that cannot be read, is not
+    YAML or has those wrong is a ConfigError, never a fall-back to the default sockets (another
+    vsup may answer there); the rest is the running vsup's to check (a reload of it is refused and
+    recorded there)."""
     if socket_path:
         return find_socket(socket_path, None)
-    config = load_config(config_path, require_model=False) if config_path else None
+    config = load_control_keys(config_path) if config_path else None
     return find_socket(None, config)
 
 

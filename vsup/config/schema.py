@@ -310,3 +310,27 @@ def parse_config(text: str, origin: str = "<config>", *, require_model: bool = T
         raise ConfigError(describe(exc, root, origin)) from None
     config._origin, config._root = origin, root
     return config
+
+
+def load_control_keys(path: str | Path) -> VsupConfig:
+    """Only what tells a client where the vsup run with this file listens (proxy.port,
+    control.socket), checked; the rest of the file is the running vsup's to check (`vsup reload`
+    of a broken file is refused there, and recorded). A file that is not YAML, or those two keys
+    invalid: ConfigError — never a guess at another vsup's socket."""
+    path = Path(path)
+    origin = str(path)
+    root, data = load_yaml(read_text(path), origin)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{origin}: expected a mapping of keys (model: ..., instances: ...), got {type(data).__name__}")
+    picked: dict[str, Any] = {"model": "(not used)"}
+    for section, key in (("proxy", "port"), ("control", "socket")):
+        part = data.get(section)
+        if isinstance(part, dict) and key in part:
+            picked[section] = {key: part[key]}
+    try:
+        config = VsupConfig.model_validate(picked)
+    except ValidationError as exc:
+        raise ConfigError(describe(exc, root, origin)) from None
+    config._origin, config._root = origin, root
+    return config
+
