@@ -49,7 +49,8 @@ def test_one_step_per_numa_node_bound_to_the_plan_and_a_front_proxy():
     assert f"--cpu-bind=verbose,mask_cpu:{cpu_mask([0, 32])}" in steps[2] and '"$VSUP" proxy --config "$CONF/front.yaml"' in steps[2]
     assert cpu_mask([0, 32]) == "0x100000001"
     assert "for port in 8001 8002; do" in script
-    assert script.rstrip().endswith("wait")
+    assert script.rstrip().endswith("until wait; do :; done")  # waits again after the TERM trap
+    assert "trap stop_vsups TERM" in script and "#SBATCH --signal=B:TERM@" in script
 
 
 def test_the_script_is_valid_bash(tmp_path):

@@ -1,0 +1,209 @@
+"""`vsup export slurm` under a real Slurm (22.05): two hosts on this machine (scripts/slurm-sim: two
+network namespaces, a slurmd each, private /tmp and /dev/shm), once with proctrack/cgroup and once
+with proctrack/linuxproc. The exported script is submitted with sbatch; the front proxy answers the
+openai client with the fake vLLM behind both hosts' vsups, splits requests between them, drains the
+requests in flight on scancel (the one docs/slurm.md gives for that plugin), leaves vsup's shutdown
+lines in the job's output and nothing running on either host; a host whose vsup is killed is
+ejected while the other serves. Marked `slurm`; needs root and Debian's slurmctld slurmd
+slurm-client munge (scripts/test installs them under CI)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.fakevllm.fixtures import fake_command
+from tests.tools import need_tool, unavailable
+
+pytestmark = pytest.mark.slurm
+
+ROOT = Path(__file__).resolve().parents[1]
+SIM = ROOT / "scripts" / "slurm-sim"
+WORK = Path(os.environ.get("VSUP_SLURM_DIR", "/var/tmp/vsup-slurm"))
+ADDR = {"h1": "198.18.0.11", "h2": "198.18.0.12"}
+PORT = 18000  # the front proxy, on h1; the per-node vsup on PORT + 1 on each host
+TOKENS = 60   # per in-flight request, at 0.05 s a token: 3 s, well past the moment of scancel
+
+
+def sh(*args: str, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess:
+    env = {**os.environ, "SLURM_CONF": str(WORK / "slurm.conf")}
+    result = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env)
+    if check:
+        assert result.returncode == 0, f"{args}: {result.stderr}"
+    return result
+
+
+@pytest.fixture(scope="module", params=["cgroup", "linuxproc"])
+def slurm(request):
+    if os.geteuid() != 0:
+        unavailable("the Slurm test needs root (network namespaces, slurmd)")
+    for tool, package in (("slurmctld", None), ("slurmd", None), ("munged", "munge"), ("sbatch", "slurm-client")):
+        need_tool(tool, package=package)
+    request.addfinalizer(lambda: subprocess.run([str(SIM), "down"], capture_output=True, timeout=120))
+    up = subprocess.run([str(SIM), "up", request.param], capture_output=True, text=True, timeout=180)
+    assert up.returncode == 0, up.stdout + up.stderr
+    return request.param
+
+
+def get(url: str, timeout: float = 5) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+    except OSError:
+        return 0, ""
+
+
+def wait_until(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.3)
+    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+
+
+def submit(tmp_path: Path) -> str:
+    """Export for --hosts 2 from this machine's plan and sbatch it; the job id."""
+    config = {
+        "model": "fake-model",
+        "placement": {"model_size_gib": 0.01, "kvcache_gib": 0.01, "overhead_gib": 0.01, "memory_reserve_gib": 0.1},
+        "vllm": {"command": fake_command(), "env": {"FAKE_VLLM_TOKEN_DELAY": "0.05"}},
+        "proxy": {"port": PORT, "drain_timeout": 20},
+        "health": {"interval": 0.3, "timeout": 2, "failures": 2, "startup_timeout": 60},
+        "stop": {"timeout": 5},
+    }
+    (tmp_path / "vsup.yaml").write_text(yaml.safe_dump(config))
+    out = WORK / f"export-{tmp_path.name}"
+    sh(str(Path(sys.executable).parent / "vsup"), "export", "slurm", "--config", str(tmp_path / "vsup.yaml"),
+       "--hosts", "2", "-o", str(out))
+    os.environ["VSUP"] = str(Path(sys.executable).parent / "vsup")  # sbatch passes the environment on
+    try:
+        job = sh("sbatch", "--parsable", f"--output={WORK}/job-%j.out", f"--chdir={WORK}", str(out / "vsup.sbatch")).stdout.strip()
+    finally:
+        del os.environ["VSUP"]
+    return job.split(";")[0]
+
+
+def front(path: str) -> tuple[int, str]:
+    return get(f"http://{ADDR['h1']}:{PORT}{path}")
+
+
+def served_by_host(metrics: str) -> dict[str, float]:
+    """Requests the front proxy sent to each host's vsup (vsup_proxy_requests_total by instance)."""
+    counts: dict[str, float] = {}
+    for line in metrics.splitlines():
+        if line.startswith("vsup_proxy_requests_total{"):
+            match = re.search(r'instance="http://(h\d):\d+"', line)
+            if match:
+                counts[match[1]] = counts.get(match[1], 0) + float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def in_flight(metrics: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith("vsup_proxy_in_flight{"))
+
+
+def client():
+    import openai
+
+    return openai.OpenAI(base_url=f"http://{ADDR['h1']}:{PORT}/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def wait_serving(job: str) -> None:
+    def both_ready():
+        status, body = front("/metrics")
+        return status == 200 and re.findall(r'vsup_instance_ready\{instance="http://h\d:\d+"\} 1\.0', body).__len__() == 2
+    try:
+        wait_until(both_ready, 150, "the front proxy to see both hosts' vsups ready")
+    except AssertionError:
+        print(job_output(job))
+        raise
+
+
+def job_output(job: str) -> str:
+    path = WORK / f"job-{job}.out"
+    return path.read_text() if path.exists() else ""
+
+
+def host_pids(host: str) -> set[int]:
+    """The processes in a host's network namespace other than its slurmd."""
+    pids = {int(p) for p in sh("ip", "netns", "pids", f"vsup-{host}").stdout.split()}
+    return pids - {int((WORK / f"slurmd.{host}.pid").read_text())}
+
+
+def in_host(host: str, *command: str) -> str:
+    """A command in the host's mount namespace (its private /tmp and /dev/shm)."""
+    slurmd = (WORK / f"slurmd.{host}.pid").read_text().strip()
+    return sh("nsenter", f"--mount=/proc/{slurmd}/ns/mnt", *command).stdout
+
+
+def test_two_hosts_serve_split_by_ready_instances_and_drain_on_scancel(slurm, tmp_path):
+    job = submit(tmp_path)
+    wait_serving(job)
+    api = client()
+    for _ in range(12):
+        reply = api.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert reply.choices[0].message.content == "tok0 tok1"
+    counts = served_by_host(front("/metrics")[1])
+    assert counts.get("h1", 0) >= 3 and counts.get("h2", 0) >= 3, counts  # one ready instance each: an even share
+
+    def long_request(_):
+        return api.completions.create(model="fake-model", prompt="drain me", max_tokens=TOKENS)
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(long_request, i) for i in range(4)]
+        wait_until(lambda: in_flight(front("/metrics")[1]) == 4, 20, "4 requests in flight at the front")
+        # the stop docs/slurm.md gives for each ProctrackType
+        if slurm == "cgroup":
+            sh("scancel", job)
+        else:
+            sh("scancel", "--batch", "--signal=TERM", job)
+        replies = [future.result(timeout=90) for future in futures]
+    assert [r.usage.completion_tokens for r in replies] == [TOKENS] * 4  # every one finished whole
+    # the job stays until its vsups have drained and stopped; then nothing is left on either host
+    wait_until(lambda: sh("squeue", "-h", "-j", job, check=False).stdout.strip() == "", 90, f"job {job} to leave squeue")
+    output = job_output(job)
+    # each host's per-node step ran bound to the plan's mask (srun --cpu-bind=verbose reports it)
+    mask = re.search(r"mask_cpu:(0x[0-9a-f]+) --mem-bind", (WORK / f"export-{tmp_path.name}" / "vsup.sbatch").read_text())[1]
+    for host in ADDR:
+        assert re.search(rf"cpu-bind=MASK - {host}, task +\d+ +\d+ \[\d+\]: mask {mask} set", output), output
+    # vsup's shutdown is in the job's output: both hosts' vsups and the front proxy drained
+    assert output.count("stopping: draining the proxy") == 2 and output.count("vsup.supervisor: stopped after") == 2, output
+    assert "vsup proxy: draining (4 in flight" in output, output
+    for host in ADDR:
+        wait_until(lambda host=host: not host_pids(host), 30, f"{host} to have nothing left running")
+        assert not [name for name in in_host(host, "ls", "/dev/shm").split() if name.startswith(("psm_", "sem.mp-"))]
+
+
+def test_a_host_whose_vsup_is_killed_is_ejected_and_the_other_serves(slurm, tmp_path):
+    if slurm != "cgroup":
+        pytest.skip("run once, under proctrack/cgroup: the ejection does not depend on the plugin")
+    job = submit(tmp_path)
+    wait_serving(job)
+    vsup_pid = in_host("h2", "cat", f"/tmp/vsup-{job}/pids/node0.pid").strip()
+    os.kill(int(vsup_pid), 9)
+    wait_until(lambda: re.search(r'vsup_instance_ready\{instance="http://h2:\d+"\} 0\.0', front("/metrics")[1]), 30,
+               "the front proxy to eject h2")
+    api = client()
+    before = served_by_host(front("/metrics")[1])
+    for _ in range(6):
+        reply = api.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert reply.choices[0].message.content == "tok0 tok1"
+    after = served_by_host(front("/metrics")[1])
+    assert after.get("h1", 0) - before.get("h1", 0) == 6 and after.get("h2", 0) == before.get("h2", 0), (before, after)
+    sh("scancel", job)
+    wait_until(lambda: sh("squeue", "-h", "-j", job, check=False).stdout.strip() == "", 90, f"job {job} to leave squeue")
+    for host in ADDR:
+        wait_until(lambda host=host: not host_pids(host), 30, f"{host} to have nothing left running")
