@@ -2,9 +2,10 @@
 network namespaces, a slurmd each, private /tmp and /dev/shm), once with proctrack/cgroup and once
 with proctrack/linuxproc. The exported script is submitted with sbatch; the front proxy answers the
 openai client with the fake vLLM behind both hosts' vsups, splits requests between them, drains the
-requests in flight on scancel (the one docs/slurm.md gives for that plugin), leaves vsup's shutdown
-lines in the job's output and nothing running on either host; a host whose vsup is killed is
-ejected while the other serves. Marked `slurm`; needs root and Debian's slurmctld slurmd
+requests in flight on every scancel docs/slurm.md says drains under that plugin, leaves vsup's
+shutdown lines in the job's output and nothing running on either host; the one it says does not
+(plain scancel under linuxproc) does not; a host whose vsup is killed is ejected while the other
+serves. Marked `slurm`; needs root and Debian's slurmctld slurmd
 slurm-client munge (scripts/test installs them under CI)."""
 
 from __future__ import annotations
@@ -42,8 +43,9 @@ def sh(*args: str, timeout: float = 60, check: bool = True) -> subprocess.Comple
     return result
 
 
-@pytest.fixture(scope="module", params=["cgroup", "linuxproc"])
+@pytest.fixture(scope="module")
 def slurm(request):
+    """The cluster, up afresh (2 s) under the ProctrackType the test is parametrized with; down after."""
     if os.geteuid() != 0:
         unavailable("the Slurm test needs root (network namespaces, slurmd)")
     for tool, package in (("slurmctld", None), ("slurmd", None), ("munged", "munge"), ("sbatch", "slurm-client")):
@@ -149,7 +151,27 @@ def in_host(host: str, *command: str) -> str:
     return sh("nsenter", f"--mount=/proc/{slurmd}/ns/mnt", *command).stdout
 
 
-def test_two_hosts_serve_split_by_ready_instances_and_drain_on_scancel(slurm, tmp_path):
+STOPS = {"plain": ("scancel",), "batch": ("scancel", "--batch", "--signal=TERM")}
+
+
+def start_long_requests(pool, api) -> list[concurrent.futures.Future]:
+    def long_request(_):
+        return api.completions.create(model="fake-model", prompt="drain me", max_tokens=TOKENS)
+
+    futures = [pool.submit(long_request, i) for i in range(4)]
+    wait_until(lambda: in_flight(front("/metrics")[1]) == 4, 20, "4 requests in flight at the front")
+    return futures
+
+
+def wait_gone(job: str) -> None:
+    wait_until(lambda: sh("squeue", "-h", "-j", job, check=False).stdout.strip() == "", 90, f"job {job} to leave squeue")
+    for host in ADDR:
+        wait_until(lambda host=host: not host_pids(host), 30, f"{host} to have nothing left running")
+
+
+# every stop docs/slurm.md says drains, under the plugin it names
+@pytest.mark.parametrize("slurm, stop", [("cgroup", "plain"), ("cgroup", "batch"), ("linuxproc", "batch")], indirect=["slurm"])
+def test_two_hosts_serve_split_by_ready_instances_and_drain_on_scancel(slurm, stop, tmp_path):
     job = submit(tmp_path)
     wait_serving(job)
     api = client()
@@ -159,21 +181,13 @@ def test_two_hosts_serve_split_by_ready_instances_and_drain_on_scancel(slurm, tm
     counts = served_by_host(front("/metrics")[1])
     assert counts.get("h1", 0) >= 3 and counts.get("h2", 0) >= 3, counts  # one ready instance each: an even share
 
-    def long_request(_):
-        return api.completions.create(model="fake-model", prompt="drain me", max_tokens=TOKENS)
-
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        futures = [pool.submit(long_request, i) for i in range(4)]
-        wait_until(lambda: in_flight(front("/metrics")[1]) == 4, 20, "4 requests in flight at the front")
-        # the stop docs/slurm.md gives for each ProctrackType
-        if slurm == "cgroup":
-            sh("scancel", job)
-        else:
-            sh("scancel", "--batch", "--signal=TERM", job)
+        futures = start_long_requests(pool, api)
+        sh(*STOPS[stop], job)
         replies = [future.result(timeout=90) for future in futures]
     assert [r.usage.completion_tokens for r in replies] == [TOKENS] * 4  # every one finished whole
     # the job stays until its vsups have drained and stopped; then nothing is left on either host
-    wait_until(lambda: sh("squeue", "-h", "-j", job, check=False).stdout.strip() == "", 90, f"job {job} to leave squeue")
+    wait_gone(job)
     output = job_output(job)
     # each host's per-node step ran bound to the plan's mask (srun --cpu-bind=verbose reports it)
     mask = re.search(r"mask_cpu:(0x[0-9a-f]+) --mem-bind", (WORK / f"export-{tmp_path.name}" / "vsup.sbatch").read_text())[1]
@@ -183,13 +197,27 @@ def test_two_hosts_serve_split_by_ready_instances_and_drain_on_scancel(slurm, tm
     assert output.count("stopping: draining the proxy") == 2 and output.count("vsup.supervisor: stopped after") == 2, output
     assert "vsup proxy: draining (4 in flight" in output, output
     for host in ADDR:
-        wait_until(lambda host=host: not host_pids(host), 30, f"{host} to have nothing left running")
         assert not [name for name in in_host(host, "ls", "/dev/shm").split() if name.startswith(("psm_", "sem.mp-"))]
 
 
+@pytest.mark.parametrize("slurm", ["linuxproc"], indirect=True)
+def test_a_plain_scancel_under_linuxproc_kills_the_instances_mid_request(slurm, tmp_path):
+    # what docs/slurm.md warns of: Slurm signals every process of a step at once, vLLM's too
+    import openai
+
+    job = submit(tmp_path)
+    wait_serving(job)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = start_long_requests(pool, client())
+        sh(*STOPS["plain"], job)
+        failed = [future for future in futures if isinstance(future.exception(timeout=90), openai.APIError)]
+    assert failed, "every request completed: docs/slurm.md's table is wrong"
+    wait_gone(job)
+
+
+# the ejection does not depend on the plugin: once
+@pytest.mark.parametrize("slurm", ["cgroup"], indirect=True)
 def test_a_host_whose_vsup_is_killed_is_ejected_and_the_other_serves(slurm, tmp_path):
-    if slurm != "cgroup":
-        pytest.skip("run once, under proctrack/cgroup: the ejection does not depend on the plugin")
     job = submit(tmp_path)
     wait_serving(job)
     vsup_pid = in_host("h2", "cat", f"/tmp/vsup-{job}/pids/node0.pid").strip()
@@ -203,7 +231,5 @@ def test_a_host_whose_vsup_is_killed_is_ejected_and_the_other_serves(slurm, tmp_
         assert reply.choices[0].message.content == "tok0 tok1"
     after = served_by_host(front("/metrics")[1])
     assert after.get("h1", 0) - before.get("h1", 0) == 6 and after.get("h2", 0) == before.get("h2", 0), (before, after)
-    sh("scancel", job)
-    wait_until(lambda: sh("squeue", "-h", "-j", job, check=False).stdout.strip() == "", 90, f"job {job} to leave squeue")
-    for host in ADDR:
-        wait_until(lambda host=host: not host_pids(host), 30, f"{host} to have nothing left running")
+    sh(*STOPS["batch"], job)
+    wait_gone(job)
