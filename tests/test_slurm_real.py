@@ -5,8 +5,8 @@ openai client with the fake vLLM behind both hosts' vsups, splits requests betwe
 requests in flight on every scancel docs/slurm.md says drains under that plugin, leaves vsup's
 shutdown lines in the job's output and nothing running on either host; the one it says does not
 (plain scancel under linuxproc) does not; a host whose vsup is killed is ejected while the other
-serves. Marked `slurm`; needs root and Debian's slurmctld slurmd
-slurm-client munge (scripts/test installs them under CI)."""
+serves; real vLLM on one host (marked `vllm` too) answers and drains. Marked `slurm`; needs root
+and Debian's slurmctld slurmd slurm-client munge (scripts/test installs them under CI)."""
 
 from __future__ import annotations
 
@@ -76,9 +76,9 @@ def wait_until(predicate, timeout: float, what: str):
     raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
 
 
-def submit(tmp_path: Path) -> str:
-    """Export for --hosts 2 from this machine's plan and sbatch it; the job id."""
-    config = {
+def submit(tmp_path: Path, config: dict | None = None, hosts: int = 2) -> str:
+    """Export for --hosts 2 (or `hosts`) from this machine's plan and sbatch it; the job id."""
+    config = config or {
         "model": "fake-model",
         "placement": {"model_size_gib": 0.01, "kvcache_gib": 0.01, "overhead_gib": 0.01, "memory_reserve_gib": 0.1},
         "vllm": {"command": fake_command(), "env": {"FAKE_VLLM_TOKEN_DELAY": "0.05"}},
@@ -89,7 +89,7 @@ def submit(tmp_path: Path) -> str:
     (tmp_path / "vsup.yaml").write_text(yaml.safe_dump(config))
     out = WORK / f"export-{tmp_path.name}"
     sh(str(Path(sys.executable).parent / "vsup"), "export", "slurm", "--config", str(tmp_path / "vsup.yaml"),
-       "--hosts", "2", "-o", str(out))
+       "--hosts", str(hosts), "-o", str(out))
     os.environ["VSUP"] = str(Path(sys.executable).parent / "vsup")  # sbatch passes the environment on
     try:
         job = sh("sbatch", "--parsable", f"--output={WORK}/job-%j.out", f"--chdir={WORK}", str(out / "vsup.sbatch")).stdout.strip()
@@ -123,12 +123,12 @@ def client():
     return openai.OpenAI(base_url=f"http://{ADDR['h1']}:{PORT}/v1", api_key="none", max_retries=0, timeout=60)
 
 
-def wait_serving(job: str) -> None:
-    def both_ready():
+def wait_serving(job: str, hosts: int = 2, timeout: float = 150) -> None:
+    def all_ready():
         status, body = front("/metrics")
-        return status == 200 and re.findall(r'vsup_instance_ready\{instance="http://h\d:\d+"\} 1\.0', body).__len__() == 2
+        return status == 200 and len(re.findall(r'vsup_instance_ready\{instance="http://h\d:\d+"\} 1\.0', body)) == hosts
     try:
-        wait_until(both_ready, 150, "the front proxy to see both hosts' vsups ready")
+        wait_until(all_ready, timeout, f"the front proxy to see {hosts} host(s)' vsups ready")
     except AssertionError:
         print(job_output(job))
         raise
@@ -233,3 +233,34 @@ def test_a_host_whose_vsup_is_killed_is_ejected_and_the_other_serves(slurm, tmp_
     assert after.get("h1", 0) - before.get("h1", 0) == 6 and after.get("h2", 0) == before.get("h2", 0), (before, after)
     sh(*STOPS["batch"], job)
     wait_gone(job)
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("slurm", ["linuxproc"], indirect=True)
+def test_real_vllm_on_one_host_answers_and_drains(slurm, vllm_install, tmp_path):
+    # the real vLLM CPU build (tiny random-weight model) instead of the fake, on h1 only; vsup from
+    # the checkout's venv, pointed at vLLM's by vllm.venv
+    venv, model = vllm_install
+    config = {
+        "model": str(model), "served_model_name": "tiny-llama",
+        "placement": {"kvcache_gib": 0.0625, "overhead_gib": 1.5},
+        "vllm": {"venv": str(venv), "args": ["--dtype", "float32", "--enforce-eager", "--max-model-len", "2048"],
+                 "env": {"HF_HUB_OFFLINE": "1", "VLLM_CACHE_ROOT": str(WORK / "vllm-cache")}},
+        "proxy": {"port": PORT, "drain_timeout": 60},
+        "health": {"interval": 1, "timeout": 10, "failures": 3, "startup_timeout": 600},
+        "stop": {"timeout": 30},
+    }
+    job = submit(tmp_path, config, hosts=1)
+    wait_serving(job, hosts=1, timeout=660)
+    api = client()
+    reply = api.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=8)
+    assert reply.usage.completion_tokens == 8
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(api.completions.create, model="tiny-llama", prompt="drain me", max_tokens=1500,
+                             extra_body={"ignore_eos": True})
+        wait_until(lambda: in_flight(front("/metrics")[1]) == 1, 30, "the request in flight at the front")
+        sh(*STOPS["batch"], job)
+        assert future.result(timeout=300).usage.completion_tokens == 1500  # finished whole while vsup drained
+    wait_gone(job)
+    assert "stopped after" in job_output(job)
