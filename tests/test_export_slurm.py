@@ -126,6 +126,7 @@ def test_the_api_key_is_checked_by_the_per_node_vsups_not_the_front():
 @pytest.mark.parametrize("config, message", [
     ("instances: 3\n", "instances: 3 do not split evenly over NUMA nodes"),
     ("proxy:\n  port: 65535\n", "proxy.port 65535: the per-node vsups listen on the 2 ports after it, past 65535"),
+    ("proxy:\n  drain_timeout: 65500\n", "proxy.drain_timeout + stop.timeout = 65530 s: the job's stop signal"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, config, message):
     root = build_sysfs(tmp_path / "m", nodes=(8, 8), smt=2, packages=2)

@@ -73,6 +73,9 @@ def export_slurm(machine: Machine, host_plan: Plan, cfg: VsupConfig, *, hosts: i
     kv = host_plan.instances[0].kvcache_bytes
     weights = host_plan.instances[0].weights_bytes
     drain_s = round(cfg.proxy.drain_timeout + cfg.stop.timeout)
+    if drain_s + 30 > 65535:  # sbatch --signal takes at most 65535 s before the time limit
+        raise VsupError(f"proxy.drain_timeout + stop.timeout = {drain_s} s: the job's stop signal (sbatch --signal, "
+                        "that + 30 s before the time limit) allows at most 65505 s in all; give shorter timeouts")
     lines = ["#!/bin/bash"]
     lines += [f"# {line}".rstrip() for line in _summary(machine, host_plan, cfg, nodes, per_node, hosts).splitlines()]
     lines += [
