@@ -48,7 +48,8 @@ def slurm(request):
     """The cluster, up afresh (2 s) under the ProctrackType the test is parametrized with; down after."""
     if os.geteuid() != 0:
         unavailable("the Slurm test needs root (network namespaces, slurmd)")
-    for tool, package in (("slurmctld", None), ("slurmd", None), ("munged", "munge"), ("sbatch", "slurm-client")):
+    for tool, package in (("slurmctld", None), ("slurmd", None), ("munged", "munge"), ("sbatch", "slurm-client"),
+                          ("ip", "iproute2"), ("nsenter", "util-linux")):
         need_tool(tool, package=package)
     request.addfinalizer(lambda: subprocess.run([str(SIM), "down"], capture_output=True, timeout=120))
     up = subprocess.run([str(SIM), "up", request.param], capture_output=True, text=True, timeout=180)
