@@ -49,7 +49,8 @@ def test_one_step_per_numa_node_bound_to_the_plan_and_a_front_proxy():
     assert f"--cpu-bind=verbose,mask_cpu:{cpu_mask([0, 32])}" in steps[2] and '"$VSUP" proxy --config "$CONF/front.yaml"' in steps[2]
     assert cpu_mask([0, 32]) == "0x100000001"
     assert "for port in 8001 8002; do" in script
-    assert script.rstrip().endswith("wait")
+    assert script.rstrip().endswith("until wait; do :; done")  # waits again after the TERM trap
+    assert "trap stop_vsups TERM" in script and "#SBATCH --signal=B:TERM@" in script
 
 
 def test_the_script_is_valid_bash(tmp_path):
@@ -177,6 +178,7 @@ def test_an_allowed_odd_job_name_is_one_sbatch_line_and_the_script_stays_valid_b
 @pytest.mark.parametrize("config, message", [
     ("instances: 3\n", "instances: 3 do not split evenly over NUMA nodes"),
     ("proxy:\n  port: 65535\n", "proxy.port 65535: the per-node vsups listen on the 2 ports after it, past 65535"),
+    ("proxy:\n  drain_timeout: 65500\n", "proxy.drain_timeout + stop.timeout = 65530 s: the job's stop signal"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, config, message):
     root = build_sysfs(tmp_path / "m", nodes=(8, 8), smt=2, packages=2)

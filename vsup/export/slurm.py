@@ -54,6 +54,31 @@ def check_job_name(job_name: str) -> str:
     return job_name
 
 
+# Each vsup step records its pid in node-local /tmp, so that the trap can signal vsup alone.
+def _step(name: str) -> str:
+    """The words before a step's vsup command: record its pid in node-local /tmp, then exec it."""
+    return f"""bash -c 'mkdir -p "${{1%/*}}" && echo $$ >"$1" && exec "${{@:2}}"' vsup-step /tmp/vsup-{JOB_ID}/pids/{name}.pid"""
+
+
+def _stop_trap(drain_s: int) -> list[str]:
+    """The batch shell's TERM trap: TERM to each host's vsups, by pid (not to the steps: under
+    proctrack/linuxproc a step's signal reaches every process of it, the vLLM instances too, and
+    in-flight requests fail); `wait` in the script's last line then lets them drain."""
+    return [
+        "# Stop: `scancel --batch --signal=TERM $SLURM_JOB_ID` (under any ProctrackType), the time limit",
+        f"# (--signal above: TERM {drain_s + 30} s before it), or a plain scancel (drains under proctrack/cgroup only)",
+        "# TERM this shell: it forwards TERM to each vsup of every host, which drains and stops its",
+        f"# instances within proxy.drain_timeout + stop.timeout = {drain_s} s (keep the cluster's KillWait above that).",
+        "stop_vsups() {",
+        "    echo \"vsup: TERM: draining every host's vsup\" >&2",
+        '    srun --overlap --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --cpu-bind=none --job-name=vsup-stop \\',
+        "         bash -c 'for f in /tmp/vsup-$SLURM_JOB_ID/pids/*.pid; do kill -TERM \"$(cat \"$f\")\" || true; done' || true",
+        "}",
+        "trap stop_vsups TERM",
+        "",
+    ]
+
+
 def export_slurm(machine: Machine, host_plan: Plan, cfg: VsupConfig, *, hosts: int, job_name: str) -> str:
     check_job_name(job_name)
     nodes, per_node = instances_per_node(host_plan)
@@ -63,6 +88,10 @@ def export_slurm(machine: Machine, host_plan: Plan, cfg: VsupConfig, *, hosts: i
         raise VsupError(f"proxy.port {cfg.proxy.port}: the per-node vsups listen on the {len(nodes)} ports after it, past 65535")
     kv = host_plan.instances[0].kvcache_bytes
     weights = host_plan.instances[0].weights_bytes
+    drain_s = round(cfg.proxy.drain_timeout + cfg.stop.timeout)
+    if drain_s + 30 > 65535:  # sbatch --signal takes at most 65535 s before the time limit
+        raise VsupError(f"proxy.drain_timeout + stop.timeout = {drain_s} s: the job's stop signal (sbatch --signal, "
+                        "that + 30 s before the time limit) allows at most 65505 s in all; give shorter timeouts")
     lines = ["#!/bin/bash"]
     lines += [f"# {line}".rstrip() for line in _summary(machine, host_plan, cfg, nodes, per_node, hosts).splitlines()]
     lines += [
@@ -71,8 +100,10 @@ def export_slurm(machine: Machine, host_plan: Plan, cfg: VsupConfig, *, hosts: i
         "#SBATCH --ntasks-per-node=1",
         "#SBATCH --exclusive",
         "#SBATCH --mem=0",
+        f"#SBATCH --signal=B:TERM@{drain_s + 30}",
         "set -euo pipefail",
         "",
+        *_stop_trap(drain_s),
         'VSUP="${VSUP:-vsup}"  # vsup as installed on the hosts (best: in the venv of vLLM\'s CPU build)',
         'CONF="${VSUP_CONF_DIR:-$PWD/vsup-$SLURM_JOB_ID}"  # on a filesystem every host sees',
         'mkdir -p "$CONF"',
@@ -106,7 +137,7 @@ def export_slurm(machine: Machine, host_plan: Plan, cfg: VsupConfig, *, hosts: i
         lines.append(_heredoc(f'"$CONF/node{node_id}.yaml"', text).rstrip("\n"))
         lines.append(
             f"srun --nodes={hosts} --ntasks-per-node=1 --overlap --cpu-bind=verbose,mask_cpu:{cpu_mask(cpus)} --mem-bind=verbose,local \\\n"
-            f'     --job-name=vsup-node{node_id} "$VSUP" run --config "$CONF/node{node_id}.yaml" &'
+            f'     --job-name=vsup-node{node_id} {_step(f"node{node_id}")} "$VSUP" run --config "$CONF/node{node_id}.yaml" &'
         )
         lines.append("")
 
@@ -130,13 +161,12 @@ def export_slurm(machine: Machine, host_plan: Plan, cfg: VsupConfig, *, hosts: i
         "done",
         'first=${hosts[0]}',
         f'srun --nodes=1 --ntasks=1 --nodelist="$first" --overlap --cpu-bind={bind} --job-name=vsup-front \\',
-        '     env -u VSUP_API_KEY "$VSUP" proxy --config "$CONF/front.yaml" "${upstreams[@]}" &',
+        f'     {_step("front")} env -u VSUP_API_KEY "$VSUP" proxy --config "$CONF/front.yaml" "${{upstreams[@]}}" &',
         f'echo "vsup: clients connect to http://$first:{cfg.proxy.port}" >&2',
         "",
-        "# scancel (or the time limit) sends SIGTERM to every step: each vsup drains and stops its instances,",
-        f"# which takes up to proxy.drain_timeout + stop.timeout = {cfg.proxy.drain_timeout + cfg.stop.timeout:g} s",
-        "# (keep the cluster's KillWait above that).",
-        "wait",
+        "# Wait for the steps; after a TERM (the trap above) wait again until every vsup has drained, so the",
+        "# job stays in squeue and vsup's shutdown lines reach the job's output.",
+        "until wait; do :; done",
     ]
     return "\n".join(lines) + "\n"
 
