@@ -298,11 +298,16 @@ def load_config(path: str | Path, *, require_model: bool = True) -> VsupConfig:
     return parse_config(read_text(path), str(path), require_model=require_model)
 
 
-def parse_config(text: str, origin: str = "<config>", *, require_model: bool = True) -> VsupConfig:
+def parse_config(text: str, origin: str = "<config>", *, require_model: bool = True,
+                 only: tuple[tuple[str, str], ...] | None = None) -> VsupConfig:
+    """`only`: check just these (section, key) pairs of the file, the rest at their defaults."""
     root, data = load_yaml(text, origin)
     if not isinstance(data, dict):
         raise ConfigError(f"{origin}: expected a mapping of keys (model: ..., instances: ...), got {type(data).__name__}")
-    if not require_model:
+    if only is not None:
+        parts: dict[str, dict] = {section: part for section, _ in only if isinstance(part := data.get(section), dict)}
+        data = {section: {key: parts[section][key]} for section, key in only if key in parts.get(section, {})}
+    if not require_model or only is not None:
         data.setdefault("model", "(not used)")
     try:
         config = VsupConfig.model_validate(data)
@@ -317,20 +322,4 @@ def load_control_keys(path: str | Path) -> VsupConfig:
     control.socket), checked; the rest of the file is the running vsup's to check (`vsup reload`
     of a broken file is refused there, and recorded). A file that is not YAML, or those two keys
     invalid: ConfigError — never a guess at another vsup's socket."""
-    path = Path(path)
-    origin = str(path)
-    root, data = load_yaml(read_text(path), origin)
-    if not isinstance(data, dict):
-        raise ConfigError(f"{origin}: expected a mapping of keys (model: ..., instances: ...), got {type(data).__name__}")
-    picked: dict[str, Any] = {"model": "(not used)"}
-    for section, key in (("proxy", "port"), ("control", "socket")):
-        part = data.get(section)
-        if isinstance(part, dict) and key in part:
-            picked[section] = {key: part[key]}
-    try:
-        config = VsupConfig.model_validate(picked)
-    except ValidationError as exc:
-        raise ConfigError(describe(exc, root, origin)) from None
-    config._origin, config._root = origin, root
-    return config
-
+    return parse_config(read_text(Path(path)), str(path), only=(("proxy", "port"), ("control", "socket")))
