@@ -106,6 +106,39 @@ async def test_a_body_sink_writes_plain_bytes_to_an_http_1_0_client():
     assert body == b"data: one\n\ndata: two\n\n", body
 
 
+async def end_through_a_body_sink(request: web.BaseRequest) -> web.StreamResponse:
+    out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await out.prepare(request)
+    sink = aiohttp_internals.BodySink.of(request)
+    assert sink is not None
+    sink.write(b"data: one\n\n")
+    sink.end(b"data: two\n\ndata: [DONE]\n\n")  # the last piece and the body's end, one write
+    await out.write_eof()  # adds nothing after end()
+    return out
+
+
+@pytest.mark.parametrize("requests", [1, 2])
+async def test_a_body_sink_ends_the_chunked_body_once_and_the_connection_stays_usable(requests):
+    one = b"POST /s HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n"
+    last = b"POST /s HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+    async with tiny_server(end_through_a_body_sink) as port:
+        answer = await raw_exchange(port, one * (requests - 1) + last)  # pipelined on one connection
+    expected = b"b\r\ndata: one\n\n\r\n19\r\ndata: two\n\ndata: [DONE]\n\n\r\n0\r\n\r\n"
+    answers = answer.split(b"HTTP/1.1 200 OK\r\n")[1:]
+    assert len(answers) == requests, answer
+    for one_answer in answers:
+        head, _, body = one_answer.partition(b"\r\n\r\n")
+        assert b"Transfer-Encoding: chunked" in head and body == expected, body
+
+
+async def test_a_body_sink_ends_an_http_1_0_body_with_its_last_piece_alone():
+    async with tiny_server(end_through_a_body_sink) as port:
+        answer = await raw_exchange(port, b"POST /s HTTP/1.0\r\nContent-Length: 0\r\n\r\n")
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert b"Transfer-Encoding" not in head, head
+    assert body == b"data: one\n\ndata: two\n\ndata: [DONE]\n\n", body
+
+
 async def test_a_body_sink_is_none_once_the_client_left():
     seen = []
 

@@ -4,7 +4,9 @@
   `web.Server` gives the factory (message, payload, protocol, writer, task) and we add the loop.
 - Streamed bodies are written straight to `request.transport`, framed by hand when
   `request.writer.chunked` says the response is chunked (BodySink, below; fed by upstream.py's
-  relay), and ended with `StreamResponse.write_eof()`, whose last chunk must match that framing.
+  relay), and ended with `StreamResponse.write_eof()`, whose last chunk must match that framing;
+  or ended by BodySink.end() in the write of the last piece, which then sets the writer's
+  `chunked` to False so that `write_eof()` writes nothing more.
 - A complete non-streamed answer is returned to aiohttp as a RawResponse (below): aiohttp only
   calls `prepare(request)` and `write_eof()` on what a handler returns and reads its
   `keep_alive`, so the status line, headers and body go out in one write, without building a
@@ -124,12 +126,13 @@ class BodySink:
     aiohttp chose chunked encoding for the response (`request.writer.chunked`), so that
     `StreamResponse.write_eof()` ends it correctly."""
 
-    __slots__ = ("_transport", "_chunked", "drain")
+    __slots__ = ("_transport", "_writer", "_chunked", "drain")
 
-    def __init__(self, transport, chunked: bool, drain) -> None:
+    def __init__(self, transport, writer) -> None:
         self._transport = transport
-        self._chunked = chunked
-        self.drain = drain  # waits until the client's buffer is below aiohttp's low-water mark
+        self._writer = writer  # http_writer.StreamWriter
+        self._chunked = writer.chunked
+        self.drain = writer.drain  # waits until the client's buffer is below aiohttp's low-water mark
 
     @classmethod
     def of(cls, request: web.BaseRequest) -> "BodySink | None":
@@ -137,10 +140,9 @@ class BodySink:
         transport = request.transport
         if transport is None or transport.is_closing():
             return None
-        writer = request.writer
         # request.writer is typed as the abstract writer; it is http_writer.StreamWriter, whose
         # `chunked` problems() checks at start-up
-        return cls(transport, writer.chunked, writer.drain)  # type: ignore[attr-defined]
+        return cls(transport, request.writer)
 
     def write(self, data: bytes) -> bool:
         """Send one piece; True when the client reads slower than we write (the caller should
@@ -151,6 +153,19 @@ class BodySink:
             return False
         transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data)
         return transport.get_write_buffer_size() > CLIENT_HIGH_WATER
+
+    def end(self, data: bytes) -> None:
+        """Send the body's last piece with the end of the chunked body in one write (one syscall
+        instead of two); the writer then counts as unchunked, so that the response's
+        `write_eof()` adds no second end. Nothing to end on an unchunked body."""
+        transport = self._transport
+        if transport.is_closing():
+            return
+        if self._chunked:
+            transport.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(data), data) if data else b"0\r\n\r\n")
+            self._chunked = self._writer.chunked = False
+        elif data:
+            transport.write(data)
 
 
 _REASONS = {status.value: status.phrase.encode("latin-1") for status in HTTPStatus}
