@@ -139,6 +139,42 @@ async def test_a_body_sink_ends_an_http_1_0_body_with_its_last_piece_alone():
     assert body == b"data: one\n\ndata: two\n\ndata: [DONE]\n\n", body
 
 
+async def raw_stream(request: web.BaseRequest) -> aiohttp_internals.RawStream:
+    out = aiohttp_internals.RawStream(200, request.keep_alive)
+    sink = out.start(request, b"Content-Type: text/event-stream\r\n")
+    assert sink is not None
+    sink.write(b"data: one\n\n")
+    await asyncio.sleep(0)
+    await out.write(b"data: two\n\n")
+    await out.write_eof()  # and aiohttp calls prepare() and write_eof() again: nothing more goes out
+    return out
+
+
+async def test_a_raw_stream_is_one_head_and_a_chunked_body_on_a_kept_alive_connection():
+    one = b"POST /s HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n"
+    last = b"POST /s HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+    async with tiny_server(raw_stream) as port:
+        answer = await raw_exchange(port, one + last)  # pipelined: the second is answered after the first
+    body = b"b\r\ndata: one\n\n\r\nb\r\ndata: two\n\n\r\n0\r\n\r\n"
+    assert answer == (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n" + body
+                      + b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
+                      b"Connection: close\r\n\r\n" + body), answer
+
+
+async def test_a_handler_failing_after_a_raw_stream_began_gets_no_second_answer(caplog):
+    async def broken(request):
+        out = aiohttp_internals.RawStream(200, request.keep_alive)
+        sink = out.start(request, b"Content-Type: text/event-stream\r\n")
+        assert sink is not None
+        sink.write(b"data: one\n\n")
+        raise RuntimeError("a bug after the head")
+
+    async with policed_server(broken) as (port, policy, metrics):
+        answer = await raw_exchange(port, b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+    # the stream is cut (no end of the chunked body), not followed by a 500 in the middle of it
+    assert answer == b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\nb\r\ndata: one\n\n\r\n", answer
+
+
 async def test_a_body_sink_is_none_once_the_client_left():
     seen = []
 
