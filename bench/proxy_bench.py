@@ -39,6 +39,12 @@ turn under the same load (the order of the proxies is reversed every other run).
 router, `--worker-urls` the upstreams, `--policy round_robin`), pinned like the proxy. It is
 installed from PyPI into a venv of its own (~/.cache/vsup/bench-peers, or $VSUP_BENCH_PEERS) the
 first time; never into the project's venvs. The same client (aiohttp, this process) loads every target.
+Unix sockets (default; --no-unix: none; off with several --policy): the upstreams also listen on a
+Unix socket each, and the row "vsup proxy, unix" is this tree's ProxyServer (as vsup run has it, in
+this file's proxy mode) reaching them over those sockets: vsup run's default (vllm.listen: unix).
+The row "vsup proxy" (`vsup proxy --upstream http://...`), the baseline (it predates Unix sockets)
+and vllm-router (it speaks TCP only) reach the same upstreams over TCP loopback; the ratios "unix /
+tcp" and "unix / vllm-router" compare them per run. The client reaches every proxy over TCP.
 --policy P1,P2,...: one proxy per policy (rows "vsup P1", "vsup P2", ...), measured in turn, and the
 CPU ratios of each to the first: e.g. prefix_affinity's cost over round_robin's in the same run.
 The requests cycle through 64 bodies that differ in their user message (so prefix_affinity spreads
@@ -93,7 +99,7 @@ CHUNK = b'data: {"id":"chatcmpl-bench","object":"chat.completion.chunk","created
 # ------------------------------------------------------------------------------- the upstream
 
 
-def run_upstream(port: int, chunks: int, pace: float) -> None:
+def run_upstream(port: int, chunks: int, pace: float, socket_path: str | None = None) -> None:
     from aiohttp import web
 
     async def chat(request: web.Request) -> web.StreamResponse:
@@ -137,7 +143,8 @@ def run_upstream(port: int, chunks: int, pace: float) -> None:
         uvloop.install()
     except ImportError:
         pass
-    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+    # on 127.0.0.1:port and, with socket_path, on that Unix socket too (as an instance under vsup run)
+    web.run_app(app, host="127.0.0.1", port=port, path=socket_path, access_log=None, print=None)
 
 
 def run_proxy(port: int, upstreams: list[str], pids: list[int], interval: float) -> None:
@@ -171,6 +178,7 @@ def run_proxy(port: int, upstreams: list[str], pids: list[int], interval: float)
 
 # ------------------------------------------------------------------------------- baseline and peers
 
+UNIX_ROW = "vsup proxy, unix"  # this tree's proxy over Unix sockets to the upstreams: vsup run's default
 DEFAULT_BASELINE = "05508c0"  # main before issue 20 (security): the front door's cost is held to it
 VLLM_ROUTER = "vllm-router==0.1.17"  # the Rust router of the vLLM project, a Python wheel on PyPI
 PEERS_VENV = Path(os.environ.get("VSUP_BENCH_PEERS", Path.home() / ".cache" / "vsup" / "bench-peers"))
@@ -264,6 +272,13 @@ def cpu_seconds(pids: list[int]) -> tuple[float, float, float]:
     return user / CLK_TCK, system / CLK_TCK, total
 
 
+def upstream_tcp_connections(pids: list[int], ports: set[int]) -> int:
+    """TCP connections of these processes to any of the upstreams' ports."""
+    import psutil
+
+    return sum(1 for pid in pids for c in psutil.Process(pid).net_connections("tcp") if c.raddr and c.raddr.port in ports)
+
+
 def children_of(pid: int) -> list[int]:
     out = []
     for entry in os.listdir("/proc"):
@@ -277,6 +292,20 @@ def children_of(pid: int) -> list[int]:
     return out
 
 
+def wait_unix(path: str, timeout: float = 30.0) -> None:
+    """Until the Unix socket at `path` accepts a connection."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.socket(socket.AF_UNIX) as s:
+                s.connect(path)
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"nothing accepted on the Unix socket {path} within {timeout:g} s") from None
+            time.sleep(0.05)
+
+
 def wait_http(port: int, path: str = "/health", timeout: float = 30.0) -> None:
     import http.client
 
@@ -284,9 +313,12 @@ def wait_http(port: int, path: str = "/health", timeout: float = 30.0) -> None:
     while True:
         try:
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1)
-            conn.request("GET", path)
-            if conn.getresponse().status == 200:
-                return
+            try:
+                conn.request("GET", path)
+                if conn.getresponse().status == 200:
+                    return
+            finally:
+                conn.close()
         except OSError:
             pass
         if time.monotonic() > deadline:
@@ -395,6 +427,9 @@ async def measure(name: str, base_urls: list[str], pids: list[int] | None, args,
         cpu2 = cpu_seconds(pids) if pids else (0.0, 0.0, 0.0)
         if poller is not None:
             poller.cancel()
+        # how the proxy reached the upstreams: its kept-alive TCP connections to their ports (none
+        # for a proxy on their Unix sockets)
+        upstream_tcp = upstream_tcp_connections(pids, args.upstream_ports) if pids else 0
     row = {
         "target": name,
         "rps": args.requests / wall,
@@ -404,6 +439,8 @@ async def measure(name: str, base_urls: list[str], pids: list[int] | None, args,
         "chunks_read": chunks,
         "scrapes": scrapes[0],
     }
+    if pids:
+        row["upstream_tcp_connections"] = upstream_tcp
     if pids:
         # The totals from the nanosecond clock; their user/sys split in the proportion of the ticks
         # (a phase of a second is only ~100 ticks: too coarse for the totals, enough for a split).
@@ -481,14 +518,21 @@ async def bench(args) -> None:
         pin([os.getpid()], other_cpus)  # the client; children started from here inherit it
     try:
         ports = [free_port() for _ in range(args.upstreams)]
-        for port in ports:
+        # every upstream also listens on a Unix socket, as an instance does under vsup run (vllm.listen: unix)
+        sockets = [str(workdir / f"{i}.sock") for i in range(args.upstreams)] if args.unix else []
+        for i, port in enumerate(ports):
+            on_socket = ["--socket", sockets[i]] if sockets else []
             procs.append(subprocess.Popen(
-                [sys.executable, __file__, "upstream", "--port", str(port), "--chunks", str(args.chunks), "--pace", str(args.pace)],
+                [sys.executable, __file__, "upstream", "--port", str(port), "--chunks", str(args.chunks), "--pace", str(args.pace),
+                 *on_socket],
                 start_new_session=True,
             ))
         for port in ports:
             wait_http(port)
+        for path in sockets:
+            wait_unix(path)
         direct = [f"http://127.0.0.1:{p}" for p in ports]
+        args.upstream_ports = set(ports)
 
         proxies = [(name, REPO, policy) for name, policy in zip(args.policy_rows, args.policies, strict=True)]
         if args.baseline:
@@ -506,6 +550,18 @@ async def bench(args) -> None:
             procs.append(proxy)
             wait_http(proxy_port, "/ready")
             started.append((name, proxy, proxy_port))
+        if sockets:
+            # vsup as it ships: vsup run's ProxyServer (this file's proxy mode) over the instances'
+            # Unix sockets; `vsup proxy --upstream` takes http URLs only, and vllm-router TCP only
+            proxy_port = free_port()
+            proxy = subprocess.Popen(
+                [sys.executable, __file__, "proxy", "--port", str(proxy_port), *[a for p in sockets for a in ("--upstream", f"unix:{p}")]],
+                env=dict(os.environ, PYTHONPATH=str(REPO)), start_new_session=True, stderr=subprocess.DEVNULL,
+                preexec_fn=on_cpus(proxy_cpus),
+            )
+            procs.append(proxy)
+            wait_http(proxy_port, "/ready")
+            started.append((UNIX_ROW, proxy, proxy_port))
 
         observed: list[tuple[str, int, float, int]] = []  # (row name, port, collection interval, pid)
         if args.scrape:
@@ -574,10 +630,14 @@ async def bench(args) -> None:
         ratios["this tree / baseline"] = print_ratios(runs, first, "vsup (baseline)", "this tree / baseline")
     if peers:
         ratios["this tree / vllm-router"] = print_ratios(runs, first, "vllm-router", "this tree / vllm-router")
+    if args.unix:
+        ratios["unix / tcp"] = print_ratios(runs, UNIX_ROW, first, "unix / tcp")
+        if peers:
+            ratios["unix / vllm-router"] = print_ratios(runs, UNIX_ROW, "vllm-router", "unix / vllm-router")
     if args.json:
         print(json.dumps({"summary": summary, "runs": runs}))
     settings = {key: getattr(args, key) for key in ("concurrency", "requests", "streams", "chunks", "pace", "upstreams",
-                                                     "runs", "pin", "scrape", "policies", "system_chars")}
+                                                     "runs", "pin", "scrape", "policies", "system_chars", "unix")}
     settings["nginx"] = nginx is not None
     settings["baseline"] = getattr(args, "baseline_commit", None)
     settings["peers"] = [name for name, _, _ in peers]
@@ -618,6 +678,9 @@ def main() -> None:
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--upstream", action="append", default=[], help=argparse.SUPPRESS)
     parser.add_argument("--upstream-pid", type=int, action="append", default=[], help=argparse.SUPPRESS)
+    parser.add_argument("--socket", help=argparse.SUPPRESS)
+    parser.add_argument("--no-unix", dest="unix", action="store_false",
+                        help=f"no row {UNIX_ROW!r} (this tree's proxy over the upstreams' Unix sockets, as vsup run ships)")
     parser.add_argument("--scrape", type=float, default=0.0,
                         help="also measure vsup run's proxy without and with metrics collection every SECONDS")
     parser.add_argument("--concurrency", type=int, default=16)
@@ -642,7 +705,7 @@ def main() -> None:
                         help="a system prompt of N characters in every request (default none)")
     args = parser.parse_args()
     if args.mode == "upstream":
-        run_upstream(args.port, args.chunks, args.pace)
+        run_upstream(args.port, args.chunks, args.pace, args.socket)
         return
     if args.mode == "proxy":
         run_proxy(args.port, args.upstream, args.upstream_pid, args.scrape)
@@ -662,6 +725,7 @@ def main() -> None:
         parser.error(f"--policy {args.policy!r}: a comma-separated list of distinct policies from {', '.join(known)}")
     # one policy: the row keeps its old name; several: one row per policy
     args.policy_rows = ["vsup proxy"] if len(args.policies) == 1 else [f"vsup {p}" for p in args.policies]
+    args.unix = args.unix and len(args.policies) == 1  # the unix row is round_robin's
     args.loadavg = " ".join(f"{x:.2f}" for x in os.getloadavg())
     sys.path.insert(0, str(REPO / "bench"))
     from result import Recorder  # bench/result.py: docs/bench/<name>.json

@@ -116,6 +116,9 @@ def layout_sentence(link: str) -> str:
 
 # ---- bench/proxy_bench.py -------------------------------------------------------------------------
 
+UNIX_ROW = "vsup proxy, unix"  # bench/proxy_bench.py's row of this tree over Unix sockets
+
+
 def _row(data: dict[str, Any], target: str) -> dict[str, Any]:
     return next(r for r in data["figures"]["summary"] if r["target"] == target)
 
@@ -148,38 +151,50 @@ def proxy_readme(link: str) -> str:
 def front_door(link: str) -> str:
     """Issue 20's bounds, from one pinned run: this tree against main before the issue (the
     baseline, at most 10 % more CPU per small request and per streamed request) and against the
-    Rust vllm-router (a streamed request at most its CPU), all measured in turn."""
+    Rust vllm-router (a streamed request at most its CPU), all measured in turn; with the
+    transport each proxy uses to reach the upstreams."""
     data = with_file("proxy_bench-pin.json")
     f, s = data["figures"], data["figures"]["settings"]
     rows = {r["target"]: r for r in f["summary"]}
-    me = rows["vsup proxy"]
-    shown = [("vsup (this tree)", me)]
+    shown = []
+    if UNIX_ROW in rows:
+        shown.append(("vsup (this tree), as `vsup run` ships (vllm.listen: unix)", "Unix sockets", rows[UNIX_ROW]))
+    shown.append(("vsup (this tree), `vsup proxy --upstream http://…`", "TCP loopback", rows["vsup proxy"]))
     if "vsup (baseline)" in rows:
-        shown.append((f"vsup at {s['baseline']} (baseline)", rows["vsup (baseline)"]))
+        shown.append((f"vsup at {s['baseline']} (baseline, before Unix sockets)", "TCP loopback", rows["vsup (baseline)"]))
     for name in ("vllm-router", "nginx"):
         if name in rows:
-            shown.append((f"{name} ({s['vllm_router']})" if name == "vllm-router" else name, rows[name]))
+            label = f"vllm-router ({s['vllm_router']}; speaks TCP only)" if name == "vllm-router" else name
+            shown.append((label, "TCP loopback", rows[name]))
     lines = [conditions(data, link), "",
              f"Concurrency {s['concurrency']}, {s['upstreams']} upstreams; each proxy pinned to one CPU, the client and the "
              f"upstreams to the other (the box's other processes are not pinned); streams of {s['chunks'] + 1} events (an event every {s['pace'] * 1e3:g} ms); "
-             f"medians of {s['runs']} runs, the proxies measured in turn in every run.", "",
-             "| proxy | CPU µs / small request | CPU µs / streamed request | CPU µs / chunk |", "|---|---|---|---|"]
-    for name, r in shown:
-        lines.append(f"| {name} | {r['us_per_request']:.0f} | {r['us_per_stream']:.0f} | {r['us_per_chunk']:.1f} |")
+             f"medians of {s['runs']} runs, the proxies measured in turn in every run. The client reaches every proxy over "
+             "TCP; the column says how each proxy reaches the same upstream processes.", "",
+             "| proxy | to the upstreams | CPU µs / small request | CPU µs / streamed request | CPU µs / chunk |",
+             "|---|---|---|---|---|"]
+    for name, transport, r in shown:
+        lines.append(f"| {name} | {transport} | {r['us_per_request']:.0f} | {r['us_per_stream']:.0f} | {r['us_per_chunk']:.1f} |")
     verdicts = []
     ratios = f["ratios"]
     if "this tree / baseline" in ratios:
         q = ratios["this tree / baseline"]
         req, stream = q["us_per_request"]["median"], q["us_per_stream"]["median"]
-        verdicts.append(f"this tree / baseline: {req:.2f} per small request, {stream:.2f} per streamed request "
+        verdicts.append(f"this tree / baseline, both over TCP: {req:.2f} per small request, {stream:.2f} per streamed request "
                         f"(bound ≤ 1.10: {'met' if max(req, stream) <= 1.10 else 'missed'})")
-    if "this tree / vllm-router" in ratios:
-        q = ratios["this tree / vllm-router"]
-        stream = q["us_per_stream"]["median"]
-        runs = q["us_per_stream"]["runs"]
-        verdicts.append(f"this tree / vllm-router: {q['us_per_request']['median']:.2f} per small request, {stream:.2f} "
-                        f"per streamed request (runs {min(runs):.2f}–{max(runs):.2f}; bound ≤ 1.00: "
-                        f"{'met' if stream <= 1.0 else 'missed'})")
+    for key, what in (("unix / vllm-router", "this tree over Unix sockets / vllm-router over TCP, each as it ships"),
+                      ("this tree / vllm-router", "this tree / vllm-router, both over TCP")):
+        if key in ratios:
+            q = ratios[key]
+            stream = q["us_per_stream"]["median"]
+            runs = q["us_per_stream"]["runs"]
+            verdicts.append(f"{what}: {q['us_per_request']['median']:.2f} per small request, {stream:.2f} "
+                            f"per streamed request (runs {min(runs):.2f}–{max(runs):.2f}; bound ≤ 1.00: "
+                            f"{'met' if stream <= 1.0 else 'missed'})")
+    if "unix / tcp" in ratios:
+        q = ratios["unix / tcp"]
+        verdicts.append(f"this tree over Unix sockets / over TCP: {q['us_per_request']['median']:.2f} per small request, "
+                        f"{q['us_per_stream']['median']:.2f} per streamed request")
     if verdicts:
         lines += ["", "Medians of the per-run ratios: " + "; ".join(verdicts) + "."]
     if not s["nginx"]:

@@ -106,6 +106,75 @@ async def test_a_body_sink_writes_plain_bytes_to_an_http_1_0_client():
     assert body == b"data: one\n\ndata: two\n\n", body
 
 
+async def end_through_a_body_sink(request: web.BaseRequest) -> web.StreamResponse:
+    out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await out.prepare(request)
+    sink = aiohttp_internals.BodySink.of(request)
+    assert sink is not None
+    sink.write(b"data: one\n\n")
+    sink.end(b"data: two\n\ndata: [DONE]\n\n")  # the last piece and the body's end, one write
+    await out.write_eof()  # adds nothing after end()
+    return out
+
+
+@pytest.mark.parametrize("requests", [1, 2])
+async def test_a_body_sink_ends_the_chunked_body_once_and_the_connection_stays_usable(requests):
+    one = b"POST /s HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n"
+    last = b"POST /s HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+    async with tiny_server(end_through_a_body_sink) as port:
+        answer = await raw_exchange(port, one * (requests - 1) + last)  # pipelined on one connection
+    expected = b"b\r\ndata: one\n\n\r\n19\r\ndata: two\n\ndata: [DONE]\n\n\r\n0\r\n\r\n"
+    answers = answer.split(b"HTTP/1.1 200 OK\r\n")[1:]
+    assert len(answers) == requests, answer
+    for one_answer in answers:
+        head, _, body = one_answer.partition(b"\r\n\r\n")
+        assert b"Transfer-Encoding: chunked" in head and body == expected, body
+
+
+async def test_a_body_sink_ends_an_http_1_0_body_with_its_last_piece_alone():
+    async with tiny_server(end_through_a_body_sink) as port:
+        answer = await raw_exchange(port, b"POST /s HTTP/1.0\r\nContent-Length: 0\r\n\r\n")
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert b"Transfer-Encoding" not in head, head
+    assert body == b"data: one\n\ndata: two\n\ndata: [DONE]\n\n", body
+
+
+async def raw_stream(request: web.BaseRequest) -> aiohttp_internals.RawStream:
+    out = aiohttp_internals.RawStream(200, request.keep_alive)
+    sink = out.start(request, b"Content-Type: text/event-stream\r\n")
+    assert sink is not None
+    sink.write(b"data: one\n\n")
+    await asyncio.sleep(0)
+    await out.write(b"data: two\n\n")
+    await out.write_eof()  # and aiohttp calls prepare() and write_eof() again: nothing more goes out
+    return out
+
+
+async def test_a_raw_stream_is_one_head_and_a_chunked_body_on_a_kept_alive_connection():
+    one = b"POST /s HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n"
+    last = b"POST /s HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+    async with tiny_server(raw_stream) as port:
+        answer = await raw_exchange(port, one + last)  # pipelined: the second is answered after the first
+    body = b"b\r\ndata: one\n\n\r\nb\r\ndata: two\n\n\r\n0\r\n\r\n"
+    assert answer == (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n" + body
+                      + b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
+                      b"Connection: close\r\n\r\n" + body), answer
+
+
+async def test_a_handler_failing_after_a_raw_stream_began_gets_no_second_answer(caplog):
+    async def broken(request):
+        out = aiohttp_internals.RawStream(200, request.keep_alive)
+        sink = out.start(request, b"Content-Type: text/event-stream\r\n")
+        assert sink is not None
+        sink.write(b"data: one\n\n")
+        raise RuntimeError("a bug after the head")
+
+    async with policed_server(broken) as (port, policy, metrics):
+        answer = await raw_exchange(port, b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+    # the stream is cut (no end of the chunked body), not followed by a 500 in the middle of it
+    assert answer == b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\nb\r\ndata: one\n\n\r\n", answer
+
+
 async def test_a_body_sink_is_none_once_the_client_left():
     seen = []
 

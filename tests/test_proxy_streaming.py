@@ -247,6 +247,45 @@ async def test_ready_is_503_and_new_requests_refused_while_draining(fake):
         await asyncio.wait_for(drain, 10)
 
 
+@pytest.mark.parametrize("version", [b"1.1", b"1.0"])
+async def test_an_event_stream_s_head_is_the_instance_s_with_the_proxy_s_caching_headers(version):
+    # HTTP/1.1: the head the forwarder writes itself (RawStream); 1.0: aiohttp's StreamResponse
+    async def instance(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: private\r\n"
+                     b"X-Accel-Buffering: yes\r\nX-Request-Id: r1\r\nTransfer-Encoding: chunked\r\n\r\n"
+                     + chunk(b"data: 1\n\n") + chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    async with RawServer(instance) as server:
+        pool = BackendPool([Backend("raw", server.url)])
+        pool.set_state("raw", "ready", True)
+        async with running_proxy(pool) as proxy:
+            reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+            body = json.dumps({**CHAT, "stream": True}).encode()
+            writer.write(b"POST /v1/chat/completions HTTP/%b\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\nConnection: close\r\n\r\n%b" % (version, len(body), body))
+            answer = await asyncio.wait_for(reader.read(), 5)
+            writer.close()
+    head, _, rest = answer.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    assert lines[0] == b"HTTP/%b 200 OK" % version, head
+    names = [line.split(b":", 1)[0].lower() for line in lines[1:]]
+    assert names.count(b"cache-control") == 1 and b"Cache-Control: no-cache" in lines, head
+    assert names.count(b"x-accel-buffering") == 1 and b"X-Accel-Buffering: no" in lines, head
+    assert b"X-Request-Id: r1" in lines and b"Content-Type: text/event-stream" in lines, head
+    if version == b"1.1":
+        assert b"Transfer-Encoding: chunked" in lines and b"Connection: close" in lines, head
+        payload, ended = b"", rest
+        while not ended.startswith(b"0\r\n"):
+            size, _, ended = ended.partition(b"\r\n")
+            payload, ended = payload + ended[:int(size, 16)], ended[int(size, 16) + 2:]
+        assert payload == b"data: 1\n\ndata: [DONE]\n\n" and ended == b"0\r\n\r\n", rest
+    else:
+        assert b"Transfer-Encoding" not in head and rest == b"data: 1\n\ndata: [DONE]\n\n", (head, rest)
+
+
 async def test_a_client_leaving_right_after_the_last_chunk_is_a_quiet_disconnect(caplog):
     # The race wrk hit at the end of each run: the instance's final chunk and the client's close
     # reach the proxy in one loop iteration, so the handler ends the response on a closing socket.

@@ -394,6 +394,10 @@ class _SlowClientSink:
         self.writer.write(data)
         return self.writer.transport.get_write_buffer_size() > 64 * 1024
 
+    def end(self, data: bytes) -> None:
+        self.pieces += 1
+        self.writer.write(data)
+
     async def drain(self) -> None:
         await self.writer.drain()
 
@@ -446,6 +450,52 @@ async def test_relay_pauses_the_instance_while_the_client_is_slow():
         sink_writer.close()
         await asyncio.sleep(0.1)
         assert bytes(got) == payload
+
+
+class _RecordingSink:
+    """A sink that records each call the relay makes (one call is one write to the client)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, bytes]] = []
+
+    def write(self, data: bytes) -> bool:
+        self.calls.append(("write", data))
+        return False
+
+    def end(self, data: bytes) -> None:
+        self.calls.append(("end", data))
+
+    async def drain(self) -> None:
+        return None
+
+
+async def test_what_one_read_brings_is_relayed_in_one_write_with_the_end_of_the_body():
+    sent = asyncio.Event()
+
+    async def script(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        await writer.drain()
+        await sent.wait()
+        writer.write(chunk(b"data: 1\n\n"))
+        await writer.drain()
+        await asyncio.sleep(0.1)  # the first event alone: written as soon as it is read
+        # the last event, [DONE] and the end of the body in one segment, as vLLM ends a stream
+        writer.write(chunk(b"data: 2\n\n") + chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    async with RawServer(script) as server, upstream_client() as client:
+        conn = await client.connect(server.url)
+        response = await client.send(conn, "POST", b"/v1/x", JSON, b"{}")
+        sink = _RecordingSink()
+        relay = asyncio.create_task(response.relay(sink, _Exchange()))
+        sent.set()
+        await asyncio.sleep(0.05)
+        assert sink.calls == [("write", b"data: 1\n\n")] and not relay.done()
+        await asyncio.wait_for(relay, 5)
+        response.close()
+    assert sink.calls == [("write", b"data: 1\n\n"), ("end", b"data: 2\n\ndata: [DONE]\n\n")]
 
 
 # ------------------------------------------------------------------------- the pool

@@ -1,10 +1,19 @@
 """The aiohttp internals the proxy relies on, named in one place and checked at start-up.
 
+(Over 400 lines for a reason: every aiohttp internal the proxy touches is here, so that one file
+says what an aiohttp upgrade must be checked against.)
+
 - `web.BaseRequest` is built positionally by our request factory (server.py): the low-level
   `web.Server` gives the factory (message, payload, protocol, writer, task) and we add the loop.
 - Streamed bodies are written straight to `request.transport`, framed by hand when
   `request.writer.chunked` says the response is chunked (BodySink, below; fed by upstream.py's
-  relay), and ended with `StreamResponse.write_eof()`, whose last chunk must match that framing.
+  relay), and ended with `StreamResponse.write_eof()`, whose last chunk must match that framing;
+  or ended by BodySink.end() in the write of the last piece, which then sets the writer's
+  `chunked` to False so that `write_eof()` writes nothing more.
+- An event stream to an HTTP/1.1 client is a RawStream (below): its status line and headers are
+  written by the forwarder in one write, its body by a BodySink, and aiohttp, as for a
+  RawResponse, only calls `prepare()` and `write_eof()` on it and reads `keep_alive`; the writer's
+  `output_size` is advanced by the head, which is how handle_error knows an answer has begun.
 - A complete non-streamed answer is returned to aiohttp as a RawResponse (below): aiohttp only
   calls `prepare(request)` and `write_eof()` on what a handler returns and reads its
   `keep_alive`, so the status line, headers and body go out in one write, without building a
@@ -87,6 +96,8 @@ def problems(version: str = aiohttp.__version__) -> list[str]:
     writer = http_writer.StreamWriter  # `chunked`: a class attribute since 3.10, set in __init__ before
     if not (hasattr(writer, "chunked") or "chunked" in writer.__init__.__code__.co_names):
         found.append("aiohttp's StreamWriter has no `chunked` attribute")
+    if not (hasattr(writer, "output_size") or "output_size" in writer.__init__.__code__.co_names):
+        found.append("aiohttp's StreamWriter has no `output_size` attribute")
     handler = web_protocol.RequestHandler
     for name in HANDLER_ATTRIBUTES:
         if name not in getattr(handler, "__slots__", ()) and not hasattr(handler, name):
@@ -124,12 +135,14 @@ class BodySink:
     aiohttp chose chunked encoding for the response (`request.writer.chunked`), so that
     `StreamResponse.write_eof()` ends it correctly."""
 
-    __slots__ = ("_transport", "_chunked", "drain")
+    __slots__ = ("_transport", "_writer", "_chunked", "ended", "drain")
 
-    def __init__(self, transport, chunked: bool, drain) -> None:
+    def __init__(self, transport, writer, chunked: bool | None = None) -> None:
         self._transport = transport
-        self._chunked = chunked
-        self.drain = drain  # waits until the client's buffer is below aiohttp's low-water mark
+        self._writer = writer  # http_writer.StreamWriter
+        self._chunked = writer.chunked if chunked is None else chunked  # given: a RawStream's head said so
+        self.ended = False  # end() wrote the end of the body (to a client still there)
+        self.drain = writer.drain  # waits until the client's buffer is below aiohttp's low-water mark
 
     @classmethod
     def of(cls, request: web.BaseRequest) -> "BodySink | None":
@@ -137,10 +150,9 @@ class BodySink:
         transport = request.transport
         if transport is None or transport.is_closing():
             return None
-        writer = request.writer
         # request.writer is typed as the abstract writer; it is http_writer.StreamWriter, whose
         # `chunked` problems() checks at start-up
-        return cls(transport, writer.chunked, writer.drain)  # type: ignore[attr-defined]
+        return cls(transport, request.writer)
 
     def write(self, data: bytes) -> bool:
         """Send one piece; True when the client reads slower than we write (the caller should
@@ -152,8 +164,74 @@ class BodySink:
         transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data)
         return transport.get_write_buffer_size() > CLIENT_HIGH_WATER
 
+    def gone(self) -> bool:
+        return self._transport.is_closing()
+
+    def end(self, data: bytes) -> None:
+        """Send the body's last piece with the end of the chunked body in one write (one syscall
+        instead of two); the writer then counts as unchunked, so that the response's
+        `write_eof()` adds no second end. Nothing to end on an unchunked body."""
+        transport = self._transport
+        if transport.is_closing():
+            return  # not ended: write_eof() then finds the client gone, as aiohttp's would
+        self.ended = True
+        if self._chunked:
+            transport.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(data), data) if data else b"0\r\n\r\n")
+            self._chunked = self._writer.chunked = False
+        elif data:
+            transport.write(data)
+
 
 _REASONS = {status.value: status.phrase.encode("latin-1") for status in HTTPStatus}
+
+
+class RawStream:
+    """A streamed answer whose status line and headers the forwarder writes itself, in one write,
+    as RawResponse does for a whole one (no StreamResponse, its header multidict and aiohttp's
+    header serialisation): HTTP/1.1, chunked, its body through `sink`, ended by
+    the sink's end() or by write_eof(). Only where RawResponse `fits` (and for event streams). aiohttp only calls
+    `prepare()` and `write_eof()` on it afterwards and reads its `keep_alive`; the writer's
+    `output_size` is advanced by the head so that handle_error knows the answer has begun."""
+
+    __slots__ = ("status", "keep_alive", "prepared", "sink")
+
+    def __init__(self, status: int, keep_alive: bool) -> None:
+        self.status = status
+        self.keep_alive = keep_alive
+        self.prepared = False
+        self.sink: BodySink | None = None
+
+    def start(self, request: web.BaseRequest, header_lines: bytes) -> BodySink | None:
+        """Write the head (`header_lines`: `Name: value\\r\\n` lines without Content-Length,
+        Transfer-Encoding or Connection); the body's sink, or None when the client already left."""
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            return None
+        head = b"HTTP/1.1 %d %b\r\n%bTransfer-Encoding: chunked\r\n%b\r\n" % (
+            self.status, _REASONS.get(self.status, b"Unknown"), header_lines,
+            b"" if self.keep_alive else b"Connection: close\r\n",
+        )
+        transport.write(head)
+        writer = request.writer
+        writer.output_size += len(head)  # StreamWriter's, checked by problems()
+        self.prepared = True
+        self.sink = BodySink(transport, writer, chunked=True)
+        return self.sink
+
+    async def prepare(self, request: web.BaseRequest) -> None:
+        return None  # started by the forwarder
+
+    async def write(self, data: bytes) -> None:
+        if self.sink is not None:
+            self.sink.write(data)
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        sink = self.sink
+        if sink is None or sink.ended:
+            return
+        if sink.gone():
+            raise ConnectionResetError("the client is gone")  # as StreamResponse.write_eof: a disconnect
+        sink.end(data)
 
 
 class RawResponse:

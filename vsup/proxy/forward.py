@@ -32,7 +32,7 @@ from aiohttp import web
 
 from vsup.config.schema import ProxyConfig
 from vsup.proxy import codec, errors
-from vsup.proxy.aiohttp_internals import HTTP_11, BadRequest, BodySink, RawResponse, send_and_close
+from vsup.proxy.aiohttp_internals import HTTP_11, BadRequest, BodySink, RawResponse, RawStream, send_and_close
 from vsup.proxy.backends import Backend, BackendPool
 from vsup.proxy.clients import ClientPolicy
 from vsup.proxy.codec import header_lines, is_json, parse_json, request_headers, response_head, response_headers, str_headers
@@ -59,6 +59,10 @@ _UNREACHABLE = frozenset({"connect", "gone"})
 # Longest period of the timeout watchdog (shorter when a configured timeout is very short).
 WATCHDOG_TICK = 0.1
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+# What a relayed event stream always carries, whatever the instance said about it: nobody between
+# us and the client may buffer or compress the events.
+SSE_HEADERS = b"X-Accel-Buffering: no\r\nCache-Control: no-cache\r\n"
+_SSE_OURS = frozenset({b"x-accel-buffering", b"cache-control"})
 
 
 class Forwarder:
@@ -286,8 +290,10 @@ class Forwarder:
 
             kept, content_type, has_length = response_head(upstream.raw_headers)
             sse = content_type.startswith(b"text/event-stream")
+            if sse and not has_length and RawResponse.fits(request, upstream.status):  # every ordinary stream
+                return await self._relay_stream(request, exchange, backend, upstream, kept, started, sse, raw=True)
             if sse or not has_length:
-                return await self._relay_stream(request, exchange, backend, upstream, str_headers(kept), started, sse)
+                return await self._relay_stream(request, exchange, backend, upstream, kept, started, sse)
             whole = upstream.complete_body()
             if whole is not None:  # a small answer, all in with its headers: no await, no task switch
                 elapsed = time.monotonic() - started
@@ -361,17 +367,25 @@ class Forwarder:
             return RawResponse(status, header_lines(headers), content, request.keep_alive)
         return web.Response(status=status, body=content, headers=str_headers(headers))
 
-    async def _relay_stream(self, request, exchange: Exchange, backend: Backend, upstream: UpstreamResponse, headers, started: float, sse: bool):
-        out = web.StreamResponse(status=upstream.status, headers=headers)
-        if sse:
-            # Nobody between us and the client may buffer or compress the events.
-            out.headers["X-Accel-Buffering"] = "no"
-            out.headers["Cache-Control"] = "no-cache"
+    async def _relay_stream(self, request, exchange: Exchange, backend: Backend, upstream: UpstreamResponse,
+                            kept: list[tuple[bytes, bytes]], started: float, sse: bool, raw: bool = False):
+        out: web.StreamResponse | RawStream
+        if raw:  # head written here, in one write (RawStream)
+            out = RawStream(upstream.status, request.keep_alive)
+            head = header_lines([pair for pair in kept if pair[0].lower() not in _SSE_OURS]) + SSE_HEADERS
+        else:
+            out = web.StreamResponse(status=upstream.status, headers=str_headers(kept))
+            if sse:  # as SSE_HEADERS
+                out.headers["X-Accel-Buffering"] = "no"
+                out.headers["Cache-Control"] = "no-cache"
         exchange.phase = "streaming"
         exchange.idle_limit = self.config.idle_timeout
         try:
-            await out.prepare(request)
-            sink = BodySink.of(request)
+            if isinstance(out, RawStream):
+                sink = out.start(request, head)
+            else:
+                await out.prepare(request)
+                sink = BodySink.of(request)
             if sink is None:  # the client left before its headers went out
                 self.metrics.disconnect("streaming")
                 return out
@@ -400,7 +414,8 @@ class Forwarder:
             return f"instance {backend.name} sent nothing for {exchange.limit:g} s ({exchange.limit_key})"
         return "the proxy is shutting down and the drain deadline passed; the generation was aborted"
 
-    async def _end_stream(self, request, out: web.StreamResponse, sse: bool, backend: Backend, message: str) -> web.StreamResponse:
+    async def _end_stream(self, request, out: web.StreamResponse | RawStream, sse: bool, backend: Backend,
+                          message: str) -> web.StreamResponse | RawStream:
         """After the first byte the status is gone: an SSE client gets an error event and a clean
         end; any other body can only be cut, so the client sees a broken transfer, not a short one."""
         try:
