@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.test_tune_cli import Tuning
+from tests.tools import need_nobody_running
 from tests.vsup_harness import VSUP
 
 pytestmark = pytest.mark.timeout(240)
@@ -156,7 +157,7 @@ def test_a_folder_the_user_cannot_write_is_refused_before_measuring(shared_dir, 
     config.chmod(0o644)
     target = shared_dir / ("report" if flag == "--report" else "tuned.yaml")
     args = ["--report", str(target)] if flag == "--report" else ["--report", "/tmp/", "--write-config", str(target)]
-    out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *VSUP, "tune", "-c", str(config),
+    out = subprocess.run([*need_nobody_running(VSUP), "tune", "-c", str(config),
                           "--no-roofline", *args], capture_output=True, text=True, timeout=60, cwd="/", stdin=subprocess.DEVNULL,
                          env={**os.environ, "HOME": "/nonexistent"})
     assert out.returncode == 2, out.stderr[-3000:]
