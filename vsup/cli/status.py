@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Mapping
+from typing import Any
 
 import click
 
 from vsup.config.schema import load_control_keys
-from vsup.observe import fmt
+from vsup.observe import by_model, fmt
 from vsup.observe.fmt import duration
 from vsup.safetext import printable
 from vsup.supervisor.control import find_socket, request
@@ -34,15 +36,17 @@ def socket_for(config_path: str | None, socket_path: str | None):
     return find_socket(None, config)
 
 
-def placement_word(entry: dict) -> str:
+def placement_word(entry: Mapping[str, Any]) -> str:
     ok = entry.get("placement_ok")
     return "-" if ok is None else ("ok" if ok else "DRIFT")
 
 
-def render_instances(instances: list[dict]) -> list[str]:
+def render_instances(instances: list[dict], *, models: bool = False) -> list[str]:
     """One line per instance; the observed figures (tokens/s ... node-local memory) come from the
-    background collection and read "-" when it is off or has not run yet."""
-    header = ("IDX", "STATE", "PID", "ADDRESS", "CPUS", "NODES", "UPTIME", "RESTARTS", "IN-FLIGHT", "PLACEMENT",
+    background collection and read "-" when it is off or has not run yet. `models`: a MODEL column
+    after IDX (a status with several models)."""
+    named = ("MODEL",) if models else ()
+    header = ("IDX", *named, "STATE", "PID", "ADDRESS", "CPUS", "NODES", "UPTIME", "RESTARTS", "IN-FLIGHT", "PLACEMENT",
               *fmt.FIGURE_HEADERS, "LAST EXIT")
     rows = [header]
     for e in instances:
@@ -50,7 +54,8 @@ def render_instances(instances: list[dict]) -> list[str]:
         if state == "backoff" and e.get("next_start_in") is not None:
             state += f" ({e['next_start_in']:.0f}s)"
         rows.append((
-            str(e["index"]), state, str(e["pid"] or "-"), str(e.get("address") or e["port"]), format_list(e["cpus"]) or "-",
+            str(e["index"]), *((str(e.get("model") or "-"),) if models else ()), state, str(e["pid"] or "-"),
+            str(e.get("address") or e["port"]), format_list(e["cpus"]) or "-",
             format_list(e["nodes"]) or "-", duration(e.get("uptime")), str(e["restarts"]), str(e.get("in_flight", 0)),
             placement_word(e), *fmt.figures(e).values(), e.get("last_exit") or "-",
         ))
@@ -60,6 +65,20 @@ def render_instances(instances: list[dict]) -> list[str]:
     for e in instances:
         for drift in e.get("placement_drift", []):
             lines.append(printable(f"  instance {e['index']} placement drift: {drift}"))
+    return lines
+
+
+def render_models(status: dict) -> list[str]:
+    """One summary line per model: ready count, the states of the others, in flight, tokens/s, instances."""
+    lines = []
+    for m in by_model.models(status):
+        indexes = [i for i in m.get("instances") or () if isinstance(i, int)]
+        line = f"model {m.get('name')}: {m.get('ready', 0)}/{len(m.get('instances') or ())} ready"
+        if rest := by_model.not_ready(m):
+            line += f" ({rest})"
+        tokens = by_model.tokens_per_s(by_model.of_model(status, str(m.get("name"))))
+        line += f", {m.get('in_flight', 0)} in flight, {tokens:.1f} tok/s, instances {format_list(indexes) or '-'}"
+        lines.append(printable(line))  # the name is the config's (and clients send it): shown as data
     return lines
 
 
@@ -80,7 +99,11 @@ def status_command(config_path: str | None, socket_path: str | None, output_form
     click.echo(f"vsup pid {vsup['pid']}, up {duration(vsup['uptime'])}, proxy {vsup['proxy']}, "
                f"{vsup['ready']}/{total} instances ready, {vsup['in_flight']} in flight"
                + (", STOPPING" if vsup.get("stopping") else ""))
-    for line in render_instances(data["instances"]):
+    several = by_model.several(data)
+    if several:
+        for line in render_models(data):
+            click.echo(line)
+    for line in render_instances(data["instances"], models=several):
         click.echo(line)
     from .rollout_view import render_changing, render_rollout  # (it uses this module's helpers)
 

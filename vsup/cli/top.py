@@ -28,7 +28,7 @@ from rich.table import Table
 from rich.text import Text
 
 from vsup.errors import VsupError
-from vsup.observe import fmt
+from vsup.observe import by_model, fmt
 from vsup.observe.fmt import duration
 from vsup.safetext import printable
 from vsup.supervisor.control import request
@@ -54,6 +54,11 @@ def header(status: Mapping[str, Any], error: str | None, interval: float) -> Tex
     text.append(f"  {total:.1f} tok/s")
     if v.get("stopping"):
         text.append("  STOPPING", style="bold red")
+    if by_model.several(status):  # a second line: "chat 2/2 ready  embed 0/1 ready"
+        for i, m in enumerate(by_model.models(status)):
+            whole = m.get("ready", 0) == len(m.get("instances") or ())
+            text.append("  " if i else "\n")
+            text.append(printable(by_model.ready_text(m)), style="green" if whole else "bold red")
     text.append("\n")
     if error:
         text.append(f"not answering: {printable(error)}", style="bold red")
@@ -71,23 +76,61 @@ COLUMNS: tuple[tuple[str, JustifyMethod], ...] = (
 
 
 def table(status: Mapping[str, Any]) -> Table:
+    """One row per instance; with several models a MODEL column, the rows grouped by model, each
+    group under a bold row of its model's totals (ready, in flight, tokens/s, running, waiting)."""
+    several = by_model.several(status)
     t = Table(box=box.SIMPLE_HEAD, pad_edge=False, expand=False)
-    for name, justify in COLUMNS:
-        t.add_column(name, justify=justify, no_wrap=name != "LAST EXIT", overflow="ellipsis")
-    for e in status.get("instances", ()):
-        f = fmt.figures(e)
-        state = str(e.get("state"))
-        if state == "backoff" and e.get("next_start_in") is not None:
-            state += f" {e['next_start_in']:.0f}s"
-        placement = placement_word(e)
-        t.add_row(*(cell if isinstance(cell, Text) else _plain(cell) for cell in (
-            str(e.get("index")), Text(state, style=STATE_STYLES.get(str(e.get("state")), "")), str(e.get("pid") or "-"),
-            format_list(e.get("cpus", ())) or "-", format_list(e.get("nodes", ())) or "-", duration(e.get("uptime")),
-            str(e.get("restarts", 0)), str(e.get("in_flight", 0)), f["tok/s"], f["run"], f["wait"], f["kv"], f["cpu%"],
-            f["rss"], f["local"], Text(placement, style="bold red" if placement == "DRIFT" else ""),
-            e.get("last_exit") or "",
-        )))
+    for name, justify in COLUMNS[:1] + ((MODEL_COLUMN,) if several else ()) + COLUMNS[1:]:
+        t.add_column(name, justify=justify, no_wrap=name != "LAST EXIT", overflow="ellipsis",
+                     max_width=MODEL_WIDTH if name == MODEL_COLUMN[0] else None)
+    if not several:
+        for e in status.get("instances", ()):
+            t.add_row(*_cells(e))
+        return t
+    for i, m in enumerate(by_model.models(status)):
+        name = str(m.get("name"))
+        entries = by_model.of_model(status, name)
+        if i:
+            t.add_section()
+        t.add_row(*_model_cells(m, entries), style="bold")
+        for e in entries:
+            t.add_row(*_cells(e, model=name))
     return t
+
+
+MODEL_COLUMN: tuple[str, JustifyMethod] = ("MODEL", "left")
+MODEL_WIDTH = 24  # a long served name is cut with an ellipsis, not the figures
+
+
+def _cells(e: Mapping[str, Any], model: str | None = None) -> list[Text]:
+    f = fmt.figures(e)
+    state = str(e.get("state"))
+    if state == "backoff" and e.get("next_start_in") is not None:
+        state += f" {e['next_start_in']:.0f}s"
+    placement = placement_word(e)
+    return [cell if isinstance(cell, Text) else _plain(cell) for cell in (
+        str(e.get("index")), *(() if model is None else (model,)),
+        Text(state, style=STATE_STYLES.get(str(e.get("state")), "")), str(e.get("pid") or "-"),
+        format_list(e.get("cpus", ())) or "-", format_list(e.get("nodes", ())) or "-", duration(e.get("uptime")),
+        str(e.get("restarts", 0)), str(e.get("in_flight", 0)), f["tok/s"], f["run"], f["wait"], f["kv"], f["cpu%"],
+        f["rss"], f["local"], Text(placement, style="bold red" if placement == "DRIFT" else ""),
+        e.get("last_exit") or "",
+    )]
+
+
+def _model_cells(m: Mapping[str, Any], entries: list[Mapping[str, Any]]) -> list[Text]:
+    """A model's totals row: its name, ready count, in flight, tokens/s, running and waiting summed."""
+    total = len(m.get("instances") or ())
+    ready = m.get("ready", 0)
+
+    def summed(key: str, digits: int = 0) -> str:
+        values = [v for e in entries if (v := (e.get("metrics") or {}).get(key)) is not None]
+        return fmt.number(sum(values), digits) if values else "-"
+
+    cells = ["", str(m.get("name")), Text(f"{ready}/{total} ready", style="green" if ready == total else "bold red"),
+             "", "", "", "", "", str(m.get("in_flight", 0)), f"{by_model.tokens_per_s(entries):.1f}",
+             summed("requests_running"), summed("requests_waiting"), "", "", "", "", "", ""]
+    return [cell if isinstance(cell, Text) else _plain(cell) for cell in cells]
 
 
 def _plain(value: object) -> Text:

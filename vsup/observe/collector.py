@@ -54,6 +54,7 @@ class Target:
     leader: int | None = None  # the tree's leader pid; None: no process
     token: str | None = None  # its VSUP_TREE token (proctree.find_tree)
     known: Mapping[int, int] = field(default_factory=dict)  # pid -> start time of members seen before
+    model: str = ""  # the served model name: a `model` label beside `instance` ("": none)
 
 
 @dataclass(frozen=True)
@@ -163,7 +164,7 @@ class Collector:
                         families.pop()
                     if cut.left_out:
                         dropped.append(scrape.Dropped(target.name, "", "series_cap", cut.left_out))
-                    scraped.append((target.name, scrape.relabel(families, target.name)))
+                    scraped.append((target.name, scrape.relabel(families, target.name, target.model)))
                     f.update(scrape.summarize(families))
                     self._count_tokens(target.name, f, now)
             f["scrape"] = "ok" if text is not None and error is None else error
@@ -177,7 +178,8 @@ class Collector:
         wall = time.time()
         merged, refused = scrape.merge(scraped)
         self._note_dropped(dropped + refused, {t.name for t in targets})
-        families = merged + instance_families(figures, wall, took) + [dropped_families(self._dropped)]
+        models = {t.name: t.model for t in targets}
+        families = merged + instance_families(figures, wall, took, models) + [dropped_families(self._dropped)]
         return Snapshot(at=now, wall=wall, took=took, text=generate_latest(scrape.Families(families)), figures=figures)
 
     def _count_tokens(self, name: str, f: Mapping[str, Any], now: float) -> None:

@@ -13,33 +13,39 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
 
-def instance_families(figures: Mapping[str, Mapping[str, Any]], collected_at: float, took: float) -> list[Metric]:
-    """figures: instance name -> the dict `Collector` keeps for it (see collector.py)."""
-    cpu = CounterMetricFamily("vsup_instance_cpu_seconds", "CPU seconds (user+system) of the instance's process tree; resets when the instance restarts", labels=["instance"])
-    cpu_percent = GaugeMetricFamily("vsup_instance_cpu_percent", "CPU use of the instance's process tree between the last two collections, % of one CPU", labels=["instance"])
-    rss = GaugeMetricFamily("vsup_instance_rss_bytes", "Resident memory of the instance's process tree (sum over its processes)", labels=["instance"])
-    pss = GaugeMetricFamily("vsup_instance_pss_bytes", "Proportional set size of the instance's process tree (shared pages shared out)", labels=["instance"])
-    processes = GaugeMetricFamily("vsup_instance_processes", "Processes in the instance's tree (API server, EngineCore, Worker, ...)", labels=["instance"])
-    numa = GaugeMetricFamily("vsup_instance_numa_memory_bytes", "Memory of the instance's process tree on each NUMA node (numa_maps); local: the node is one of the instance's planned nodes", labels=["instance", "node", "local"])
-    ratio = GaugeMetricFamily("vsup_instance_numa_local_ratio", "Share of the instance's memory on its own NUMA nodes (0..1)", labels=["instance"])
-    up = GaugeMetricFamily("vsup_instance_metrics_up", "1 when the last scrape of the instance's /metrics worked, 0 when it failed (absent while the instance is not serving)", labels=["instance"])
-    for name, f in figures.items():
+def instance_families(figures: Mapping[str, Mapping[str, Any]], collected_at: float, took: float,
+                      models: Mapping[str, str] | None = None) -> list[Metric]:
+    """figures: instance name -> the dict `Collector` keeps for it (see collector.py); models:
+    instance name -> its served model name. The per-instance families carry `model` beside
+    `instance` when any instance has a model (`vsup run`: all of them), "" for one without."""
+    models = models or {}
+    m = ["model"] if any(models.get(name) for name in figures) else []
+    cpu = CounterMetricFamily("vsup_instance_cpu_seconds", "CPU seconds (user+system) of the instance's process tree; resets when the instance restarts", labels=["instance", *m])
+    cpu_percent = GaugeMetricFamily("vsup_instance_cpu_percent", "CPU use of the instance's process tree between the last two collections, % of one CPU", labels=["instance", *m])
+    rss = GaugeMetricFamily("vsup_instance_rss_bytes", "Resident memory of the instance's process tree (sum over its processes)", labels=["instance", *m])
+    pss = GaugeMetricFamily("vsup_instance_pss_bytes", "Proportional set size of the instance's process tree (shared pages shared out)", labels=["instance", *m])
+    processes = GaugeMetricFamily("vsup_instance_processes", "Processes in the instance's tree (API server, EngineCore, Worker, ...)", labels=["instance", *m])
+    numa = GaugeMetricFamily("vsup_instance_numa_memory_bytes", "Memory of the instance's process tree on each NUMA node (numa_maps); local: the node is one of the instance's planned nodes", labels=["instance", *m, "node", "local"])
+    ratio = GaugeMetricFamily("vsup_instance_numa_local_ratio", "Share of the instance's memory on its own NUMA nodes (0..1)", labels=["instance", *m])
+    up = GaugeMetricFamily("vsup_instance_metrics_up", "1 when the last scrape of the instance's /metrics worked, 0 when it failed (absent while the instance is not serving)", labels=["instance", *m])
+    for instance, f in figures.items():
+        labels = [instance, models.get(instance, "")] if m else [instance]  # the leading label values
         if f.get("cpu_seconds") is not None:
-            cpu.add_metric([name], f["cpu_seconds"])
-            processes.add_metric([name], len(f.get("pids", ())))
+            cpu.add_metric(labels, f["cpu_seconds"])
+            processes.add_metric(labels, len(f.get("pids", ())))
         if f.get("cpu_percent") is not None:
-            cpu_percent.add_metric([name], f["cpu_percent"])
+            cpu_percent.add_metric(labels, f["cpu_percent"])
         if f.get("rss_bytes") is not None:
-            rss.add_metric([name], f["rss_bytes"])
+            rss.add_metric(labels, f["rss_bytes"])
         if f.get("pss_bytes") is not None:
-            pss.add_metric([name], f["pss_bytes"])
+            pss.add_metric(labels, f["pss_bytes"])
         local_nodes = set(f.get("nodes", ()))
         for node, size in sorted((f.get("numa_bytes") or {}).items(), key=lambda item: int(item[0])):
-            numa.add_metric([name, str(node), "true" if int(node) in local_nodes else "false"], size)
+            numa.add_metric([*labels, str(node), "true" if int(node) in local_nodes else "false"], size)
         if f.get("numa_local_ratio") is not None:
-            ratio.add_metric([name], f["numa_local_ratio"])
+            ratio.add_metric(labels, f["numa_local_ratio"])
         if f.get("scrape") is not None:
-            up.add_metric([name], 1 if f["scrape"] == "ok" else 0)
+            up.add_metric(labels, 1 if f["scrape"] == "ok" else 0)
     stamp = GaugeMetricFamily("vsup_metrics_collected_timestamp_seconds", "Unix time of the last collection of the instances' figures (the instance metrics are as old as this)")
     stamp.add_metric([], collected_at)
     duration = GaugeMetricFamily("vsup_metrics_collect_seconds", "How long the last collection took")

@@ -17,7 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
-from vsup.observe import fmt
+from vsup.observe import by_model, fmt
 from vsup.observe.fmt import duration
 from vsup.safetext import printable
 from vsup.topology.cpulist import format_list
@@ -26,6 +26,7 @@ TRANSITIONS_SHOWN = 20
 MIN_REFRESH = 2  # seconds
 DEFAULT_REFRESH = 5  # when metrics collection is off
 
+MODEL_COLUMNS = ("Model", "Ready", "Not ready", "Instances", "In flight", "Tok/s")
 INSTANCE_COLUMNS = ("#", "State", "PID", "Port", "CPUs", "Nodes", "Uptime", "Restarts", "In flight", "Placement",
                     "Tok/s", "Running", "Waiting", "KV cache", "CPU %", "RSS", "PSS", "Node-local mem", "Last exit")
 
@@ -44,13 +45,14 @@ def _state(state: str, extra: str = "") -> str:
     return f'<td><span class="state {html.escape(printable(state))}">{html.escape(printable(state + extra))}</span></td>'
 
 
-def instance_row(e: Mapping[str, Any]) -> str:
+def instance_row(e: Mapping[str, Any], model: bool = False) -> str:
+    """One instance's row; `model`: with its model's cell after the index (a status with several models)."""
     m = e.get("metrics") or {}
     f = fmt.figures(e)
     placement = {None: "-", True: "ok", False: "DRIFT"}[e.get("placement_ok")]
     backoff = f" ({e['next_start_in']:.0f}s)" if e.get("state") == "backoff" and e.get("next_start_in") is not None else ""
     cells = [
-        _cell(e.get("index")), _state(str(e.get("state")), backoff), _cell(e.get("pid") or "-", "num"),
+        _cell(e.get("index")), *([_cell(e.get("model") or "-")] if model else []), _state(str(e.get("state")), backoff), _cell(e.get("pid") or "-", "num"),
         _cell(e.get("port"), "num"), _cell(format_list(e.get("cpus", ())) or "-"), _cell(format_list(e.get("nodes", ())) or "-"),
         _cell(duration(e.get("uptime")), "num"), _cell(e.get("restarts", 0), "num"), _cell(e.get("in_flight", 0), "num"),
         f'<td><span class="state {placement}">{placement}</span></td>' if placement == "DRIFT" else _cell(placement),
@@ -96,18 +98,45 @@ def summary(status: Mapping[str, Any]) -> str:
     return html.escape(" · ".join(parts))
 
 
+def model_rows(status: Mapping[str, Any]) -> list[str]:
+    """Per model: ready count, the states of the others, its instances, in flight, tokens/s."""
+    rows = []
+    for m in by_model.models(status):
+        name = str(m.get("name"))
+        total = len(m.get("instances") or ())
+        ready = m.get("ready", 0)
+        colour = "ready" if ready == total else ("starting" if ready else "failed")  # green, yellow, red (the CSS)
+        cells = [_cell(name), f'<td><span class="state {colour}">{html.escape(f"{ready}/{total}")}</span></td>', _cell(by_model.not_ready(m) or "-"),
+                 _cell(format_list(i for i in m.get("instances") or () if isinstance(i, int)) or "-"),
+                 _cell(m.get("in_flight", 0), "num"), _cell(f"{by_model.tokens_per_s(by_model.of_model(status, name)):.1f}", "num")]
+        rows.append("<tr>" + "".join(cells) + "</tr>")
+    return rows
+
+
+def models_section(status: Mapping[str, Any]) -> str:
+    """The Models table, only when the status has several models (a fleet of one looks as before)."""
+    if not by_model.several(status):
+        return ""
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in MODEL_COLUMNS)
+    return ('<h2>Models</h2>\n<table id="models">\n<thead><tr>' + head + "</tr></thead>\n<tbody>\n"
+            + "\n".join(model_rows(status)) + "\n</tbody>\n</table>\n")
+
+
 def render_page(status: Mapping[str, Any], refresh: int) -> str:
     v = status.get("vsup") or {}
     instances = list(status.get("instances", ()))
+    several = by_model.several(status)
+    columns = INSTANCE_COLUMNS[:1] + (("Model",) if several else ()) + INSTANCE_COLUMNS[1:]
     return _template().substitute(
         refresh=refresh,
         proxy=html.escape(str(v.get("proxy", ""))),
         ready=v.get("ready", 0),
         total=len(instances),
         summary=summary(status),
-        instance_head="".join(f"<th>{html.escape(c)}</th>" for c in INSTANCE_COLUMNS),
-        instance_rows="\n".join(instance_row(e) for e in instances)
-        or f'<tr><td colspan="{len(INSTANCE_COLUMNS)}" class="muted">no instances</td></tr>',
+        models=models_section(status),
+        instance_head="".join(f"<th>{html.escape(c)}</th>" for c in columns),
+        instance_rows="\n".join(instance_row(e, several) for e in instances)
+        or f'<tr><td colspan="{len(columns)}" class="muted">no instances</td></tr>',
         transition_rows="\n".join(transition_rows(status)),
     )
 

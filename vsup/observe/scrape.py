@@ -1,10 +1,11 @@
 """One instance's Prometheus text: parsed, labelled with its instance, merged with the others'.
 
-The text is parsed with prometheus_client's own parser; every sample gets `instance="<index>"`.
-Names are kept as the instance wrote them (`vllm:num_requests_running`, `process_cpu_seconds_total`,
-...) except where they would clash with vsup's own: a family in vsup's namespace (`vsup_*`, an
-instance that is itself a vsup) is renamed `instance_vsup_*`, and a label already called
-`instance` becomes `exported_instance` (what Prometheus itself does with such a label).
+The text is parsed with prometheus_client's own parser; every sample gets `instance="<index>"`
+and, under `vsup run`, `model="<served name>"`. Names are kept as the instance wrote them
+(`vllm:num_requests_running`, `process_cpu_seconds_total`, ...) except where they would clash with
+vsup's own: a family in vsup's namespace (`vsup_*`, an instance that is itself a vsup) is renamed
+`instance_vsup_*`, and a label already called `instance` (or `model`) becomes `exported_instance`
+(`exported_model`), what Prometheus itself does with such a label.
 `summarize` reads the figures `vsup status` shows out of the parsed families (pure).
 
 Whatever the instances send, the merged text must parse (one family Prometheus cannot read makes
@@ -28,6 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 INSTANCE_LABEL = "instance"
+MODEL_LABEL = "model"  # the served model name of the instance (vLLM's own series also carry model_name)
 RESERVED_PREFIX = "vsup_"
 RENAMED_PREFIX = "instance_"
 
@@ -48,16 +50,19 @@ def _rename(name: str) -> str:
     return RENAMED_PREFIX + name if name.startswith(RESERVED_PREFIX) else name
 
 
-def relabel(families: Iterable[Metric], instance: str) -> list[Metric]:
-    """Copies of `families` with instance="<instance>" on every sample (see the module docstring)."""
+def relabel(families: Iterable[Metric], instance: str, model: str = "") -> list[Metric]:
+    """Copies of `families` with instance="<instance>" on every sample, and model="<model>" when
+    given (see the module docstring)."""
+    ours = {INSTANCE_LABEL: instance, **({MODEL_LABEL: model} if model else {})}
     out = []
     for family in families:
         copy = Metric(_rename(family.name), family.documentation, family.type, family.unit)
         for sample in family.samples:
             labels = dict(sample.labels)
-            if INSTANCE_LABEL in labels:
-                labels["exported_" + INSTANCE_LABEL] = labels.pop(INSTANCE_LABEL)
-            labels = {INSTANCE_LABEL: instance, **labels}
+            for key in ours:
+                if key in labels:
+                    labels["exported_" + key] = labels.pop(key)
+            labels = {**ours, **labels}
             copy.samples.append(Sample(_rename(sample.name), labels, sample.value, sample.timestamp, sample.exemplar))
         out.append(copy)
     return out

@@ -19,6 +19,7 @@ from vsup.supervisor import proctree
 from vsup.supervisor.fleet import Fleet
 from vsup.supervisor.processes import Child
 from vsup.supervisor.states import State
+from vsup.supervisor.status import model_of
 
 
 def tree_pids(target: Target) -> list[int]:
@@ -94,5 +95,6 @@ class Metrics:
                 leader=child.pid if child else None,
                 token=child.token if child else None,
                 known=dict(child.seen) if child else {},
+                model=model_of(fleet, inst),
             ))
         return targets

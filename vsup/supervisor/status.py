@@ -9,13 +9,17 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
+from vsup.config.fleet import is_fleet, models_of, served_name
 from vsup.config.schema import VsupConfig
+from vsup.observe import by_model
 from vsup.proxy.address import label
+from vsup.safetext import printable
 from vsup.supervisor.lifecycle import Instance
 from vsup.supervisor.states import State
 from vsup.systemd.notify import Notifier
 
 if TYPE_CHECKING:
+    from vsup.supervisor.fleet import Fleet
     from vsup.supervisor.supervisor import Supervisor
 
 logger = logging.getLogger("vsup.supervisor")
@@ -24,6 +28,7 @@ logger = logging.getLogger("vsup.supervisor")
 def status(sup: Supervisor) -> dict[str, Any]:
     proxy, config = sup.proxy, sup.config
     now = sup.now()
+    instances = [instance_status(sup, inst) for inst in sup.instances]
     return {
         "vsup": {
             "pid": os.getpid(),
@@ -37,7 +42,9 @@ def status(sup: Supervisor) -> dict[str, Any]:
             "control_socket": str(sup.control.path) if sup.control else None,
             "metrics_interval": config.metrics.interval,
         },
-        "instances": [instance_status(sup, inst) for inst in sup.instances],
+        # per model: its instances' indexes, ready count, states, in flight (by_model.summarize)
+        "models": by_model.summarize(instances, model_order(config)),
+        "instances": instances,
         # a rollout's new instance before it joins the fleet, a replaced one while it drains
         "changing": [instance_status(sup, inst) for inst in sup.fleet.outside()],
         "rollout": sup.changes.to_json(),  # its state "pending" while a SIGHUP's follow-up reload waits
@@ -51,6 +58,7 @@ def instance_status(sup: Supervisor, inst: Instance) -> dict[str, Any]:
     return {
         "index": inst.index,
         "name": inst.name,
+        "model": model_of(sup.fleet, inst),
         "state": inst.state.value,
         "pid": inst.pid,
         "port": inst.port,  # its slot: base_port + i, or spare_base_port + i beside
@@ -77,11 +85,31 @@ def instance_status(sup: Supervisor, inst: Instance) -> dict[str, Any]:
     }
 
 
+def model_of(fleet: Fleet, inst: Instance) -> str:
+    """The served model name of the instance's plan; a plan without one (made by the single-model
+    planner) serves the single-model config's one model."""
+    plan = fleet.plans.get(inst.name)
+    if plan is not None and plan.model:
+        return plan.model
+    config = fleet.owner.config
+    return "" if is_fleet(config) else served_name(config)
+
+
+def model_order(config: VsupConfig) -> list[str]:
+    return [view.name for view in models_of(config)]
+
+
 def status_line(sup: Supervisor) -> str:
-    """systemd's STATUS=: how many are ready, what is starting or failed, a rollout's progress."""
+    """systemd's STATUS=: how many are ready (per model when there are several), what is starting
+    or failed, a rollout's progress."""
     instances = sup.instances
     in_flight = sup.proxy.total_in_flight() if sup.proxy is not None else 0
-    text = f"{ready_count(instances)}/{len(instances)} instances ready, {in_flight} in flight"
+    models = by_model.summarize(({"model": model_of(sup.fleet, inst), "index": inst.index, "state": inst.state.value}
+                                 for inst in instances), model_order(sup.config))
+    if len(models) > 1:  # "chat 2/2 ready, embed 0/1 ready": the names come from the config, shown as data
+        text = ", ".join(printable(by_model.ready_text(m)) for m in models) + f", {in_flight} in flight"
+    else:
+        text = f"{ready_count(instances)}/{len(instances)} instances ready, {in_flight} in flight"
     failed = [inst.name for inst in instances if inst.state is State.FAILED]
     loading = [inst.name for inst in instances if inst.state in (State.STARTING, State.WARMING)]
     if loading:
