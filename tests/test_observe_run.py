@@ -143,6 +143,10 @@ def test_proxy_metrics_carry_every_instances_vllm_metrics_and_process_figures(fl
         assert samples(families, "vsup_instance_metrics_up")[name] == 1
     numa = next(f for f in families if f.name == "vsup_instance_numa_memory_bytes")
     assert {(s.labels["node"], s.labels["local"]) for s in numa.samples} == {("0", "true")}
+    # a single-model config's one model is named beside instance, on vLLM's series and vsup's
+    for name in ("vllm:generation_tokens_total", "process_resident_memory_bytes", "vsup_instance_rss_bytes",
+                 "vsup_instance_numa_memory_bytes", "vsup_instance_metrics_up"):
+        assert {s.labels.get("model") for f in families for s in f.samples if s.name == name} == {"fake-model"}, name
     assert not load.failed
 
 
@@ -151,6 +155,9 @@ def test_status_shows_the_figures_as_text_and_json(fleet):
     data = json.loads(subprocess.run([*VSUP, "status", "--socket", run.socket, "--format", "json"], capture_output=True,
                                      text=True, timeout=30, check=True).stdout)
     assert data["vsup"]["metrics_interval"] == 0.5
+    assert data["models"] == [{"name": "fake-model", "instances": [0, 1], "ready": 2, "states": {"ready": 2},
+                               "in_flight": data["models"][0]["in_flight"]}]
+    assert {inst["model"] for inst in data["instances"]} == {"fake-model"}
     for inst in data["instances"]:
         m = inst["metrics"]
         assert m["scrape"] == "ok" and m["age"] < 5
@@ -159,8 +166,8 @@ def test_status_shows_the_figures_as_text_and_json(fleet):
         assert m["rss_bytes"] > 0 and m["numa_local_ratio"] == 1.0
     text = subprocess.run([*VSUP, "status", "--socket", run.socket], capture_output=True, text=True, timeout=30,
                           check=True).stdout.splitlines()
-    header = text[1].split()
-    assert header[10:17] == ["TOK/S", "RUN", "WAIT", "KV", "CPU%", "RSS", "LOCAL"]
+    header = text[1].split()  # one model: no MODEL column, no model lines
+    assert header[:2] == ["IDX", "STATE"] and header[10:17] == ["TOK/S", "RUN", "WAIT", "KV", "CPU%", "RSS", "LOCAL"]
     for line in text[2:4]:
         cells = line.split()
         assert cells[1] == "ready" and float(cells[10]) > 0 and cells[16] == "100%", line
