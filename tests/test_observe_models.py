@@ -26,6 +26,7 @@ from rich.console import Console
 from tests.host_fakes import RecordingHost
 from tests.lifecycle_fakes import FakeOps
 from tests.sysfs_builder import build_sysfs
+from tests.test_metrics_merge import promtool_parses
 from tests.test_observe import METRICS, SAMPLE_STATUS
 from tests.test_supervisor_inprocess import reload_config, until
 from vsup.cli.status import render_instances, render_models, status_command
@@ -308,6 +309,7 @@ async def test_the_collector_labels_each_instances_series_with_its_model(fake_vl
     for family in ("vsup_instance_rss_bytes", "vsup_instance_metrics_up", "vsup_instance_cpu_seconds_total"):
         assert sorted((labels["instance"], labels["model"]) for labels in sample_labels(text, family)) == [("0", "chat"), ("1", HOSTILE)]
     assert {labels["model"] for labels in sample_labels(text, "vsup_instance_numa_memory_bytes")} == {"chat", HOSTILE}
+    promtool_parses(text)  # Prometheus itself reads the quoted name back
 
 
 def test_an_instances_own_model_label_is_kept_as_exported_model():
