@@ -99,12 +99,16 @@ class ModelRouter:
         return self._table.get(model, ())
 
     def balancer(self, model: str):
+        if self.pool.version != self._version:
+            self._rebuild()
         return self._balancer_of[model]
 
     def pick(self, model: object, waited: bool):
         """The model a request asking for `model` (its body's or query's; None: neither) goes to
         (a known name), WAIT (unknown, but a model list is still being fetched: settle() first,
         then ask again) or the answer refusing it."""
+        if self.pool.version != self._version:
+            self._rebuild()
         if model is None or model == "":
             if len(self.configs) == 1 or (not self.configs and len(self._table) == 1):
                 return next(iter(self.configs or self._table))
