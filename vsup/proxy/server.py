@@ -46,6 +46,8 @@ UPSTREAM_KEEPALIVE = 4.0
 # After the drain deadline, how long aborted streams get to write their error event.
 ABORT_GRACE = 2.0
 HEALTHY = b'{"status": "ok"}'
+# Admin routes after which an instance serves other model names (routing.py learns them again).
+_ADAPTER_ROUTES = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 
 
 def _has_dot_segment(path: str) -> bool:
@@ -327,7 +329,11 @@ class ProxyServer:
                 return errors.error_response(405, f"{path} answers {allow} only", "invalid_request_error", "method_not_allowed", headers={"Allow": allow})
             if path == "/v1/models":
                 return await self._models()
-            return await self._forwarder.handle(request)  # type: ignore[union-attr]
+            response = await self._forwarder.handle(request)  # type: ignore[union-attr]
+            if route.admin and path in _ADAPTER_ROUTES and response.status == 200 and self._router is not None:
+                for backend in self.pool.ready():  # an adapter loaded or unloaded: the model names changed
+                    self._learn(backend)
+            return response
         own = self._own.get(path)
         if own is None:
             self.metrics.request("other", 404, "")
