@@ -7,7 +7,8 @@ The life of a request, and what can end it:
   body         the rest of a body that did not come with the headers (after `100 Continue`
                when the client waits for it); not all in within proxy.body_timeout, or
                still here when a drain starts                                -> 408/503
-  queued       body size-checked, JSON-validated; an instance chosen         -> 400/413/503
+  queued       body size-checked, JSON-validated; in a fleet its model's instances
+               (routing.py); an instance chosen                             -> 400/404/413/503
   first_byte   sent upstream, waiting for the status line and the first body byte
                connect error, stale keep-alive connection, 503 from the instance, or a
                connection broken by an instance shown gone within GONE_GRACE (out of the
