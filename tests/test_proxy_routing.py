@@ -10,7 +10,7 @@ from vsup.config.schema import ProxyConfig
 from vsup.proxy.affinity import PrefixAffinity
 from vsup.proxy.backends import Backend, BackendPool
 from vsup.proxy.balancer import LeastOutstanding, RoundRobin
-from vsup.proxy.routing import WAIT, ModelRouter
+from vsup.proxy.routing import WAIT, ModelRouter, Route
 
 CONFIGS = {"chat": ProxyConfig(), "embed": ProxyConfig(policy="least_outstanding")}
 
@@ -35,7 +35,7 @@ def body(response) -> dict:
 
 def test_each_model_goes_only_to_its_instances_with_its_own_policy():
     pool, router = fleet()
-    assert router.routes()
+    assert isinstance(router.pick("chat", False), Route)
     assert [b.name for b in router.ready("chat")] == ["0", "1"] and [b.name for b in router.ready("embed")] == ["2"]
     assert isinstance(router.balancer("chat"), RoundRobin) and isinstance(router.balancer("embed"), LeastOutstanding)
     assert Counter(choose(router, "chat") for _ in range(10)) == {"0": 5, "1": 5}
@@ -72,20 +72,19 @@ def test_prefix_affinity_per_model_keeps_a_prefix_on_one_instance():
 
 def test_readiness_changes_reach_the_tables_without_a_rebuild_per_request():
     pool, router = fleet()
-    router.routes()
-    built = router._table
+    router.pick("chat", False)
+    built = router._routes
     router.ready("chat")
-    assert router._table is built  # an unchanged pool: the same tables, one int compared
+    assert router._routes is built  # an unchanged pool: the same tables, one int compared
     pool.set_state("0", "restarting", False)
     assert [b.name for b in router.ready("chat")] == ["1"]
     pool.set_state("2", "restarting", False)
-    assert router.ready("embed") == () and "embed" in router._table  # known, none ready
+    assert router.ready("embed") == () and "embed" in router._routes  # known, none ready
 
 
 def test_pick_names_the_model_or_refuses_in_openais_shape():
     pool, router = fleet()
-    router.routes()
-    assert router.pick("chat", False) == "chat"
+    assert router.pick("chat", False).name == "chat"
     unknown = router.pick("gpt-4o", False)
     assert unknown.status == 404
     error = body(unknown)
@@ -99,7 +98,6 @@ def test_pick_names_the_model_or_refuses_in_openais_shape():
 
 def test_a_client_given_name_is_escaped_and_cut_in_the_message():
     pool, router = fleet()
-    router.routes()
     name = "\x1b[31mred\n" + "x" * 500
     message = body(router.pick(name, False))["message"]
     assert "\x1b" not in message and "\n" not in message and "\\x1b[31mred\\n" in message
@@ -110,12 +108,11 @@ def test_one_model_takes_requests_that_name_none():
     pool = BackendPool([Backend("0", "u0", "chat")])
     pool.set_state("0", "ready", True)
     router = ModelRouter(pool, ProxyConfig(), {"chat": ProxyConfig()})
-    assert router.routes() and router.pick(None, False) == "chat" and router.pick("", False) == "chat"
+    assert router.pick(None, False).name == "chat" and router.pick("", False).name == "chat"
 
 
 def test_none_ready_is_503_with_retry_after_naming_the_model():
     pool, router = fleet(ready=("0", "1"))
-    router.routes()
     refused = router.none_ready("embed")
     assert refused.status == 503 and refused.headers["Retry-After"] == "1"
     assert "'embed'" in body(refused)["message"] and router.refused == {("embed", "no_ready_instance"): 1}
@@ -124,35 +121,35 @@ def test_none_ready_is_503_with_retry_after_naming_the_model():
 def test_learned_names_route_to_the_instances_that_listed_them():
     pool, router = fleet()
     router.learn("1", ["chat", "sql-lora"])  # instance 1 serves an adapter too
-    assert router.routes() and router.pick("sql-lora", False) == "sql-lora"
+    assert router.pick("sql-lora", False).name == "sql-lora"
     assert [b.name for b in router.ready("sql-lora")] == ["1"]
     assert router.balancer("sql-lora") is router.balancer("chat")  # the base model's balancer
     pool.set_state("1", "restarting", False)
-    assert router.ready("sql-lora") == () and router.pick("sql-lora", False) == "sql-lora"  # known: 503, not 404
+    assert router.ready("sql-lora") == () and router.pick("sql-lora", False).name == "sql-lora"  # known: 503, not 404
     router.forget("1")
     assert router.pick("sql-lora", False).status == 404
 
 
 def test_an_unknown_name_waits_for_model_lists_on_their_way():
     pool, router = fleet()
-    router.routes()
     router.learning["1"] = object()  # type: ignore[assignment]  # a fetch in progress (server.py's task)
     assert router.pick("sql-lora", False) is WAIT
     assert router.pick("sql-lora", True).status == 404  # after waiting: refused
-    assert router.pick("chat", False) == "chat"  # a configured name never waits
+    assert router.pick("chat", False).name == "chat"  # a configured name never waits
 
 
 def test_untagged_backends_route_as_before():
-    # models given, but no backend has a model (a standalone proxy's upstreams): routes() is False
+    # models given, but no backend has a model (a standalone proxy's upstreams): pick() says "as before"
     pool = BackendPool([Backend("http://a", "http://a"), Backend("http://b", "http://b")])
     pool.set_state("http://a", "ready", True)
-    assert not ModelRouter(pool, ProxyConfig(), CONFIGS).routes()
-    assert not ModelRouter(fleet()[0], ProxyConfig(), {}).routes()
+    router = ModelRouter(pool, ProxyConfig(), CONFIGS)
+    assert router.pick("chat", False) is None and router.pick(None, False) is None and router.pick("x", False) is None
+    assert ModelRouter(fleet()[0], ProxyConfig(), {}).pick("chat", False) is None
 
 
 def test_a_model_the_pool_names_before_the_config_gets_default_settings():
     pool, router = fleet(models={"chat": ProxyConfig()})
-    assert router.routes() and router.pick("embed", False) == "embed"
+    assert router.pick("embed", False).name == "embed"
     assert isinstance(router.balancer("embed"), RoundRobin)
 
 
@@ -161,6 +158,5 @@ def test_configure_keeps_a_models_balancer_when_its_policy_stays():
     chat, embed = router.balancer("chat"), router.balancer("embed")
     router.configure(ProxyConfig(), {"chat": ProxyConfig(policy="prefix_affinity", affinity_max_imbalance=9),
                                      "embed": ProxyConfig(policy="least_outstanding")})
-    router.routes()
     assert router.balancer("chat") is chat and chat.max_imbalance == 9
     assert router.balancer("embed") is not embed and isinstance(router.balancer("embed"), LeastOutstanding)

@@ -40,7 +40,7 @@ from vsup.proxy.codec import header_lines, is_json, parse_json, request_headers,
 from vsup.proxy.errors import RETRY_AFTER_SECONDS
 from vsup.proxy.exchange import Exchange
 from vsup.proxy.metrics import ProxyMetrics, route_label
-from vsup.proxy.routing import WAIT, ModelRouter
+from vsup.proxy.routing import WAIT, ModelRouter, Route
 from vsup.proxy.upstream import UpstreamClient
 from vsup.proxy.upstream_conn import ConnectFailed, StaleConnection, UpstreamBroken, UpstreamResponse
 
@@ -164,9 +164,9 @@ class Forwarder:
                     return errors.bad_request(f"the request body must be a JSON object, got {type(document).__name__}"), None
                 exchange.stream = document.get("stream") is True
         router = self.router
-        model: str | None = None
+        route: Route | None = None
         balancer = self.balancer
-        if router is not None and router.routes():
+        if router is not None:
             asked = document.get("model") if document is not None else None
             if asked is None:  # no JSON body, or one without a model: the query parameter, if any
                 asked = request.query.get("model")
@@ -174,10 +174,11 @@ class Forwarder:
             if picked is WAIT:  # an adapter's name maybe, from an instance whose model list is on its way
                 await router.settle(self.config.connect_timeout + 5.0)
                 picked = router.pick(asked, True)
-            if not isinstance(picked, str):
+            if isinstance(picked, Route):
+                route = picked
+                balancer = route.balancer
+            elif picked is not None:  # refused (None: no backend has a model, route as before)
                 return picked, None
-            model = picked
-            balancer = router.balancer(model)
         key = balancer.key(document, request.headers)  # prefix_affinity: its prefix or session; else None
 
         headers = request_headers(request.raw_headers, self.drop_authorization)
@@ -192,7 +193,10 @@ class Forwarder:
         backend: Backend | None = None
         while True:
             last = backend
-            ready = self.pool.ready() if model is None else router.ready(model)  # type: ignore[union-attr]
+            if route is None:
+                ready = self.pool.ready()
+            else:
+                ready = router.current(route) if tried else route.ready  # type: ignore[union-attr]
             backend = balancer.choose(ready, self.in_flight, tried, key)
             if backend is None and reason == "stale" and tried.count(last.name) == 1 and self.pool.is_ready(last.name):  # type: ignore[union-attr]
                 # A stale keep-alive connection and no other instance to try: one fresh
@@ -204,8 +208,8 @@ class Forwarder:
                     return errors.no_reachable_instance(unreachable), None  # 503: none left to try
                 if fallback is not None:
                     return fallback, last
-                if model is not None:
-                    return router.none_ready(model), None  # type: ignore[union-attr]
+                if route is not None:
+                    return router.none_ready(route.name), None  # type: ignore[union-attr]
                 return errors.no_ready_instance(), None
             tried.append(backend.name)
             name = backend.name
@@ -226,7 +230,7 @@ class Forwarder:
             if reason is None:
                 return fallback, backend
             if len(tried) > self.config.retries:
-                if reason in _UNREACHABLE and not (self.pool.ready() if model is None else router.ready(model)):  # type: ignore[union-attr]
+                if reason in _UNREACHABLE and not (self.pool.ready() if route is None else router.current(route)):  # type: ignore[union-attr]
                     return errors.no_reachable_instance(unreachable), None
                 return fallback, backend
             self.metrics.retry(reason)

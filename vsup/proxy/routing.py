@@ -14,7 +14,7 @@ the admin route) and further served names. They are learned when the instance be
 whenever a client asks `/v1/models` (the server does the fetching; this module only keeps them).
 
 Without models given, or with no backend that has a model (a standalone `vsup proxy`'s
-upstreams), `routes()` is False and the forwarder does exactly what it did before: one balancer
+upstreams), `pick()` answers None and the forwarder does exactly what it did before: one balancer
 over every ready backend, the body forwarded untouched (vLLM answers its own 404).
 """
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 from aiohttp import web
 
@@ -44,6 +45,18 @@ def shown(name: str) -> str:
     return repr(name if len(name) <= SHOWN_CHARS else name[:SHOWN_CHARS] + "...")
 
 
+class Route:
+    """One name requests may ask for: the balancer of its model and its ready backends, kept
+    up to date in place when the pool changes."""
+
+    __slots__ = ("name", "balancer", "ready")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.balancer: Any = None
+        self.ready: tuple[Backend, ...] = ()
+
+
 class ModelRouter:
     def __init__(self, pool: BackendPool, default: ProxyConfig, models: Mapping[str, ProxyConfig]) -> None:
         self.pool = pool
@@ -55,8 +68,7 @@ class ModelRouter:
         self.refused: dict[tuple[str, str], int] = {}  # (model, reason) -> requests refused (/metrics)
         self._version = -1  # the pool version the tables below were built from
         self._tagged = False
-        self._table: dict[str, tuple[Backend, ...]] = {}  # every known name -> its ready backends
-        self._balancer_of: dict = {}  # every known name -> the balancer of its model
+        self._routes: dict[str, Route] = {}  # every known name -> its Route
 
     # -- configuration
     def configure(self, default: ProxyConfig, models: Mapping[str, ProxyConfig]) -> None:
@@ -86,32 +98,21 @@ class ModelRouter:
             self._version = -1
 
     # -- per request
-    def routes(self) -> bool:
-        """Route by model: some backend has a model (the tables are rebuilt here when the pool changed)."""
-        if self.pool.version != self._version:
-            self._rebuild()
-        return self._tagged
-
-    def ready(self, model: str) -> tuple[Backend, ...]:
-        """The ready backends serving `model` (after routes())."""
-        if self.pool.version != self._version:
-            self._rebuild()
-        return self._table.get(model, ())
-
-    def balancer(self, model: str):
-        if self.pool.version != self._version:
-            self._rebuild()
-        return self._balancer_of[model]
-
     def pick(self, model: object, waited: bool):
-        """The model a request asking for `model` (its body's or query's; None: neither) goes to
-        (a known name), WAIT (unknown, but a model list is still being fetched: settle() first,
-        then ask again) or the answer refusing it."""
+        """Where a request asking for `model` (its body's or query's; None: neither) goes: its
+        Route, None (no backend has a model: route as before), WAIT (an unknown name while a
+        model list is still being fetched: settle() first, then ask again) or the refusal."""
         if self.pool.version != self._version:
             self._rebuild()
+        if type(model) is str:  # the common case first: one dict lookup
+            route = self._routes.get(model)
+            if route is not None:
+                return route if self._tagged else None
+        if not self._tagged:
+            return None
         if model is None or model == "":
-            if len(self.configs) == 1 or (not self.configs and len(self._table) == 1):
-                return next(iter(self.configs or self._table))
+            if len(self.configs) == 1:
+                return self._routes[next(iter(self.configs))]
             self._refuse("", "no_model")
             return errors.error_response(
                 400,
@@ -121,14 +122,29 @@ class ModelRouter:
         if not isinstance(model, str):
             self._refuse("", "no_model")
             return errors.bad_request(f"\"model\" must be a string (one of {self.served()}), got {type(model).__name__}", "model")
-        if model in self._table:
-            return model
         if self.learning and not waited:
             return WAIT
         self._refuse("", "unknown_model")
         return errors.error_response(
             404, f"the model {shown(model)} does not exist here: this endpoint serves {self.served()}",
             "invalid_request_error", "model_not_found", param="model")
+
+    def current(self, route: Route) -> tuple[Backend, ...]:
+        """`route`'s ready backends now (a retry: the pool may have changed since pick())."""
+        if self.pool.version != self._version:
+            self._rebuild()
+        return route.ready
+
+    def ready(self, model: str) -> tuple[Backend, ...]:
+        if self.pool.version != self._version:
+            self._rebuild()
+        route = self._routes.get(model)
+        return route.ready if route is not None else ()
+
+    def balancer(self, model: str):
+        if self.pool.version != self._version:
+            self._rebuild()
+        return self._routes[model].balancer
 
     async def settle(self, timeout: float) -> None:
         """Wait (at most `timeout` s) for the model lists being fetched."""
@@ -142,7 +158,7 @@ class ModelRouter:
             " models are served as usual); retry shortly", errors.RETRY_AFTER_SECONDS)
 
     def served(self) -> str:
-        names = sorted(self._table)
+        names = sorted(self._routes)
         listed = ", ".join(map(repr, names[:LISTED]))
         return listed + (f" and {len(names) - LISTED} more" if len(names) > LISTED else "") if names else "no model yet"
 
@@ -174,5 +190,11 @@ class ModelRouter:
             for name in self.learned.get(backend.name, ()):
                 if name != backend.model and name in table:
                     table[name].append(backend)
-        self._table = {name: tuple(ready) for name, ready in table.items()}
-        self._balancer_of = balancer_of
+        routes = {}
+        for name, ready in table.items():  # Routes updated in place: a request holding one sees the change
+            route = routes[name] = self._routes.get(name) or Route(name)
+            route.balancer, route.ready = balancer_of[name], tuple(ready)
+        for name, route in self._routes.items():
+            if name not in routes:
+                route.ready = ()
+        self._routes = routes
