@@ -17,7 +17,7 @@ from tests.fakevllm.cli import LoraModule, UsageError, parse_args
 from tests.fakevllm.fixtures import start_fake
 from tests.proxy_support import LEAN, MESSAGES, client, metric_value, metrics_text, url
 from vsup.config.schema import ProxyConfig
-from vsup.proxy import ProxyServer, forward
+from vsup.proxy import ProxyServer, codec, forward
 from vsup.proxy.backends import Backend, BackendPool
 
 MODELS = {"chat": ProxyConfig(), "embed": ProxyConfig(policy="least_outstanding")}
@@ -122,6 +122,25 @@ async def test_pooling_routes_go_by_model(groups, path):
         assert headers["X-Fake-Instance"] == "e0"  # whatever the fake answers on this route: it reached embed's instance
         _, headers, _ = await post(proxy, path, {**body, "model": "chat"})
         assert headers["X-Fake-Instance"] in {"c0", "c1"}
+
+
+async def test_an_audio_upload_goes_by_its_forms_model_field(groups):
+    async with fleet_proxy(pool_of(groups.values())) as proxy:
+        for model, where in (("embed", {"e0"}), ("chat", {"c0", "c1"})):
+            # the fake serves no audio route: its 404 still says which instance the upload reached
+            with pytest.raises(openai.NotFoundError) as caught:
+                await client(proxy).audio.transcriptions.create(model=model, file=("a.wav", b"RIFF" + b"\0" * 2000))
+            assert caught.value.response.headers["x-fake-instance"] in where
+
+
+def test_form_field_reads_a_multipart_field_without_parsing_the_form():
+    body = (b'--b0\r\nContent-Disposition: form-data; name="model"\r\n\r\nembed\r\n'
+            b'--b0\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n\r\nRIFF\r\n--b0--\r\n')
+    assert codec.form_field(body, 'multipart/form-data; boundary="b0"', "model") == "embed"
+    assert codec.form_field(body, "multipart/form-data; boundary=b0", "file") is None  # a file, not a field
+    assert codec.form_field(body, "application/octet-stream", "model") is None
+    assert codec.form_field(body, "multipart/form-data", "model") is None  # no boundary
+    assert codec.form_field(b"x" * codec.FORM_SCAN_BYTES + body, "multipart/form-data; boundary=b0", "model") is None
 
 
 async def test_an_unknown_model_is_404_naming_the_served_models(groups):

@@ -168,7 +168,9 @@ class Forwarder:
         balancer = self.balancer
         if router is not None:
             asked = document.get("model") if document is not None else None
-            if asked is None:  # no JSON body, or one without a model: the query parameter, if any
+            if asked is None and body and document is None:  # an upload (audio): its form's model field
+                asked = codec.form_field(body, request.headers.get("Content-Type", ""), "model")
+            if asked is None:  # no body, or one without a model: the query parameter, if any
                 asked = request.query.get("model")
             picked = router.pick(asked, False)
             if picked is WAIT:  # an adapter's name maybe, from an instance whose model list is on its way

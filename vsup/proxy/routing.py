@@ -6,9 +6,9 @@ ProxyConfig (policy and affinity settings), so round_robin's rotation, least_out
 and prefix_affinity's hashing all run over that model's instances only, and retries stay in it.
 
 What a request asks for is the `model` of its JSON body (the forwarder has parsed it already:
-routing costs a dict lookup, not a second parse); a request without one (a GET, a multipart
-upload, a body that leaves it out) takes the `model` query parameter, else the only model when
-there is one, else 400 naming the models. Besides the configured names, every id an instance's
+routing costs a dict lookup, not a second parse), an upload's form field `model` (codec.py), else
+the `model` query parameter (a GET), else the only model when there is one, else 400 naming the
+models. Besides the configured names, every id an instance's
 `/v1/models` lists routes to that instance: its LoRA adapters (`--lora-modules`, or loaded through
 the admin route) and further served names. They are learned when the instance becomes ready and
 whenever a client asks `/v1/models` (the server does the fetching; this module only keeps them).
