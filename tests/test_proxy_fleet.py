@@ -193,6 +193,8 @@ async def test_a_model_without_ready_instances_is_503_while_the_other_serves(gro
                 assert caught.value.status_code == 503 and caught.value.response.headers["retry-after"] == "1"
                 assert "'embed'" in caught.value.message and caught.value.code == "no_ready_instance"
                 assert await chat_by(c, "chat") in {"c0", "c1"}  # the other model keeps serving
+            status, _, ready = await post(proxy, "/ready", None, method="GET")
+            assert status == 200 and ready["models"] == {"chat": 2, "embed": 0}  # ready: a model still serves
             text = await metrics_text(proxy)
             assert metric_value(text, "vsup_proxy_model_refusals_total", model="embed", reason="no_ready_instance") == 2
             assert metric_value(text, "vsup_instance_state", instance="e9", state="exited", model="embed") == 1
@@ -280,7 +282,11 @@ async def test_reconfigure_turns_routing_by_model_on_and_off(groups):
         proxy.reconfigure(proxy.config, None, models=MODELS)
         status, _, answer = await post(proxy, "/v1/completions", body)
         assert status == 404 and answer["error"]["code"] == "model_not_found"
-        proxy.reconfigure(proxy.config, None)
+        proxy.reconfigure(proxy.config, None)  # models not given: kept
+        assert (await post(proxy, "/v1/completions", body))[0] == 404
+        proxy.reconfigure(proxy.config, None, models={"chat": ProxyConfig(policy="least_outstanding"), "embed": ProxyConfig()})
+        assert proxy._router.balancer("chat").name == "least_outstanding"
+        proxy.reconfigure(proxy.config, None, models={})  # off
         assert "X-Fake-Instance" in (await post(proxy, "/v1/completions", body))[1]
 
 

@@ -209,7 +209,9 @@ class ProxyServer:
         the /status page's), admin routes (kept closed, with an error logged, when no key is set), the client connections' limits (clients.py). Requests already in flight keep the timeouts they were armed with.
         host, port, max_connections and max_body_bytes are built into the listening socket and the
         pools: a reload refuses to change them (vsup/config/schema.py classes them fixed).
-        `models`: as in the constructor; a model whose policy is unchanged keeps its balancer."""
+        `models`: each model's settings, as in the constructor (a model whose policy is unchanged
+        keeps its balancer and counts); {} turns routing by model off; None keeps the models as they
+        are (a caller that knows nothing of models cannot turn a fleet's routing off by omission)."""
         self.config = config
         self._auth = BearerAuth(api_key if api_key is not None else config.api_key)
         try:
@@ -224,7 +226,10 @@ class ProxyServer:
         elif isinstance(self._balancer, PrefixAffinity):  # same policy, its counts kept
             self._balancer.prefix_chars = config.affinity_prefix_chars
             self._balancer.max_imbalance = config.affinity_max_imbalance
-        self._set_models(config, models)
+        if models is not None:
+            self._set_models(config, models)
+        elif self._router is not None:
+            self._router.default = config
         if self._client is not None:
             self._client.set_connect_timeout(config.connect_timeout)
         if self._clients is not None:
@@ -360,7 +365,9 @@ class ProxyServer:
     def _readiness(self) -> tuple[int, bytes]:
         ready = len(self.pool.ready())
         ok = ready > 0 and not self.draining
-        body = {"ready": ok, "instances_ready": ready, "instances": len(self.pool.all()), "draining": self.draining}
+        body: dict = {"ready": ok, "instances_ready": ready, "instances": len(self.pool.all()), "draining": self.draining}
+        if self._router is not None and self._router.configs:  # a fleet: ready instances of each model
+            body["models"] = {name: len(self._router.ready(name)) for name in self._router.configs}
         return 200 if ok else 503, json.dumps(body).encode()
 
     async def _ready(self, request: web.BaseRequest) -> web.Response:
