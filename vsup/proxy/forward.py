@@ -1,6 +1,6 @@
 """Forwarding one client request to one instance, byte for byte.
 
-(Just over 400 lines for a reason: the phases below are one request's path, and the hot path of
+(Over 400 lines for a reason: the phases below are one request's path, and the hot path of
 every request; its codecs (codec.py) and its state (exchange.py) are already outside.)
 
 The life of a request, and what can end it:

@@ -197,7 +197,7 @@ class ProxyServer:
             error = task.exception()
             if error is not None:
                 log.warning("instance %s: could not read its /v1/models (%s): its adapters are not routed until it answers",
-                            backend.name, error or type(error).__name__)
+                            backend.name, str(error) or type(error).__name__)
             elif self.pool.get(backend.name) is backend:  # still the same instance
                 router.learn(backend.name, [entry["id"] for entry in task.result() if isinstance(entry["id"], str)])
 
