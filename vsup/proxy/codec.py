@@ -180,3 +180,32 @@ def parse_json(body: bytes) -> Any:
 # The decoder's C scanner, which JSONDecoder sets up in __init__ (typeshed does not declare it).
 _scan_once: Callable[[str, int], tuple[Any, int]] = vars(json.JSONDecoder())["scan_once"]
 _JSON_WHITESPACE = " \t\n\r"
+
+
+# How far into a multipart body the model field is looked for: the SDKs send the form's fields
+# before its files (httpx does), so it is near the start; a bounded scan, not a multipart parse.
+FORM_SCAN_BYTES = 64 * 1024
+
+
+def form_field(body: bytes, content_type: str, name: str) -> str | None:
+    """The value of the field `name` of a multipart/form-data body (an audio upload's "model"),
+    found in its first FORM_SCAN_BYTES; None when it is not there (or the body is not a form)."""
+    kind, _, params = content_type.partition(";")
+    if kind.strip().lower() != "multipart/form-data":
+        return None
+    boundary = ""
+    for param in params.split(";"):
+        key, _, value = param.strip().partition("=")
+        if key.lower() == "boundary":
+            boundary = value.strip().strip('"')
+    if not boundary:
+        return None
+    at = body.find(b'form-data; name="' + name.encode() + b'"\r\n', 0, FORM_SCAN_BYTES)
+    if at < 0:
+        return None
+    start = body.find(b"\r\n\r\n", at, FORM_SCAN_BYTES)
+    if start < 0:
+        return None
+    start += 4
+    end = body.find(b"\r\n--" + boundary.encode("latin-1", "replace"), start, start + 1024)
+    return body[start:end].decode("utf-8", "replace") if end >= 0 else None
