@@ -175,7 +175,7 @@ def test_error_lines_quote_a_short_excerpt_of_a_huge_value(tmp_path, fsroot):
     assert len(message) < 300
     many = write(tmp_path, "model: m\nvllm:\n  args: [" + ", ".join(["1"] * 5000) + "]\n", "many.yaml")
     message = one_error_line(plan(many, fsroot))
-    assert message.count("vllm.args.") == 5 and message.endswith("; and 4995 more") and len(message) < 1000
+    assert message.count("vllm.args[") == 5 and message.endswith("; and 4995 more") and len(message) < 1000
     huge = write(tmp_path, "model: m\n# " + "x" * (2 * 1024**2) + "\n", "huge.yaml")
     assert one_error_line(plan(huge, fsroot)) == (
         f"{huge}: larger than 1 MiB; a vsup configuration is a few KiB (configs/vsup.yaml lists every key)")
@@ -257,7 +257,7 @@ def test_a_hub_name_or_an_existing_directory_is_accepted(tmp_path):
 
 @pytest.mark.parametrize(("vllm", "expected"), [
     ("  command: ['false']\n  args: [--port, '9000']\n",
-     "{config}:{line[args:]}: vllm.args.0: '--port' is not allowed: vsup sets every instance's address "
+     "{config}:{line[args:]}: vllm.args[0]: '--port' is not allowed: vsup sets every instance's address "
      "(vllm.listen: tcp gives instance i the port vllm.base_port + i)"),
     ("  command: ['false']\n  env:\n    OMP_NUM_THREADS: '64'\n",
      "{config}:{line[OMP_NUM_THREADS:]}: vllm.env.OMP_NUM_THREADS: '64' contradicts the placement of instance 0 "

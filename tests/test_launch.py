@@ -98,9 +98,9 @@ def test_user_env_may_repeat_a_placement_value():
     [
         ("  env:\n    OMP_NUM_THREADS: '8'\n", r"^<config>:5: vllm.env.OMP_NUM_THREADS: '8' contradicts the placement of instance 1 \(the plan sets '4'\); remove it and set placement.cores_per_instance"),
         ("  env:\n    VLLM_CPU_OMP_THREADS_BIND: auto\n", r"^<config>:5: vllm.env.VLLM_CPU_OMP_THREADS_BIND: 'auto' contradicts"),
-        ("  args: ['--port=9000']\n", r"^<config>:4: vllm.args.0: '--port=9000' is not allowed"),
-        ("  args: [--host, 0.0.0.0]\n", r"^<config>:4: vllm.args.0: '--host' is not allowed: .*proxy.host"),
-        ("  args: [--uds, /tmp/x.sock]\n", r"^<config>:4: vllm.args.0: '--uds' is not allowed: .*private runtime directory"),
+        ("  args: ['--port=9000']\n", r"^<config>:4: vllm\.args\[0\]: '--port=9000' is not allowed"),
+        ("  args: [--host, 0.0.0.0]\n", r"^<config>:4: vllm\.args\[0\]: '--host' is not allowed: .*proxy.host"),
+        ("  args: [--uds, /tmp/x.sock]\n", r"^<config>:4: vllm\.args\[0\]: '--uds' is not allowed: .*private runtime directory"),
     ],
 )
 def test_contradicting_the_plan_is_a_config_error(extra, message):

@@ -262,8 +262,8 @@ def test_a_workload_from_the_config_is_read_and_its_errors_name_the_key(tmp_path
 
 @pytest.mark.parametrize(("tune", "message"), [
     ("  concurrency: [0, 8]\n", "{config}:3: tune.concurrency: [0, 8] is not valid: every value must be at least 1"),
-    ("  omp_threads: [all, most]\n", "{config}:3: tune.omp_threads.1: 'most' is not valid: Input should be a valid integer or 'all' or 'half'"),
-    ("  smt: [1]\n", "{config}:3: tune.smt.0: 1 is not valid: Input should be a valid boolean"),
+    ("  omp_threads: [all, most]\n", "{config}:3: tune.omp_threads[1]: 'most' is not valid: Input should be a valid integer or 'all' or 'half'"),
+    ("  smt: [1]\n", "{config}:3: tune.smt[0]: 1 is not valid: Input should be a valid boolean"),
 ])
 def test_a_bad_tune_section_is_one_line_naming_the_key_and_line(tmp_path, tune, message):
     config = tmp_path / "c.yaml"

@@ -23,7 +23,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from vsup.config.reloading import MEANING, Reload
-from vsup.config.schema import RELOAD, VsupConfig
+from vsup.config.schema import RELOAD, ModelConfig, VsupConfig
 
 HEADER = (
     "# vsup configuration: every key, with its default and what it does.",
@@ -50,7 +50,24 @@ def example_yaml() -> str:
     for name, field in sections:
         lines.append("")
         lines.extend(_section_lines(name, field, ""))
+    lines.extend(["", *_fleet_lines()])
     return "\n".join(lines) + "\n"
+
+
+def _fleet_lines() -> list[str]:
+    """The second form, commented out: the keys of one entry of `models:` (ModelConfig)."""
+    lines = ["# The second form: several models behind the one endpoint, the proxy routing each request by its",
+             '# "model" (README: "Several models on one machine"). Leave out the top-level model,',
+             "# served_model_name and instances; the other top-level keys are every model's defaults. Each entry:",
+             "# models:"]
+    for i, (key, field) in enumerate(ModelConfig.model_fields.items()):
+        lead = "#   - " if i == 0 else "#     "
+        if _section_model(field) is not None:
+            lines.append(_commented(f"{lead}{key}: {{}}", field.description))
+            continue
+        value = field.examples[0] if field.is_required() and field.examples else field.get_default(call_default_factory=True)
+        lines.append(_commented(f"{lead}{key}: {_scalar(value)}", ("REQUIRED: " if field.is_required() else "") + (field.description or "")))
+    return lines
 
 
 def _section_lines(name: str, field: FieldInfo, indent: str, prefix: str = "") -> list[str]:

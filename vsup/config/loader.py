@@ -185,7 +185,7 @@ def describe(exc: ValidationError, root: Any, origin: str) -> str:
     for error in exc.errors():
         # drop the union member names pydantic adds to the location ("int", "literal['auto']")
         loc = [part for part in error["loc"] if not (isinstance(part, str) and (part in _UNION_MEMBERS or "[" in part))]
-        key = _clip(".".join(str(p) for p in loc) or "(top level)")
+        key = _clip("".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or "(top level)")
         line = _line_of(root, loc)
         where = f"{origin}:{line}" if line else origin
         if error["type"] == "extra_forbidden":
@@ -239,12 +239,30 @@ class Located(Protocol):
 
     _origin: str | None
     _root: Any
+    _prefix: str | None  # a model's view of a fleet: "models[1]" (vsup/config/fleet.py)
+
+
+def key_path(key: str) -> list[str]:
+    """"models[1].placement.nodes" -> ["models", "1", "placement", "nodes"]."""
+    return [part for piece in key.split(".") for part in piece.replace("]", "").split("[") if part]
+
+
+def line_of(cfg: Located, key: str) -> int | None:
+    """The line of the file that sets `key` (None: the file does not)."""
+    return _line_of(cfg._root, key_path(key), exact=True) if cfg._origin is not None else None
 
 
 def where(cfg: Located, key: str) -> str:
     """How an error names a key: "FILE:LINE: dotted.key" when the file sets it, "FILE: dotted.key
-    (default)" when it does not, the bare key for a config that was not read from a file."""
+    (default)" when it does not, the bare key for a config that was not read from a file. A
+    model's view names its entry's key (`models[1].placement.nodes`) unless the value it has
+    came from the top level."""
+    prefix = getattr(cfg, "_prefix", None)
+    if prefix:
+        own = f"{prefix}.{key}"
+        if cfg._origin is None or line_of(cfg, own) is not None or line_of(cfg, key) is None:
+            key = own
     if cfg._origin is None:
         return key
-    line = _line_of(cfg._root, key.split("."), exact=True)
+    line = line_of(cfg, key)
     return f"{cfg._origin}:{line}: {key}" if line else f"{cfg._origin}: {key} (default)"

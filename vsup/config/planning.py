@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
+from vsup.config.fleet import is_fleet, models_of
 from vsup.config.loader import where
 from vsup.config.schema import RELOAD, GiB, VsupConfig
 from vsup.errors import ConfigError
 from vsup.topology.errors import PlanError, SettingError
+from vsup.topology.fleet import ModelSettingError, plan_fleet
 from vsup.topology.model import Machine
-from vsup.topology.plan_model import Plan, PlanSettings
+from vsup.topology.plan_model import FleetModel, Plan, PlanSettings
 from vsup.topology.planner import plan
 from vsup.topology.sysfs import read_machine
 
@@ -94,10 +97,22 @@ def plan_from_config(cfg: VsupConfig, fsroot: str | Path = "/", *, numactl_avail
     from command-line options (`vsup plan --kvcache-gib`); an error about one of them names the
     flag, an error about any other setting names its config key and file:line."""
     machine = read_machine(fsroot)
+    views = models_of(cfg)
+    if not is_fleet(cfg):
+        try:
+            one = plan(machine, settings_from_config(cfg, numactl_available=numactl_available))
+        except SettingError as exc:
+            raise reworded(exc, cfg, flags) from None
+        name = views[0].name
+        return machine, replace(one, instances=tuple(replace(inst, model=name, replica=inst.index) for inst in one.instances))
+    models = []
+    for view in views:
+        models.append(FleetModel(view.name, settings_from_config(view.config, numactl_available=numactl_available), view.share))
     try:
-        return machine, plan(machine, settings_from_config(cfg, numactl_available=numactl_available))
-    except SettingError as exc:
-        raise reworded(exc, cfg, flags) from None
+        return machine, plan_fleet(machine, models)
+    except ModelSettingError as exc:
+        view = next(v for v in views if v.name == exc.model)
+        raise reworded(exc.error, view.config, flags) from None
 
 
 def reworded(exc: SettingError, cfg: VsupConfig, flags: frozenset[str] = frozenset()) -> PlanError:

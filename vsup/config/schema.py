@@ -29,6 +29,10 @@ GiB = 1024**3
 KiB = 1024
 MiB = 1024**2
 
+# The top-level `model` of a config with `models:` (each entry names its own): never a path, so
+# code that reads it instead of a model's view (vsup/config/fleet.py) fails loudly.
+FLEET_MODEL = "(each entry of models names its model)"
+
 # vllm.spare_base_port when null: this far above vllm.base_port.
 SPARE_PORT_OFFSET = 100
 # restart.max_rss as a number: a multiple of the planned memory, at most this.
@@ -233,8 +237,33 @@ class TuneConfig(_Section):
         return value
 
 
+class ModelConfig(_Section):
+    """One entry of `models:`: a model the fleet serves (vsup/config/fleet.py reads them)."""
+
+    model: str = Field(..., min_length=1, examples=["/srv/models/chat"], description="local model directory or hub name, as `vllm serve` takes it", json_schema_extra=relaunch())
+    served_model_name: str | None = Field(None, description='the name clients send as "model" for it (unique in the fleet); null: the model path/name itself', json_schema_extra=relaunch())
+    instances: int | Literal["auto"] = Field("auto", description="a number, or auto: one per NUMA node of its share", json_schema_extra=relaunch(plan="instances"))
+    share: float | None = Field(None, gt=0, le=1, description="the fraction of the usable physical cores its instances get, e.g. 0.25; null: placement.cores_per_instance x instances when both are set, else an equal share of what the others leave", json_schema_extra=relaunch())
+    placement: PlacementConfig = Field(default_factory=PlacementConfig, description="its placement keys; a key written here replaces the top-level placement's for this model (the machine-wide memory_reserve_gib, reserve_cores, launcher, efficiency_cores only at the top level)")
+    vllm: VllmConfig = Field(default_factory=VllmConfig, description="its vLLM keys (command, venv, args, env, access_log), each replacing the top-level one (a list or mapping whole); listen and the ports only at the top level")
+    proxy: ProxyConfig = Field(default_factory=ProxyConfig, description="how the proxy picks among its instances: policy, affinity_prefix_chars, affinity_max_imbalance (the rest of proxy is the one front door: top level only)")
+    warmup: WarmupConfig = Field(default_factory=WarmupConfig, description="its warm-up (health.warmup for this model): a generating model gets a completion, a pooling model an embedding or score request")
+
+    @field_validator("model")
+    @classmethod
+    def _expand_home(cls, value: str) -> str:
+        return os.path.expanduser(value) if value.startswith("~") else value
+
+    @field_validator("instances")
+    @classmethod
+    def _positive(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 1:
+            raise ValueError("must be at least 1, or auto")
+        return value
+
+
 class VsupConfig(_Section):
-    model: str = Field(..., min_length=1, examples=["/srv/models/my-model"], description="local model directory or hub name, as `vllm serve` takes it; a local path (/, ./, ~) must exist", json_schema_extra=relaunch())
+    model: str = Field(..., min_length=1, examples=["/srv/models/my-model"], description="local model directory or hub name, as `vllm serve` takes it; a local path (/, ./, ~) must exist (with `models:`, each entry names its own and this key is left out)", json_schema_extra=relaunch())
     served_model_name: str | None = Field(None, description='the name clients send as "model"; null: the model path/name itself', json_schema_extra=relaunch())
     instances: int | Literal["auto"] = Field("auto", description="a number, or auto: one per NUMA node with usable cores", json_schema_extra=relaunch(plan="instances"))
     placement: PlacementConfig = Field(default_factory=PlacementConfig, description="how cores and memory are split among the instances (docs/placement.md)")
@@ -249,10 +278,13 @@ class VsupConfig(_Section):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="what vsup collects about each instance in the background (docs/metrics.md)")
     notify: NotifyConfig = Field(default_factory=NotifyConfig, description="systemd Type=notify (no-op outside systemd)")
     tune: TuneConfig = Field(default_factory=TuneConfig, description="what `vsup tune` tries and the load it measures with (docs/tune.md); its command-line options override each key; `vsup run` ignores this section")
+    models: list[ModelConfig] | None = Field(None, min_length=1, description="several models behind the one endpoint (the second form below): each entry its model, served_model_name, instances, share, and the placement/vllm/proxy/warmup keys that differ from the top level; the proxy routes each request by its \"model\"; null: the one model of the top-level keys", json_schema_extra=relaunch())
 
     # Where each key was written (file and YAML tree), for error lines; not a key.
     _origin: str | None = PrivateAttr(None)
     _root: Any = PrivateAttr(None)
+    # A model's view of a fleet (vsup/config/fleet.py): "models[1]", where its own keys are written.
+    _prefix: str | None = PrivateAttr(None)
 
     @field_validator("model")
     @classmethod
@@ -309,11 +341,17 @@ def parse_config(text: str, origin: str = "<config>", *, require_model: bool = T
         data = {section: {key: parts[section][key]} for section, key in only if key in parts.get(section, {})}
     if not require_model or only is not None:
         data.setdefault("model", "(not used)")
+    if isinstance(data.get("models"), list) and "model" not in data:
+        data = {**data, "model": FLEET_MODEL}  # each entry names its model (vsup/config/fleet.py)
     try:
         config = VsupConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(describe(exc, root, origin)) from None
     config._origin, config._root = origin, root
+    if config.models is not None:
+        from vsup.config.fleet import check_fleet
+
+        check_fleet(config)
     return config
 
 

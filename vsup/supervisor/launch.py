@@ -148,4 +148,4 @@ def _check_args(cfg: VsupConfig) -> None:
     for index, arg in enumerate(cfg.vllm.args):
         option = arg.split("=", 1)[0]
         if option in _OWNED_OPTIONS:
-            raise ConfigError(f"{where(cfg, f'vllm.args.{index}')}: {quote(arg)} is not allowed: {_OWNED_OPTIONS[option]}")
+            raise ConfigError(f"{where(cfg, f'vllm.args[{index}]')}: {quote(arg)} is not allowed: {_OWNED_OPTIONS[option]}")

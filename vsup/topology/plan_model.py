@@ -87,6 +87,8 @@ class InstancePlan:
     kvcache_bytes: int
     overhead_bytes: int
     kind: str = ""  # hybrid CPUs: "performance" or "efficiency", the one kind of its OpenMP team
+    model: str = ""  # the served model name (a fleet: vsup/topology/fleet.py)
+    replica: int = 0  # its position among its model's instances
 
     @property
     def memory_bytes(self) -> int:
@@ -116,6 +118,7 @@ class InstancePlan:
             "overhead_bytes": self.overhead_bytes,
             "memory_bytes": self.memory_bytes,
             "kind": self.kind,
+            **({"model": self.model, "replica": self.replica} if self.model else {}),
         }
 
 
@@ -163,14 +166,43 @@ class LimitMemory:
 
 
 @dataclass(frozen=True)
+class FleetModel:
+    """What the fleet planner takes for one model (vsup/topology/fleet.py)."""
+
+    name: str  # the served model name
+    settings: PlanSettings
+    share: float | None = None  # fraction of the usable physical cores; None: the planner decides
+
+
+@dataclass(frozen=True)
+class ModelShare:
+    """One model's part of a fleet plan: its CPUs and nodes, its instances, why it got them."""
+
+    name: str
+    settings: PlanSettings
+    cpus: tuple[int, ...]
+    nodes: tuple[int, ...]  # NUMA nodes its CPUs are on
+    instances: tuple[int, ...]  # instance indexes
+    reason: str  # how the planner chose its share, in words
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "cpus": list(self.cpus), "cpus_list": format_list(self.cpus),
+                "nodes": list(self.nodes), "instances": list(self.instances), "reason": self.reason}
+
+
+@dataclass(frozen=True)
 class Plan:
     instances: tuple[InstancePlan, ...]
     reserved_cpus: tuple[int, ...]
     unused_cpus: tuple[tuple[int, str], ...]  # (cpu, why no instance gets it), sorted by cpu
     warnings: tuple[str, ...]
     memory: tuple[NodeMemory, ...]
-    settings: PlanSettings
+    settings: PlanSettings  # a fleet's: its first model's (the machine-wide keys are the same in all)
     memory_limit: LimitMemory | None = None  # None: no cgroup memory limit
+    models: tuple[ModelShare, ...] = ()  # a fleet's models; () for a single-model plan
+
+    def of_model(self, name: str) -> tuple[InstancePlan, ...]:
+        return tuple(inst for inst in self.instances if inst.model == name)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -181,4 +213,5 @@ class Plan:
             "memory": [node.to_json() for node in self.memory],
             "memory_limit": self.memory_limit.to_json() if self.memory_limit else None,
             "efficiency_cores": self.settings.efficiency_cores,
+            **({"models": [m.to_json() for m in self.models]} if self.models else {}),
         }
