@@ -29,7 +29,7 @@ def test_a_small_run_measures_two_models_against_one(tmp_path):
     assert data["command"].startswith(".venv/bin/python bench/fleet_bench.py --pin")
     figures = data["figures"]
     one = figures["rows"]["one model"]
-    assert one["us_per_request"] > 0 and one["us_per_stream"] > 0 and one["chunks_read"] >= 6 * 3
+    assert one["us_per_request"] > 0 and one["us_per_stream"] > 0 and one["chunks_read"] >= 6  # reads: at least one per stream (chunks may coalesce)
     if "models" in inspect.signature(ProxyServer).parameters:
         assert set(figures["rows"]) == {"one model", "one model, routed", "two models"}
         ratio = figures["ratios"]["two models / one model, us_per_request"]
