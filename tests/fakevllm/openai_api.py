@@ -320,6 +320,14 @@ def embeddings_response(body: object, names: tuple[str, ...], rid: str, created:
                       "prompt_tokens_details": None}}
 
 
+def pooling_response(body: object, names: tuple[str, ...], rid: str, created: int) -> dict:
+    """POST /pooling as vLLM 0.32 answers it for an embedding model: the embeddings' vectors as
+    `data` items of object "pooling" (docs/fleet-vllm-notes.md)."""
+    answer = embeddings_response(body, names, rid, created)
+    answer["data"] = [{"index": item["index"], "object": "pooling", "data": item["embedding"]} for item in answer["data"]]
+    return answer
+
+
 def tokenize_response(body: object, max_model_len: int) -> dict:
     if not isinstance(body, dict):
         raise bad_request("Input should be a valid dictionary or object to extract fields from")

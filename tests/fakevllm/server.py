@@ -343,6 +343,7 @@ class FakeVllm:
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/embeddings", self.embeddings)
+        app.router.add_post("/pooling", self.pooling)
         if self.faults.tokenize:
             app.router.add_post("/tokenize", self.tokenize)
             app.router.add_post("/detokenize", self.detokenize)
@@ -487,10 +488,16 @@ class FakeVllm:
         return web.json_response({"prompt": " ".join(f"tok{t}" for t in tokens)})
 
     async def embeddings(self, request: web.Request) -> web.Response:
-        rid = f"embd-{self.name}-{next(self.ids)}"
+        return await self._pooled(request, "embd", api.embeddings_response)
+
+    async def pooling(self, request: web.Request) -> web.Response:
+        return await self._pooled(request, "pooling", api.pooling_response)
+
+    async def _pooled(self, request: web.Request, prefix: str, answer) -> web.Response:
+        rid = f"{prefix}-{self.name}-{next(self.ids)}"
         self.events.emit("request", path=request.path, id=rid, request_id=request.headers.get("X-Request-Id"))
         try:
-            body = api.embeddings_response(await self._read_json(request), self.names, rid, int(time.time()))
+            body = answer(await self._read_json(request), self.names, rid, int(time.time()))
         except api.ApiError as err:
             return self._error(err, rid, request.path)
         self.events.emit("finished", path=request.path, id=rid)
