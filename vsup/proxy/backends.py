@@ -21,6 +21,7 @@ from dataclasses import dataclass
 class Backend:
     name: str  # instance index ("0", "1", ...) or, for static upstreams, the URL
     url: str  # base URL without a trailing slash, e.g. http://127.0.0.1:8100
+    model: str = ""  # the served model name it runs ("": any; vsup proxy's static upstreams)
 
 
 Listener = Callable[[Backend, str, bool], None]

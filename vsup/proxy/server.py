@@ -13,7 +13,7 @@ import errno
 import json
 import logging
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 import aiohttp
 from aiohttp import web
@@ -56,8 +56,12 @@ def _shown(raw_path: str, limit: int = 200) -> str:
 
 
 class ProxyServer:
-    def __init__(self, config: ProxyConfig, pool: BackendPool, *, api_key: str | None = None) -> None:
+    def __init__(self, config: ProxyConfig, pool: BackendPool, *, api_key: str | None = None,
+                 models: Mapping[str, ProxyConfig] | None = None) -> None:
         self.config = config
+        # each served model's proxy section (its policy); STUB on branch i21-sup: stored, not yet
+        # routed by (branch i21-proxy routes by model)
+        self.models: dict[str, ProxyConfig] = dict(models or {})
         self.pool = pool
         self._auth = BearerAuth(api_key if api_key is not None else config.api_key)
         proxy_routes.require_key(config.admin_routes, self._auth.enabled)
@@ -133,13 +137,15 @@ class ProxyServer:
         if self._client is not None:
             self._client.set_reusable(backend.url, ready)
 
-    def reconfigure(self, config: ProxyConfig, api_key: str | None) -> None:
+    def reconfigure(self, config: ProxyConfig, api_key: str | None, models: Mapping[str, ProxyConfig] | None = None) -> None:
         """Apply changed settings at once (`vsup reload`): timeouts (connect_timeout reaches the
         upstream pools and /v1/models), retries, policy and its affinity settings, API key (also
         the /status page's), admin routes (kept closed, with an error logged, when no key is set), the client connections' limits (clients.py). Requests already in flight keep the timeouts they were armed with.
         host, port, max_connections and max_body_bytes are built into the listening socket and the
         pools: a reload refuses to change them (vsup/config/schema.py classes them fixed)."""
         self.config = config
+        if models is not None:
+            self.models = dict(models)
         self._auth = BearerAuth(api_key if api_key is not None else config.api_key)
         try:
             proxy_routes.require_key(config.admin_routes, self._auth.enabled)

@@ -26,7 +26,9 @@ from vsup.proxy.address import Sessions, host_port, socket_path
 from vsup.proxy.health import HealthResult, probe_health
 from vsup.supervisor import listener, proctree
 from vsup.supervisor.processes import Child, StopReport, spawn, stop_tree, tree_rss
+from vsup.supervisor.warmup import ROUTE as COMPLETIONS
 from vsup.supervisor.warmup import warm_up
+from vsup.supervisor.warmup_request import EMBEDDINGS, warm_up_embeddings
 
 if TYPE_CHECKING:
     from vsup.supervisor.logs import InstanceLog
@@ -67,9 +69,9 @@ class Operations(Protocol):
         """One readiness/health probe of the instance at `url`, bounded by `timeout`; an answer
         that is not the instance's own (a vsup proxy's) is a failure."""
 
-    async def warm_up(self, url: str, body: dict[str, Any], timeout: float) -> HealthResult:
-        """The warm-up request (vsup/supervisor/warmup.py) to the instance at `url`, bounded by
-        `timeout`: ok, or why not."""
+    async def warm_up(self, url: str, body: dict[str, Any], timeout: float, route: str = COMPLETIONS) -> HealthResult:
+        """The warm-up request (vsup/supervisor/warmup.py; warmup_request.py: an embedding at
+        /v1/embeddings for a pooling model) to the instance at `url`, bounded by `timeout`: ok, or why not."""
 
     async def clear_address(self, url: str) -> None:
         """Before a start: remove the socket a dead instance left at its Unix address (nothing for
@@ -110,8 +112,10 @@ class SystemOperations:
         session, base = self.sessions.get(url)
         return await probe_health(session, base, timeout, expect_instance=True)
 
-    async def warm_up(self, url: str, body: dict[str, Any], timeout: float) -> HealthResult:
+    async def warm_up(self, url: str, body: dict[str, Any], timeout: float, route: str = COMPLETIONS) -> HealthResult:
         session, base = self.sessions.get(url)
+        if route == EMBEDDINGS:
+            return await warm_up_embeddings(session, base, body, timeout)
         return await warm_up(session, base, body, timeout)
 
     async def clear_address(self, url: str) -> None:

@@ -29,7 +29,7 @@ import logging
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from vsup.config.reloading import MEANING, Reload, changed
 from vsup.config.schema import RELOAD, VsupConfig
@@ -38,6 +38,9 @@ from vsup.supervisor.ports import port_is_free
 from vsup.supervisor.states import State
 from vsup.topology.cpulist import format_list
 from vsup.topology.plan_model import InstancePlan, Plan, format_gib
+
+if TYPE_CHECKING:
+    from vsup.supervisor.fleet import Members
 
 logger = logging.getLogger("vsup.rollout")
 
@@ -207,7 +210,7 @@ class Record:
 class Fleet(Protocol):
     """What a rollout needs of the running instances (fleet.Fleet)."""
 
-    instances: list[Instance]  # the fleet by index: what the proxy's rotation and `vsup status` follow
+    instances: Members  # the fleet by index (holes allowed): what the proxy's rotation and `vsup status` follow
     @property
     def plan(self) -> Plan:
         """The plan in force (the new one, during a reload)."""
@@ -232,7 +235,7 @@ class Fleet(Protocol):
         """`inst` now runs `plan` (a replacement in place)."""
 
     def swap(self, index: int, inst: Instance | None) -> None:
-        """Put `inst` at `index` of the fleet (None: drop the last index)."""
+        """Put `inst` at `index` of the fleet (None: `index` leaves it; the others keep theirs)."""
 
     def forget(self, inst: Instance) -> None:
         """A stopped instance leaves: its driver, backend and log go."""
