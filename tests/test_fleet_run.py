@@ -169,6 +169,7 @@ async def test_a_models_live_keys_apply_at_once_to_that_model_only(fleet):
                     {**EMBED, "warmup": {"enabled": False}}])
     record = await f.run(f.sup.reload("vsup reload"))
     assert record["state"] == "done" and record["steps"] == [] and sorted(record["unchanged"]) == [0, 1]
+    assert record["applied"] == ["models[0].proxy.policy", "models[1].warmup.enabled"]
     assert f.by_model() == pids
     assert f.sup.proxy.models["chat"].policy == "least_outstanding"
     chat, embed = f.sup.fleet.instances[0], f.sup.fleet.instances[1]
@@ -215,3 +216,14 @@ def test_describe_indexes_names_holes():
 ])
 def test_the_local_kind_stand_in(args, kind):
     assert _kind(args) == kind
+
+
+async def test_a_models_changed_args_replace_only_its_instances(fleet):
+    f = await fleet()
+    chat_before = f.by_model()["chat"]
+    f.write(models=[CHAT, {**EMBED, "vllm": {"args": ["--runner", "pooling", "--convert", "embed", "--dtype", "float32"]}}])
+    record = await f.run(f.sup.reload("vsup reload"))
+    assert record["state"] == "done", record
+    assert [(s["index"], s["action"], s["why"]) for s in record["steps"]] == [(1, "replace", "command line +--dtype float32")]
+    assert record["unchanged"] == [0] and f.by_model()["chat"] == chat_before
+    assert f.sup.fleet.instances[1].argv[-2:] == ["--dtype", "float32"] and f.sup.fleet.instances[1].model == "embed"
