@@ -15,6 +15,7 @@ import yaml
 from tests.lifecycle_fakes import FakeOps
 from tests.test_supervisor_inprocess import Fleet, fleet_fixture
 from vsup.errors import VsupError
+from vsup.proxy import ProxyServer
 from vsup.supervisor import status as status_json
 from vsup.supervisor.control import describe_indexes
 from vsup.supervisor.states import State
@@ -79,6 +80,24 @@ class FailingModelOps(FakeOps):
 fleet = fleet_fixture(ModelFleet)
 
 
+class RecordingProxy(ProxyServer):
+    """The real proxy, remembering the per-model proxy sections the supervisor handed it (what it
+    routes with is the proxy's business, tests/test_proxy_*)."""
+
+    def __init__(self, *args, models=None, **kwargs) -> None:
+        super().__init__(*args, models=models, **kwargs)
+        self.given = dict(models or {})
+
+    def reconfigure(self, config, api_key, models=None) -> None:
+        super().reconfigure(config, api_key, models=models)
+        self.given = dict(models or {})
+
+
+@pytest.fixture(autouse=True)
+def recording_proxy(monkeypatch):
+    monkeypatch.setattr("vsup.supervisor.supervisor.ProxyServer", RecordingProxy)
+
+
 async def test_a_two_model_fleet_runs_each_instance_under_its_models_view(fleet):
     f = await fleet()
     chat, embed = f.sup.fleet.instances[0], f.sup.fleet.instances[1]
@@ -90,9 +109,9 @@ async def test_a_two_model_fleet_runs_each_instance_under_its_models_view(fleet)
     assert ["--served-model-name", "embed"] == embed.argv[embed.argv.index("--served-model-name"):][:2]
     backends = {b.name: b.model for b in f.sup.pool.all()}
     assert backends == {"0": "chat", "1": "embed"}
-    assert set(f.sup.proxy.models) == {"chat", "embed"}
-    assert f.sup.proxy.models["chat"].policy == "prefix_affinity"
-    assert f.sup.proxy.models["embed"].policy == f.sup.config.proxy.policy
+    assert set(f.sup.proxy.given) == {"chat", "embed"}
+    assert f.sup.proxy.given["chat"].policy == "prefix_affinity"
+    assert f.sup.proxy.given["embed"].policy == f.sup.config.proxy.policy
     # warm-up by kind: the pooling model gets one embedding, the chat model one completion
     routes = dict(f.ops.warmup_routes)
     bodies = dict(f.ops.warmups)
@@ -114,7 +133,7 @@ async def test_adding_a_model_adds_its_instance_and_leaves_the_first_models_proc
     assert f.by_model()["chat"] == chat_before
     rerank = f.sup.fleet.instances[2]
     assert rerank.model == "rerank" and rerank.state is State.READY and rerank.config.model == "org/rerank"
-    assert set(f.sup.proxy.models) == {"chat", "embed", "rerank"}
+    assert set(f.sup.proxy.given) == {"chat", "embed", "rerank"}
     assert dict(f.ops.warmup_routes)[rerank.pid] == "/v1/embeddings"
 
 
@@ -130,7 +149,7 @@ async def test_removing_a_model_drains_its_instances_and_leaves_a_hole_the_other
     assert f.by_model() == {"chat": before["chat"], "rerank": before["rerank"]}
     assert f.sup.fleet.instances.indexes() == [0, 2] and len(f.sup.fleet.instances) == 2
     assert [i.index for i in f.sup.fleet.instances] == [0, 2] and 2 in f.sup.fleet.instances and 1 not in f.sup.fleet.instances
-    assert set(f.sup.pool.states()) == {"0", "2"} and set(f.sup.proxy.models) == {"chat", "rerank"}
+    assert set(f.sup.pool.states()) == {"0", "2"} and set(f.sup.proxy.given) == {"chat", "rerank"}
     # `vsup restart N` of the hole names the indexes there are; the others still restart
     with pytest.raises(VsupError, match=r"^no instance 1: this vsup runs instances 0, 2$"):
         f.sup.instance(1)
@@ -171,7 +190,7 @@ async def test_a_models_live_keys_apply_at_once_to_that_model_only(fleet):
     assert record["state"] == "done" and record["steps"] == [] and sorted(record["unchanged"]) == [0, 1]
     assert record["applied"] == ["models[0].proxy.policy", "models[1].warmup.enabled"]
     assert f.by_model() == pids
-    assert f.sup.proxy.models["chat"].policy == "least_outstanding"
+    assert f.sup.proxy.given["chat"].policy == "least_outstanding"
     chat, embed = f.sup.fleet.instances[0], f.sup.fleet.instances[1]
     assert embed.config.health.warmup.enabled is False and chat.config.health.warmup.enabled is True
     # the next start of the pooling model's instance skips its warm-up; the chat's does not
