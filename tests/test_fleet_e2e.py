@@ -85,6 +85,7 @@ class ChatLoad:
                 conn.close()
             except OSError:
                 self.results.append(-1)
+                time.sleep(0.05)  # a refused connection must not spin
 
     def stop(self) -> None:
         self._done.set()
@@ -107,7 +108,7 @@ def test_a_two_model_fleet_reloads_add_resize_and_remove_models_while_the_chat_m
         warmed = [t["reason"] for t in transitions(embed, "warming", "ready")]
         assert warmed and "POST /v1/embeddings: HTTP 200" in warmed[0], embed["transitions"]
         assert "POST /v1/completions: HTTP 200" in transitions(chat, "warming", "ready")[0]["reason"]
-        load = ChatLoad(f"http://127.0.0.1:{run.proxy_port}")
+        load = ChatLoad(f"127.0.0.1:{run.proxy_port}")
         try:
             time.sleep(0.5)
             rewrite(run, [CHAT, EMBED, RERANK])  # a model added
@@ -146,7 +147,7 @@ def test_a_crash_looping_model_leaves_the_other_model_serving(tmp_path):
         status = run.wait_for(lambda s: s["instances"][0]["state"] == "ready" and s["instances"][1]["state"] == "backoff",
                               40, "chat ready, embed crashing")
         chat = status["instances"][0]
-        load = ChatLoad(f"http://127.0.0.1:{run.proxy_port}")
+        load = ChatLoad(f"127.0.0.1:{run.proxy_port}")
         try:
             time.sleep(3.0)  # embed keeps crashing meanwhile
         finally:
