@@ -10,18 +10,44 @@ like a real vLLM would accept them, so a supervisor's argv runs unchanged.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 
-USAGE = "usage: fakevllm serve MODEL [--host H] [--port P | --uds PATH] [--served-model-name NAME ...] [--flag VALUE ...]"
+USAGE = ("usage: fakevllm serve MODEL [--host H] [--port P | --uds PATH] [--served-model-name NAME ...]"
+         " [--lora-modules name=path|JSON ...] [--flag VALUE ...]")
 _NUMBER = re.compile(r"^-\d")
 _BOOLEAN = {"--disable-uvicorn-access-log"}
 _KNOWN = ("--model", "--host", "--port", "--uds", "--served-model-name", "--max-model-len", "--max-num-seqs",
-          "--disable-access-log-for-endpoints")
+          "--disable-access-log-for-endpoints", "--lora-modules")
+_MANY = {"--served-model-name", "--lora-modules"}  # nargs="+" in vLLM
 
 
 class UsageError(Exception):
     """A bad command line; the message is one line that names the argument."""
+
+
+@dataclass(frozen=True)
+class LoraModule:
+    """One `--lora-modules` entry (vLLM's LoRAModulePath): `name=path` or a JSON object."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
+def _lora_module(item: str) -> LoraModule:
+    # vLLM's LoRAParserAction: JSON when it starts with "{", else exactly one "name=path"
+    if item.startswith("{"):
+        try:
+            given = json.loads(item)
+            return LoraModule(str(given["name"]), str(given["path"]), given.get("base_model_name"))
+        except (ValueError, KeyError, TypeError):
+            raise UsageError(f"Invalid JSON format for --lora-modules: {item}") from None
+    name, eq, path = item.partition("=")
+    if not eq or not name or "=" in path:
+        raise UsageError(f"Invalid format for --lora-modules: {item}. Expected format 'name=path' or JSON.")
+    return LoraModule(name, path)
 
 
 @dataclass(frozen=True)
@@ -31,6 +57,7 @@ class ServeArgs:
     port: int = 8000
     uds: str | None = None  # a Unix socket path: bound instead of host:port (vLLM's --uds)
     served_model_names: tuple[str, ...] = ()
+    lora_modules: tuple[LoraModule, ...] = ()
     max_model_len: int = 2048
     max_num_seqs: int | None = None
     # vLLM's uvicorn access log: off with --disable-uvicorn-access-log, or without the paths of
@@ -80,7 +107,7 @@ def parse_args(argv: list[str]) -> ServeArgs:
         if eq:
             values = [inline]
             i += 1
-        elif key == "--served-model-name":  # nargs="+" in vLLM
+        elif key in _MANY:
             j = i + 1
             while j < len(tokens) and _is_value(tokens[j]):
                 j += 1
@@ -114,6 +141,7 @@ def parse_args(argv: list[str]) -> ServeArgs:
         port=_int("--port", options["--port"][0], 1, 65535) if "--port" in options else 8000,
         uds=options["--uds"][0] if "--uds" in options else None,
         served_model_names=tuple(options.get("--served-model-name", ())),
+        lora_modules=tuple(_lora_module(item) for item in options.get("--lora-modules", ())),
         max_model_len=(
             _int("--max-model-len", options["--max-model-len"][0], 1, 1 << 24)
             if "--max-model-len" in options

@@ -87,6 +87,9 @@ class FakeVllm:
         self.faults = faults
         self.name = faults.name or args.uds or str(args.port)  # with --uds: the socket's path (unique)
         self.fingerprint = f"fakevllm-{self.name}"
+        # LoRA adapters (--lora-modules, then the admin routes): name -> (path, base model); each is a model name of its own
+        self.adapters: dict[str, tuple[str, str]] = {
+            m.name: (m.path, m.base_model_name or args.names[0]) for m in args.lora_modules}
         self.events = EventLog(faults.events, self.name)
         self.shm: SharedMemoryFiles | None = None
         self.engine: EngineCore | None = None
@@ -410,7 +413,18 @@ class FakeVllm:
             }
             for name in self.args.names
         ]
+        # vLLM's adapter cards (serving_models.py): root = its path, parent = its base model, no max_model_len
+        data += [
+            {"id": name, "object": "model", "created": self.created, "owned_by": "vllm", "root": path, "parent": base,
+             "max_model_len": None, "permission": data[0]["permission"]}
+            for name, (path, base) in self.adapters.items()
+        ]
         return web.json_response({"object": "list", "data": data}, dumps=_dumps)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """What a request's "model" may be: the served names and the adapters."""
+        return self.args.names + tuple(self.adapters)
 
     async def version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": VERSION})
@@ -442,9 +456,18 @@ class FakeVllm:
     async def lora_adapter(self, request: web.Request) -> web.Response:
         body = await self._read_json(request)
         name = body.get("lora_name") if isinstance(body, dict) else None
-        verb = "added" if request.path.endswith("/load_lora_adapter") else "removed"
+        loading = request.path.endswith("/load_lora_adapter")
         self.events.emit("lora_adapter", path=request.path, lora_name=name)
-        return web.Response(text=f"Success: LoRA adapter '{name}' {verb} successfully.")
+        # vLLM's checks (serving_models.py): a name loaded twice is 400, unloading an unknown one 404
+        if loading and name in self.adapters:
+            return self._error(api.bad_request(f"The lora adapter '{name}' has already been loaded."))
+        if not loading and name not in self.adapters:
+            return self._error(api.ApiError(404, "NotFoundError", f"The lora adapter '{name}' cannot be found."))
+        if loading and isinstance(name, str):
+            self.adapters[name] = (str(body.get("lora_path", "")), self.args.names[0])
+        elif not loading:
+            del self.adapters[name]
+        return web.Response(text=f"Success: LoRA adapter '{name}' {'added' if loading else 'removed'} successfully.")
 
     async def tokenize(self, request: web.Request) -> web.Response:
         try:
@@ -467,7 +490,7 @@ class FakeVllm:
         rid = f"embd-{self.name}-{next(self.ids)}"
         self.events.emit("request", path=request.path, id=rid, request_id=request.headers.get("X-Request-Id"))
         try:
-            body = api.embeddings_response(await self._read_json(request), self.args.names, rid, int(time.time()))
+            body = api.embeddings_response(await self._read_json(request), self.names, rid, int(time.time()))
         except api.ApiError as err:
             return self._error(err, rid, request.path)
         self.events.emit("finished", path=request.path, id=rid)
@@ -501,7 +524,7 @@ class FakeVllm:
                                rid, request.path)
         try:
             body = await self._read_json(request)
-            gen = parse(body, self.args.names, self.args.max_model_len)
+            gen = parse(body, self.names, self.args.max_model_len)
         except api.ApiError as err:
             return self._error(err, rid, request.path)
         self.prom.prompt_tokens.inc(gen.prompt_tokens)

@@ -21,6 +21,9 @@ from dataclasses import dataclass
 class Backend:
     name: str  # instance index ("0", "1", ...) or, for static upstreams, the URL
     url: str  # base URL without a trailing slash, e.g. http://127.0.0.1:8100
+    # The served model name of the instance (`vsup run`: its model's name); "" = not known (the
+    # upstreams of a standalone `vsup proxy`): routing then ignores the body's model (routing.py).
+    model: str = ""
 
 
 Listener = Callable[[Backend, str, bool], None]
@@ -35,6 +38,8 @@ class BackendPool:
         self._leaving: dict[str, list[asyncio.Future]] = {}  # wait_not_ready() callers
         self._ejected: dict[str, asyncio.TimerHandle] = {}  # name -> the timer that ends its ejection
         self._rotation: tuple[Backend, ...] = ()  # ready(), rebuilt when readiness changes, not per request
+        # Bumped at each rebuild: what routing.py's per-model tables compare, one int per request.
+        self.version = 0
         for backend in backends:
             self.add(backend)
 
@@ -128,7 +133,11 @@ class BackendPool:
         return self._rotation
 
     def _rebuild_rotation(self) -> None:
+        self.version += 1
         self._rotation = tuple(b for name, b in self._backends.items() if self._ready[name] and name not in self._ejected)
+
+    def get(self, name: str) -> Backend | None:
+        return self._backends.get(name)
 
     def is_ready(self, name: str) -> bool:
         """In the rotation: reported ready by its owner and not ejected by the proxy."""
@@ -139,3 +148,7 @@ class BackendPool:
 
     def states(self) -> dict[str, str]:
         return dict(self._state)
+
+    def models(self) -> dict[str, str]:
+        """Each backend's model ("" where not known)."""
+        return {name: backend.model for name, backend in self._backends.items()}

@@ -7,7 +7,8 @@ The life of a request, and what can end it:
   body         the rest of a body that did not come with the headers (after `100 Continue`
                when the client waits for it); not all in within proxy.body_timeout, or
                still here when a drain starts                                -> 408/503
-  queued       body size-checked, JSON-validated; an instance chosen         -> 400/413/503
+  queued       body size-checked, JSON-validated; in a fleet its model's instances
+               (routing.py); an instance chosen                             -> 400/404/413/503
   first_byte   sent upstream, waiting for the status line and the first body byte
                connect error, stale keep-alive connection, 503 from the instance, or a
                connection broken by an instance shown gone within GONE_GRACE (out of the
@@ -39,6 +40,7 @@ from vsup.proxy.codec import header_lines, is_json, parse_json, request_headers,
 from vsup.proxy.errors import RETRY_AFTER_SECONDS
 from vsup.proxy.exchange import Exchange
 from vsup.proxy.metrics import ProxyMetrics, route_label
+from vsup.proxy.routing import WAIT, ModelRouter
 from vsup.proxy.upstream import UpstreamClient
 from vsup.proxy.upstream_conn import ConnectFailed, StaleConnection, UpstreamBroken, UpstreamResponse
 
@@ -86,6 +88,7 @@ class Forwarder:
         self.metrics = metrics
         self.clients = clients
         self.drop_authorization = drop_authorization
+        self.router: ModelRouter | None = None  # routing by model (a fleet); None: one balancer over every instance
         self.in_flight: dict[str, int] = {}
         self.active: set[Exchange] = set()
         self.draining = False
@@ -117,47 +120,65 @@ class Forwarder:
         if self._watchdog is None:
             self._watchdog = loop.call_at(loop.time() + self.tick, self._sweep)
         try:
-            response, instance = await self._handle(request, exchange)
+            response, backend = await self._handle(request, exchange)
         except asyncio.CancelledError:
             if exchange.reason is None:
                 self.metrics.disconnect(exchange.phase)
             raise
         finally:
             self.active.discard(exchange)
-        self.metrics.request(route, response.status, instance)
+        if backend is None:
+            self.metrics.request(route, response.status, "")
+        else:
+            self.metrics.request(route, response.status, backend.name, backend.model)
         return response
 
-    async def _handle(self, request: web.BaseRequest, exchange: Exchange) -> tuple[web.StreamResponse, str]:
+    async def _handle(self, request: web.BaseRequest, exchange: Exchange) -> tuple[web.StreamResponse, Backend | None]:
         limit = self.config.max_body_bytes
         body = b""
         document = None
         if request.body_exists:
             declared = request.content_length
             if declared is not None and declared > limit:
-                return errors.too_large(declared, limit), ""
+                return errors.too_large(declared, limit), None
             payload = request.content
             if payload.is_eof():
                 # The whole body came with the headers (any small JSON request): take it as is,
                 # without a copy loop.
                 body = payload.read_nowait()
                 if len(body) > limit:
-                    return errors.too_large(None, limit), ""
+                    return errors.too_large(None, limit), None
             else:
                 read = await self._read_body(request, exchange, limit)
                 if not isinstance(read, bytes):  # the answer instead of a body
-                    return read, ""
+                    return read, None
                 body = read
             if body and is_json(request.headers.get("Content-Type", "")):
                 try:
                     document = parse_json(body)
                 except (ValueError, UnicodeDecodeError) as exc:
-                    return errors.bad_request(f"the request body is not valid JSON: {exc}"), ""
+                    return errors.bad_request(f"the request body is not valid JSON: {exc}"), None
                 except RecursionError:
-                    return errors.bad_request("the request body is not valid JSON: it is nested too deeply to parse"), ""
+                    return errors.bad_request("the request body is not valid JSON: it is nested too deeply to parse"), None
                 if not isinstance(document, dict):
-                    return errors.bad_request(f"the request body must be a JSON object, got {type(document).__name__}"), ""
+                    return errors.bad_request(f"the request body must be a JSON object, got {type(document).__name__}"), None
                 exchange.stream = document.get("stream") is True
-        key = self.balancer.key(document, request.headers)  # prefix_affinity: its prefix or session; else None
+        router = self.router
+        model: str | None = None
+        balancer = self.balancer
+        if router is not None and router.routes():
+            asked = document.get("model") if document is not None else None
+            if asked is None:  # no JSON body, or one without a model: the query parameter, if any
+                asked = request.query.get("model")
+            picked = router.pick(asked, False)
+            if picked is WAIT:  # an adapter's name maybe, from an instance whose model list is on its way
+                await router.settle(self.config.connect_timeout + 5.0)
+                picked = router.pick(asked, True)
+            if not isinstance(picked, str):
+                return picked, None
+            model = picked
+            balancer = router.balancer(model)
+        key = balancer.key(document, request.headers)  # prefix_affinity: its prefix or session; else None
 
         headers = request_headers(request.raw_headers, self.drop_authorization)
         # The request target exactly as the client sent it (path and query, still percent-encoded);
@@ -171,7 +192,8 @@ class Forwarder:
         backend: Backend | None = None
         while True:
             last = backend
-            backend = self.balancer.choose(self.pool.ready(), self.in_flight, tried, key)
+            ready = self.pool.ready() if model is None else router.ready(model)  # type: ignore[union-attr]
+            backend = balancer.choose(ready, self.in_flight, tried, key)
             if backend is None and reason == "stale" and tried.count(last.name) == 1 and self.pool.is_ready(last.name):  # type: ignore[union-attr]
                 # A stale keep-alive connection and no other instance to try: one fresh
                 # connection to the same instance (its idle ones were closed), which either
@@ -179,10 +201,12 @@ class Forwarder:
                 backend = last
             if backend is None:
                 if reason in _UNREACHABLE:
-                    return errors.no_reachable_instance(unreachable), ""  # 503: none left to try
+                    return errors.no_reachable_instance(unreachable), None  # 503: none left to try
                 if fallback is not None:
-                    return fallback, tried[-1]
-                return errors.no_ready_instance(), ""
+                    return fallback, last
+                if model is not None:
+                    return router.none_ready(model), None  # type: ignore[union-attr]
+                return errors.no_ready_instance(), None
             tried.append(backend.name)
             name = backend.name
             self.in_flight[name] = self.in_flight.get(name, 0) + 1
@@ -195,16 +219,16 @@ class Forwarder:
                 else:
                     del self.in_flight[name]
             if not isinstance(outcome, tuple):  # an answer for the client
-                return outcome, name
+                return outcome, backend
             fallback, reason, why = outcome
             if reason in _UNREACHABLE:
                 unreachable.append(f"instance {name}: {why}")
             if reason is None:
-                return fallback, name
+                return fallback, backend
             if len(tried) > self.config.retries:
-                if reason in _UNREACHABLE and not self.pool.ready():
-                    return errors.no_reachable_instance(unreachable), ""
-                return fallback, name
+                if reason in _UNREACHABLE and not (self.pool.ready() if model is None else router.ready(model)):  # type: ignore[union-attr]
+                    return errors.no_reachable_instance(unreachable), None
+                return fallback, backend
             self.metrics.retry(reason)
 
     async def _read_body(self, request: web.BaseRequest, exchange: Exchange, limit: int) -> bytes | web.StreamResponse:
@@ -261,18 +285,18 @@ class Forwarder:
                 started = time.monotonic()
                 upstream = await self.client.send(conn, request.method, target, headers, body)
             except ConnectFailed as exc:
-                self.metrics.upstream_error(backend.name, "connect")
+                self.metrics.upstream_error(backend.name, "connect", backend.model)
                 self._eject(backend, str(exc))
                 return errors.bad_gateway(f"instance {backend.name}: {exc}"), "connect", str(exc)
             except StaleConnection as exc:
                 # The request met a dead or closing socket, not a live server: as safe to retry as
                 # a refused connect. The other idle connections to that process are likely stale too.
                 self.client.close_idle(backend.url)
-                self.metrics.upstream_error(backend.name, "stale")
+                self.metrics.upstream_error(backend.name, "stale", backend.model)
                 log.warning("instance %s: %s", backend.name, exc)
                 return errors.bad_gateway(f"instance {backend.name} failed before answering: {exc}"), "stale", str(exc)
             except UpstreamBroken as exc:
-                self.metrics.upstream_error(backend.name, "broken")
+                self.metrics.upstream_error(backend.name, "broken", backend.model)
                 failed = errors.bad_gateway(f"instance {backend.name} failed before answering: {exc}")
                 gone = await self._gone(backend, exc)
                 return failed, "gone" if gone else None, f"{exc}; {gone}" if gone else str(exc)
@@ -283,7 +307,7 @@ class Forwarder:
                     content = await upstream.read()
                 except UpstreamBroken:
                     content = b""
-                self.metrics.upstream_error(backend.name, "503")
+                self.metrics.upstream_error(backend.name, "503", backend.model)
                 relayed = web.Response(status=503, body=content, headers=response_headers(upstream.raw_headers))
                 relayed.headers.setdefault("Retry-After", str(RETRY_AFTER_SECONDS))
                 return relayed, "503", "503 from the instance"
@@ -338,7 +362,7 @@ class Forwarder:
         """Passive health: an instance the proxy cannot reach leaves the rotation now, so the
         requests after this one do not pay for finding out again."""
         if self.pool.eject(backend.name, EJECT_SECONDS):
-            self.metrics.ejection(backend.name)
+            self.metrics.ejection(backend.name, backend.model)
             log.warning("instance %s: %s: out of the rotation until its next good health check (at most %g s)",
                         backend.name, why, EJECT_SECONDS)
         else:
@@ -356,7 +380,7 @@ class Forwarder:
         try:
             content = await upstream.read()
         except UpstreamBroken as exc:
-            self.metrics.upstream_error(backend.name, "broken")
+            self.metrics.upstream_error(backend.name, "broken", backend.model)
             return errors.bad_gateway(f"instance {backend.name} broke off its response: {exc}")
         self.metrics.duration(False, time.monotonic() - started)
         return self._answer(request, upstream.status, headers, content)
@@ -401,7 +425,7 @@ class Forwarder:
             asyncio.current_task().uncancel()  # type: ignore[union-attr]
             return await self._end_stream(request, out, sse, backend, self._abort_message(exchange, backend))
         except UpstreamBroken as exc:
-            self.metrics.upstream_error(backend.name, "broken")
+            self.metrics.upstream_error(backend.name, "broken", backend.model)
             log.warning("instance %s broke off a stream: %s", backend.name, exc)
             return await self._end_stream(request, out, sse, backend, f"instance {backend.name} failed mid-stream: {exc}")
         except ConnectionResetError:  # our write to the client failed: it is gone
@@ -410,7 +434,7 @@ class Forwarder:
 
     def _abort_message(self, exchange: Exchange, backend: Backend) -> str:
         if exchange.reason == "timeout":
-            self.metrics.upstream_error(backend.name, "timeout")
+            self.metrics.upstream_error(backend.name, "timeout", backend.model)
             return f"instance {backend.name} sent nothing for {exchange.limit:g} s ({exchange.limit_key})"
         return "the proxy is shutting down and the drain deadline passed; the generation was aborted"
 

@@ -74,15 +74,24 @@ def _asyncio_tasks() -> int:
 
 
 class ProxyMetrics:
-    def __init__(self, in_flight: Callable[[], Mapping[str, int]], states: Callable[[], Mapping[str, str]], ready: Callable[[str], bool]) -> None:
+    """The per-backend families carry a `model` label beside `instance` once any backend has a
+    model (`vsup run`: every instance; a standalone proxy's upstreams never, so its families stay
+    as they were). Recorded counts keep the model they were recorded with: a reload may give an
+    index that a removed model's instance had to another model's."""
+
+    def __init__(self, in_flight: Callable[[], Mapping[str, int]], states: Callable[[], Mapping[str, str]], ready: Callable[[str], bool],
+                 models: Callable[[], Mapping[str, str]] = dict) -> None:
         self._in_flight = in_flight
         self._states = states
         self._ready = ready
-        self.requests: dict[tuple[str, int, str], int] = {}
+        self._models = models  # instance name -> its model ("" unknown), at scrape time
+        self._model_of: dict[str, str] = {}  # every instance seen with a model (in-flight counts outlive a removal)
+        self.with_model = False  # sticky: once labelled, always (a series keeps its label set)
+        self.requests: dict[tuple[str, int, str, str], int] = {}
         self.retries: dict[str, int] = {}
         self.disconnects: dict[str, int] = {}
-        self.upstream_errors: dict[tuple[str, str], int] = {}
-        self.ejections: dict[str, int] = {}
+        self.upstream_errors: dict[tuple[str, str, str], int] = {}
+        self.ejections: dict[tuple[str, str], int] = {}
         self.client_timeouts: dict[str, int] = {}
         self.malformed_requests: dict[int, int] = {}
         self.connections_refused = 0
@@ -90,14 +99,18 @@ class ProxyMetrics:
         # Set by the server: the balancer's policy and its own decision counts (it bumps them).
         self.policy = ""
         self.policy_decisions: Mapping[str, int] = {}
+        # Set by the server in a fleet: (model, policy, decisions) of each model's balancer, and
+        # the requests refused by model ((model, reason) -> count; routing.py).
+        self.model_policies: Callable[[], list[tuple[str, str, Mapping[str, int]]]] = list
+        self.refusals: Mapping[tuple[str, str], int] | None = None
         self._ttfb = {True: _Histogram(TTFB_BUCKETS), False: _Histogram(TTFB_BUCKETS)}
         self._duration = {True: _Histogram(DURATION_BUCKETS), False: _Histogram(DURATION_BUCKETS)}
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
 
     # -- the hot path
-    def request(self, route: str, status: int, instance: str) -> None:
-        key = (route, status, instance)
+    def request(self, route: str, status: int, instance: str, model: str = "") -> None:
+        key = (route, status, instance, model)
         self.requests[key] = self.requests.get(key, 0) + 1
 
     def retry(self, reason: str) -> None:
@@ -106,8 +119,8 @@ class ProxyMetrics:
     def disconnect(self, phase: str) -> None:
         self.disconnects[phase] = self.disconnects.get(phase, 0) + 1
 
-    def upstream_error(self, instance: str, kind: str) -> None:
-        key = (instance, kind)
+    def upstream_error(self, instance: str, kind: str, model: str = "") -> None:
+        key = (instance, kind, model)
         self.upstream_errors[key] = self.upstream_errors.get(key, 0) + 1
 
     def client_timeout(self, phase: str) -> None:
@@ -119,8 +132,9 @@ class ProxyMetrics:
     def connection_refused(self) -> None:
         self.connections_refused += 1
 
-    def ejection(self, instance: str) -> None:
-        self.ejections[instance] = self.ejections.get(instance, 0) + 1
+    def ejection(self, instance: str, model: str = "") -> None:
+        key = (instance, model)
+        self.ejections[key] = self.ejections.get(key, 0) + 1
 
     def ttfb(self, stream: bool, seconds: float) -> None:
         self._ttfb[stream].observe(seconds)
@@ -129,11 +143,32 @@ class ProxyMetrics:
         self._duration[stream].observe(seconds)
 
     # -- scrape time
+    def _labelled(self) -> tuple[bool, dict[str, str]]:
+        models = {name: model for name, model in self._models().items() if model}
+        self._model_of.update(models)
+        if not self.with_model:
+            self.with_model = bool(models) or any(key[3] for key in self.requests)
+        return self.with_model, self._model_of
+
     def collect(self):
-        family = CounterMetricFamily("vsup_proxy_requests", "Requests answered by the proxy", labels=["route", "status", "instance"])
-        for (route, status, instance), count in self.requests.items():
-            family.add_metric([route, str(status), instance], count)
+        labelled, model_of = self._labelled()
+        m = ["model"] if labelled else []
+
+        def values(*given: str, model: str) -> list[str]:
+            return [*given, model] if labelled else list(given)
+
+        family = CounterMetricFamily("vsup_proxy_requests", "Requests answered by the proxy", labels=["route", "status", "instance", *m])
+        for (route, status, instance, model), count in self.requests.items():
+            family.add_metric(values(route, str(status), instance, model=model), count)
         yield family
+        if self.refusals is not None:
+            family = CounterMetricFamily(
+                "vsup_proxy_model_refusals",
+                "Requests refused by model: unknown_model and no_model (model empty: the name is the client's), no_ready_instance",
+                labels=["model", "reason"])
+            for (model, reason), count in self.refusals.items():
+                family.add_metric([model, reason], count)
+            yield family
         family = CounterMetricFamily("vsup_proxy_retries", "Requests sent to another instance before the first byte", labels=["reason"])
         for reason, count in self.retries.items():
             family.add_metric([reason], count)
@@ -142,13 +177,15 @@ class ProxyMetrics:
         for phase, count in self.disconnects.items():
             family.add_metric([phase], count)
         yield family
-        family = CounterMetricFamily("vsup_proxy_upstream_errors", "Failed upstream attempts by kind (connect, stale, 503, broken, timeout)", labels=["instance", "kind"])
-        for (instance, kind), count in self.upstream_errors.items():
-            family.add_metric([instance, kind], count)
+        family = CounterMetricFamily("vsup_proxy_upstream_errors", "Failed upstream attempts by kind (connect, stale, 503, broken, timeout)",
+                                     labels=["instance", "kind", *m])
+        for (instance, kind, model), count in self.upstream_errors.items():
+            family.add_metric(values(instance, kind, model=model), count)
         yield family
-        family = CounterMetricFamily("vsup_proxy_ejections", "Instances taken out of the rotation by the proxy after failing to reach them", labels=["instance"])
-        for instance, count in self.ejections.items():
-            family.add_metric([instance], count)
+        family = CounterMetricFamily("vsup_proxy_ejections", "Instances taken out of the rotation by the proxy after failing to reach them",
+                                     labels=["instance", *m])
+        for (instance, model), count in self.ejections.items():
+            family.add_metric(values(instance, model=model), count)
         yield family
         family = CounterMetricFamily("vsup_proxy_client_timeouts", "Clients that left a request half-sent past the client timeout, by phase", labels=["phase"])
         for phase, count in self.client_timeouts.items():
@@ -161,10 +198,13 @@ class ProxyMetrics:
         family = CounterMetricFamily(
             "vsup_proxy_policy_decisions",
             "Routing decisions of the proxy's policy (prefix_affinity: affinity, session, escaped, no_prefix)",
-            labels=["policy", "decision"],
+            labels=["policy", "decision", *m],
         )
         for decision, count in self.policy_decisions.items():
-            family.add_metric([self.policy, decision], count)
+            family.add_metric(values(self.policy, decision, model=""), count)
+        for model, policy, decisions in self.model_policies():
+            for decision, count in decisions.items():
+                family.add_metric(values(policy, decision, model=model), count)
         yield family
         yield CounterMetricFamily("vsup_proxy_client_connections_refused", "Client connections refused at the connection limit", value=self.connections_refused)
         yield GaugeMetricFamily("vsup_proxy_client_connections", "Client connections open", value=self.client_connections())
@@ -176,15 +216,16 @@ class ProxyMetrics:
             for stream, histogram in histograms.items():
                 family.add_metric(["true" if stream else "false"], histogram.buckets(), histogram.sum)
             yield family
-        flight = GaugeMetricFamily("vsup_proxy_in_flight", "Requests in flight through the proxy, per instance", labels=["instance"])
+        flight = GaugeMetricFamily("vsup_proxy_in_flight", "Requests in flight through the proxy, per instance", labels=["instance", *m])
         for name, count in self._in_flight().items():
-            flight.add_metric([name], count)
+            flight.add_metric(values(name, model=model_of.get(name, "")), count)
         yield flight
-        state = GaugeMetricFamily("vsup_instance_state", "1 for the instance's current state", labels=["instance", "state"])
-        ready = GaugeMetricFamily("vsup_instance_ready", "1 when the instance is in the proxy's rotation", labels=["instance"])
+        state = GaugeMetricFamily("vsup_instance_state", "1 for the instance's current state", labels=["instance", "state", *m])
+        ready = GaugeMetricFamily("vsup_instance_ready", "1 when the instance is in the proxy's rotation", labels=["instance", *m])
         for name, value in self._states().items():
-            state.add_metric([name, value], 1)
-            ready.add_metric([name], 1 if self._ready(name) else 0)
+            model = model_of.get(name, "")
+            state.add_metric(values(name, value, model=model), 1)
+            ready.add_metric(values(name, model=model), 1 if self._ready(name) else 0)
         yield state
         yield ready
         yield GaugeMetricFamily("vsup_asyncio_tasks", "asyncio tasks alive in vsup's event loop (flat over time: nothing piles up)",

@@ -1,13 +1,17 @@
 """GET /v1/models: the union of what the *ready* instances serve, de-duplicated by id.
 
 Asking only ready instances (not "the first configured one") means a client never sees a model
-list from an instance that is down, and never a 5xx while another instance could answer.
+list from an instance that is down, and never a 5xx while another instance could answer. In a
+fleet the ids each instance listed (its model, its LoRA adapters: an adapter's entry has `parent`
+= its base model) are handed to `learn`, so routing.py routes every listed name to the instances
+that serve it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable, Iterable
 
 import aiohttp
 from aiohttp import web
@@ -17,7 +21,7 @@ from vsup.proxy.address import Sessions
 from vsup.proxy.backends import Backend
 
 
-async def _models_of(sessions: Sessions, backend: Backend, timeout: float, connect_timeout: float) -> list[dict]:
+async def models_of(sessions: Sessions, backend: Backend, timeout: float, connect_timeout: float) -> list[dict]:
     # Each instance has its own deadline: one hung instance must not hide the others' models.
     # The connect limit is given per request: it is proxy.connect_timeout, which a reload changes.
     session, base = sessions.get(backend.url)
@@ -33,11 +37,11 @@ async def _models_of(sessions: Sessions, backend: Backend, timeout: float, conne
     return [entry for entry in data if isinstance(entry, dict) and "id" in entry]
 
 
-async def merged_models(sessions: Sessions, ready: tuple[Backend, ...], timeout: float,
-                        connect_timeout: float) -> web.Response:
+async def merged_models(sessions: Sessions, ready: tuple[Backend, ...], timeout: float, connect_timeout: float,
+                        learn: Callable[[str, Iterable[str]], None] | None = None) -> web.Response:
     if not ready:
         return errors.no_ready_instance()
-    results = await asyncio.gather(*(_models_of(sessions, b, timeout, connect_timeout) for b in ready), return_exceptions=True)
+    results = await asyncio.gather(*(models_of(sessions, b, timeout, connect_timeout) for b in ready), return_exceptions=True)
     seen: dict[str, dict] = {}
     failures = []
     for backend, result in zip(ready, results, strict=True):
@@ -47,6 +51,8 @@ async def merged_models(sessions: Sessions, ready: tuple[Backend, ...], timeout:
             why = f"no answer within {timeout:g} s" if isinstance(result, TimeoutError) else (str(result) or type(result).__name__)
             failures.append(f"instance {backend.name}: {why}")
             continue
+        if learn is not None:
+            learn(backend.name, [entry["id"] for entry in result if isinstance(entry["id"], str)])
         for entry in result:
             seen.setdefault(entry["id"], entry)
     if failures and not seen:

@@ -13,7 +13,7 @@ import errno
 import json
 import logging
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 import aiohttp
 from aiohttp import web
@@ -32,7 +32,8 @@ from vsup.proxy.errors import RETRY_AFTER_SECONDS
 from vsup.proxy.forward import Forwarder
 from vsup.proxy.health import PROXY_HEADER
 from vsup.proxy.metrics import CONTENT_TYPE, ProxyMetrics
-from vsup.proxy.models import merged_models
+from vsup.proxy.models import merged_models, models_of
+from vsup.proxy.routing import ModelRouter
 from vsup.proxy.upstream import UpstreamClient
 
 PageHandler = Callable[[web.BaseRequest, BearerAuth], Awaitable[web.StreamResponse]]
@@ -45,6 +46,8 @@ UPSTREAM_KEEPALIVE = 4.0
 # After the drain deadline, how long aborted streams get to write their error event.
 ABORT_GRACE = 2.0
 HEALTHY = b'{"status": "ok"}'
+# Admin routes after which an instance serves other model names (routing.py learns them again).
+_ADAPTER_ROUTES = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 
 
 def _has_dot_segment(path: str) -> bool:
@@ -56,7 +59,12 @@ def _shown(raw_path: str, limit: int = 200) -> str:
 
 
 class ProxyServer:
-    def __init__(self, config: ProxyConfig, pool: BackendPool, *, api_key: str | None = None) -> None:
+    """`models` (a fleet): each served model's name -> its ProxyConfig (policy and affinity
+    settings; the front door's keys are always `config`'s); requests then go by their `model`
+    (routing.py). None or empty: one balancer over every ready instance."""
+
+    def __init__(self, config: ProxyConfig, pool: BackendPool, *, api_key: str | None = None,
+                 models: Mapping[str, ProxyConfig] | None = None) -> None:
         self.config = config
         self.pool = pool
         self._auth = BearerAuth(api_key if api_key is not None else config.api_key)
@@ -69,8 +77,10 @@ class ProxyServer:
         self._runner: web.ServerRunner | None = None
         self._clients: ClientPolicy | None = None
         self._port: int | None = None
-        self.metrics = ProxyMetrics(self.in_flight, pool.states, pool.is_ready)
+        self.metrics = ProxyMetrics(self.in_flight, pool.states, pool.is_ready, pool.models)
         self.metrics.policy, self.metrics.policy_decisions = self._balancer.name, self._balancer.decisions
+        self._router: ModelRouter | None = None
+        self._set_models(config, models)
         self._own: dict[str, Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]] = {
             "/health": self._health, "/ready": self._ready, "/metrics": self._metrics,
         }
@@ -102,6 +112,10 @@ class ProxyServer:
             config, self.pool, self._balancer, self._client, self.metrics, self._clients,
             drop_authorization=self._auth.enabled,
         )
+        self._forwarder.router = self._router
+        if self._router is not None:
+            for backend in self.pool.ready():
+                self._learn(backend)
         # A low-level aiohttp Server with our own dispatch (below): the Application router and
         # its middleware chain cost more per request than the routing they would do here.
         # handler_cancellation: a client that disconnects cancels its handler, which drops the
@@ -132,13 +146,70 @@ class ProxyServer:
         # Requests in flight keep their connections.
         if self._client is not None:
             self._client.set_reusable(backend.url, ready)
+        router = self._router
+        if router is not None:
+            if state == "removed":
+                task = router.learning.pop(backend.name, None)
+                if task is not None:
+                    task.cancel()
+                router.forget(backend.name)
+            elif ready and self._session is not None:
+                self._learn(backend)  # (again: a restart may have changed its adapters)
 
-    def reconfigure(self, config: ProxyConfig, api_key: str | None) -> None:
+    def _set_models(self, config: ProxyConfig, models: Mapping[str, ProxyConfig] | None) -> None:
+        """Route by model with these per-model settings, or (None/empty) not at all."""
+        if not models:
+            if self._router is not None:
+                for task in self._router.learning.values():
+                    task.cancel()
+            self._router = None
+        elif self._router is None:
+            self._router = ModelRouter(self.pool, config, models)
+        else:
+            self._router.configure(config, models)
+        router = self._router
+        if router is not None:
+            self.metrics.model_policies = lambda: [(name, b.name, b.decisions) for name, b in router.balancers.items()]
+            self.metrics.refusals = router.refused
+        else:
+            self.metrics.model_policies = list
+        if self._forwarder is not None:
+            self._forwarder.router = router
+
+    def _learn(self, backend: Backend) -> None:
+        """Fetch what `backend` serves (its /v1/models: base names and adapters) for routing; a
+        request for a name not known yet waits for the fetches in progress (routing.WAIT)."""
+        router = self._router
+        if router is None or self._session is None:
+            return
+        running = router.learning.get(backend.name)
+        if running is not None:
+            running.cancel()
+        connect = self.config.connect_timeout
+        task = asyncio.get_running_loop().create_task(models_of(self._session, backend, connect + 5.0, connect))
+        router.learning[backend.name] = task
+
+        def done(task: asyncio.Task) -> None:
+            if router.learning.get(backend.name) is task:
+                del router.learning[backend.name]
+            if task.cancelled():
+                return
+            error = task.exception()
+            if error is not None:
+                log.warning("instance %s: could not read its /v1/models (%s): its adapters are not routed until it answers",
+                            backend.name, error or type(error).__name__)
+            elif self.pool.get(backend.name) is backend:  # still the same instance
+                router.learn(backend.name, [entry["id"] for entry in task.result() if isinstance(entry["id"], str)])
+
+        task.add_done_callback(done)
+
+    def reconfigure(self, config: ProxyConfig, api_key: str | None, models: Mapping[str, ProxyConfig] | None = None) -> None:
         """Apply changed settings at once (`vsup reload`): timeouts (connect_timeout reaches the
         upstream pools and /v1/models), retries, policy and its affinity settings, API key (also
         the /status page's), admin routes (kept closed, with an error logged, when no key is set), the client connections' limits (clients.py). Requests already in flight keep the timeouts they were armed with.
         host, port, max_connections and max_body_bytes are built into the listening socket and the
-        pools: a reload refuses to change them (vsup/config/schema.py classes them fixed)."""
+        pools: a reload refuses to change them (vsup/config/schema.py classes them fixed).
+        `models`: as in the constructor; a model whose policy is unchanged keeps its balancer."""
         self.config = config
         self._auth = BearerAuth(api_key if api_key is not None else config.api_key)
         try:
@@ -153,6 +224,7 @@ class ProxyServer:
         elif isinstance(self._balancer, PrefixAffinity):  # same policy, its counts kept
             self._balancer.prefix_chars = config.affinity_prefix_chars
             self._balancer.max_imbalance = config.affinity_max_imbalance
+        self._set_models(config, models)
         if self._client is not None:
             self._client.set_connect_timeout(config.connect_timeout)
         if self._clients is not None:
@@ -222,6 +294,9 @@ class ProxyServer:
         await self.drain_and_stop(0)
 
     async def _close(self) -> None:
+        if self._router is not None:
+            for task in list(self._router.learning.values()):
+                task.cancel()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -254,7 +329,11 @@ class ProxyServer:
                 return errors.error_response(405, f"{path} answers {allow} only", "invalid_request_error", "method_not_allowed", headers={"Allow": allow})
             if path == "/v1/models":
                 return await self._models()
-            return await self._forwarder.handle(request)  # type: ignore[union-attr]
+            response = await self._forwarder.handle(request)  # type: ignore[union-attr]
+            if route.admin and path in _ADAPTER_ROUTES and response.status == 200 and self._router is not None:
+                for backend in self.pool.ready():  # an adapter loaded or unloaded: the model names changed
+                    self._learn(backend)
+            return response
         own = self._own.get(path)
         if own is None:
             self.metrics.request("other", 404, "")
@@ -270,7 +349,8 @@ class ProxyServer:
         if self.draining:
             return errors.unavailable("the proxy is shutting down", RETRY_AFTER_SECONDS)
         connect = self.config.connect_timeout
-        response = await merged_models(self._session, self.pool.ready(), connect + 5.0, connect)  # type: ignore[arg-type]
+        learn = self._router.learn if self._router is not None else None
+        response = await merged_models(self._session, self.pool.ready(), connect + 5.0, connect, learn)  # type: ignore[arg-type]
         self.metrics.request("/v1/models", response.status, "")
         return response
 

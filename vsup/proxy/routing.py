@@ -1,0 +1,178 @@
+"""Routing by model: which ready instances may answer a request, and which balancer picks one.
+
+A fleet (`vsup run` with `models:`) serves several models behind one port. Each backend carries
+its served model name (`Backend.model`); each model has its own balancer, built from its own
+ProxyConfig (policy and affinity settings), so round_robin's rotation, least_outstanding's counts
+and prefix_affinity's hashing all run over that model's instances only, and retries stay in it.
+
+What a request asks for is the `model` of its JSON body (the forwarder has parsed it already:
+routing costs a dict lookup, not a second parse); a request without one (a GET, a multipart
+upload, a body that leaves it out) takes the `model` query parameter, else the only model when
+there is one, else 400 naming the models. Besides the configured names, every id an instance's
+`/v1/models` lists routes to that instance: its LoRA adapters (`--lora-modules`, or loaded through
+the admin route) and further served names. They are learned when the instance becomes ready and
+whenever a client asks `/v1/models` (the server does the fetching; this module only keeps them).
+
+Without models given, or with no backend that has a model (a standalone `vsup proxy`'s
+upstreams), `routes()` is False and the forwarder does exactly what it did before: one balancer
+over every ready backend, the body forwarded untouched (vLLM answers its own 404).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Mapping
+
+from aiohttp import web
+
+from vsup.config.schema import ProxyConfig
+from vsup.proxy import errors
+from vsup.proxy.affinity import PrefixAffinity
+from vsup.proxy.backends import Backend, BackendPool
+from vsup.proxy.balancer import make_balancer
+
+# Longest client-given model name quoted back in an error (it is client data).
+SHOWN_CHARS = 100
+# At most this many served names listed in an error message.
+LISTED = 20
+# pick()'s answer when the name is unknown but some instance's model list is still being fetched.
+WAIT = object()
+
+
+def shown(name: str) -> str:
+    """A client-given name fit to quote: escaped (repr) and cut."""
+    return repr(name if len(name) <= SHOWN_CHARS else name[:SHOWN_CHARS] + "...")
+
+
+class ModelRouter:
+    def __init__(self, pool: BackendPool, default: ProxyConfig, models: Mapping[str, ProxyConfig]) -> None:
+        self.pool = pool
+        self.default = default  # the balancer settings of a model the pool names but `models` does not
+        self.configs: dict[str, ProxyConfig] = dict(models)
+        self.balancers = {name: make_balancer(config.policy, config) for name, config in self.configs.items()}
+        self.learned: dict[str, frozenset[str]] = {}  # backend name -> the ids its /v1/models listed
+        self.learning: dict[str, asyncio.Task] = {}  # backend name -> its fetch in progress (server.py)
+        self.refused: dict[tuple[str, str], int] = {}  # (model, reason) -> requests refused (/metrics)
+        self._version = -1  # the pool version the tables below were built from
+        self._tagged = False
+        self._table: dict[str, tuple[Backend, ...]] = {}  # every known name -> its ready backends
+        self._balancer_of: dict = {}  # every known name -> the balancer of its model
+
+    # -- configuration
+    def configure(self, default: ProxyConfig, models: Mapping[str, ProxyConfig]) -> None:
+        """A reload: a model whose policy is unchanged keeps its balancer (and its counts), with
+        the new affinity settings; a new policy gets a fresh one; a removed model's goes."""
+        balancers = {}
+        for name, config in models.items():
+            balancer = self.balancers.get(name)
+            if balancer is None or balancer.name != config.policy:
+                balancer = make_balancer(config.policy, config)
+            elif isinstance(balancer, PrefixAffinity):  # the same policy: its counts kept
+                balancer.prefix_chars = config.affinity_prefix_chars
+                balancer.max_imbalance = config.affinity_max_imbalance
+            balancers[name] = balancer
+        self.default, self.configs, self.balancers = default, dict(models), balancers
+        self._version = -1
+
+    def learn(self, backend: str, ids: Iterable[str]) -> None:
+        """What `backend`'s /v1/models listed (its base names and adapters)."""
+        ids = frozenset(ids)
+        if self.learned.get(backend) != ids:
+            self.learned[backend] = ids
+            self._version = -1
+
+    def forget(self, backend: str) -> None:
+        if self.learned.pop(backend, None) is not None:
+            self._version = -1
+
+    # -- per request
+    def routes(self) -> bool:
+        """Route by model: some backend has a model (the tables are rebuilt here when the pool changed)."""
+        if self.pool.version != self._version:
+            self._rebuild()
+        return self._tagged
+
+    def ready(self, model: str) -> tuple[Backend, ...]:
+        """The ready backends serving `model` (after routes())."""
+        if self.pool.version != self._version:
+            self._rebuild()
+        return self._table.get(model, ())
+
+    def balancer(self, model: str):
+        if self.pool.version != self._version:
+            self._rebuild()
+        return self._balancer_of[model]
+
+    def pick(self, model: object, waited: bool):
+        """The model a request asking for `model` (its body's or query's; None: neither) goes to
+        (a known name), WAIT (unknown, but a model list is still being fetched: settle() first,
+        then ask again) or the answer refusing it."""
+        if self.pool.version != self._version:
+            self._rebuild()
+        if model is None or model == "":
+            if len(self.configs) == 1 or (not self.configs and len(self._table) == 1):
+                return next(iter(self.configs or self._table))
+            self._refuse("", "no_model")
+            return errors.error_response(
+                400,
+                f"the request names no model and this endpoint serves several: send \"model\" (one of {self.served()}); a"
+                " request without a JSON body takes the `model` query parameter",
+                "invalid_request_error", "model_required", param="model")
+        if not isinstance(model, str):
+            self._refuse("", "no_model")
+            return errors.bad_request(f"\"model\" must be a string (one of {self.served()}), got {type(model).__name__}", "model")
+        if model in self._table:
+            return model
+        if self.learning and not waited:
+            return WAIT
+        self._refuse("", "unknown_model")
+        return errors.error_response(
+            404, f"the model {shown(model)} does not exist here: this endpoint serves {self.served()}",
+            "invalid_request_error", "model_not_found", param="model")
+
+    async def settle(self, timeout: float) -> None:
+        """Wait (at most `timeout` s) for the model lists being fetched."""
+        if self.learning:
+            await asyncio.wait(list(self.learning.values()), timeout=timeout)
+
+    def none_ready(self, model: str) -> web.Response:
+        self._refuse(model, "no_ready_instance")
+        return errors.unavailable(
+            f"no ready instance of the model {model!r}: its instances are starting, restarting or unhealthy (the other"
+            " models are served as usual); retry shortly", errors.RETRY_AFTER_SECONDS)
+
+    def served(self) -> str:
+        names = sorted(self._table)
+        listed = ", ".join(map(repr, names[:LISTED]))
+        return listed + (f" and {len(names) - LISTED} more" if len(names) > LISTED else "") if names else "no model yet"
+
+    def _refuse(self, model: str, reason: str) -> None:
+        key = (model, reason)
+        self.refused[key] = self.refused.get(key, 0) + 1
+
+    def _rebuild(self) -> None:
+        """The per-model tables, from the pool's backends and what they listed: run when the
+        pool changed (readiness, an ejection, a reload), not per request."""
+        pool = self.pool
+        self._version = pool.version
+        backends = pool.all()
+        self._tagged = bool(self.configs) and any(b.model for b in backends)
+        balancer_of = dict(self.balancers)
+        for backend in backends:  # a model the pool names before a reload told us its settings
+            if backend.model and backend.model not in balancer_of:
+                balancer_of[backend.model] = self.balancers[backend.model] = make_balancer(self.default.policy, self.default)
+        table: dict[str, list[Backend]] = {name: [] for name in balancer_of}
+        for backend in backends:  # a learned name uses the balancer of the model it runs on
+            own = balancer_of.get(backend.model)
+            for name in self.learned.get(backend.name, ()):
+                if name not in balancer_of and own is not None:
+                    balancer_of[name] = own
+                    table[name] = []
+        for backend in pool.ready():
+            if backend.model in table:
+                table[backend.model].append(backend)
+            for name in self.learned.get(backend.name, ()):
+                if name != backend.model and name in table:
+                    table[name].append(backend)
+        self._table = {name: tuple(ready) for name, ready in table.items()}
+        self._balancer_of = balancer_of
