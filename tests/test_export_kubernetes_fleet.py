@@ -14,7 +14,8 @@ from vsup.cli.proxy import build_pool, model_configs
 from vsup.config.fleet import models_of
 from vsup.config.planning import settings_from_config
 from vsup.config.schema import parse_config
-from vsup.export.kubernetes_fleet import export_kubernetes_fleet, memory_share, model_slug, shape_models
+from vsup.export.fleet import model_slug
+from vsup.export.kubernetes_fleet import export_kubernetes_fleet, memory_share, shape_models
 from vsup.export.pod import node_type
 from vsup.topology.fleet import plan_fleet
 from vsup.topology.plan_model import FleetModel

@@ -95,7 +95,8 @@ def export_command() -> None:
 @output_option
 def kubernetes_command(config_path, fsroot, image, replicas_per_host, hosts, name, shm_gib, output_dir) -> None:
     """StatefulSet (one NUMA node's share per pod, Guaranteed QoS), ConfigMap, Services, and the
-    kubelet configuration the nodes need (vsup.yaml and kubelet-config.yaml with --output-dir)."""
+    kubelet configuration the nodes need (vsup.yaml and kubelet-config.yaml with --output-dir).
+    With `models:`, a StatefulSet per model (NAME-<model>) and a front vsup proxy routing by model."""
     from vsup.export.kubernetes import DEFAULT_IMAGE, export_kubernetes
     from vsup.export.kubernetes_fleet import export_kubernetes_fleet, shape_models
     from vsup.export.pod import MiB, shape_pod
@@ -123,8 +124,11 @@ def kubernetes_command(config_path, fsroot, image, replicas_per_host, hosts, nam
 @output_option
 def slurm_command(config_path, fsroot, hosts, job_name, output_dir) -> None:
     """An sbatch script: one step per NUMA node (vsup run bound to the node's CPUs and memory) on
-    every host, and the front proxy (vsup.sbatch with --output-dir)."""
+    every host, and the front proxy (vsup.sbatch with --output-dir). With `models:`, one step per
+    model and node of its share, and the front routes by the request's model."""
     from vsup.export.slurm import export_slurm
 
     cfg, machine, host_plan, _settings = _plan(config_path, fsroot)
+    if host_plan is None:  # a fleet: steps per model, the front routing by model
+        _views, host_plan, _by_model = _fleet_plan(cfg, machine)
     _write(output_dir, {"vsup.sbatch": export_slurm(machine, host_plan, cfg, hosts=hosts, job_name=job_name)})

@@ -16,14 +16,14 @@ The kubelet configuration is the single-model export's: it depends on the machin
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import replace
 
 from vsup.config.fleet import ModelView
-from vsup.config.schema import VsupConfig, parse_config
+from vsup.config.schema import VsupConfig
 from vsup.errors import VsupError
 from vsup.export import yamltext
+from vsup.export.fleet import front_config_text, model_slug
 from vsup.export.kubernetes import (
     NAME_MAX,
     NODE_LABEL,
@@ -49,11 +49,6 @@ from vsup.topology.plan_model import Plan, PlanSettings, format_gib
 FRONT_FILE = "front.yaml"
 # The front is one asyncio process: one CPU is what it can use; its memory is the proxy's buffers.
 FRONT_RESOURCES = {"requests": {"cpu": "1", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}
-
-
-def model_slug(name: str) -> str:
-    """A served model name as a DNS label's part: lower case, runs of anything else as one '-'."""
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
 def memory_share(fleet_plan: Plan, model: str) -> float:
@@ -137,7 +132,8 @@ def export_kubernetes_fleet(machine: Machine, shapes: Sequence[tuple[ModelView, 
             (f"Model {view.name!r}: a stable DNS name per pod ({sts}-0.{sts}-pods), the front's upstreams.", headless),
         ]
         upstreams += [f"{view.name}=http://{sts}-{i}.{sts}-pods:{port}" for i in range(replicas)]
-    front_text = front_config_text(cfg)
+    front_text = front_config_text(cfg, "the front proxy: every model's pods behind one endpoint, by the request's "
+                                         "model (written by `vsup export kubernetes`)")
     docs += [
         ("The front: vsup proxy, routing each request by its model to that model's pods.", _config_map(name, front_text, FRONT_FILE)),
         ("", _front_deployment(cfg, name=name, image=image, upstreams=upstreams)),
@@ -150,31 +146,6 @@ def export_kubernetes_fleet(machine: Machine, shapes: Sequence[tuple[ModelView, 
     manifests_text = yamltext.comment(summary) + yamltext.documents(docs)
     kubelet_text = yamltext.comment(_kubelet_steps(first)) + yamltext.dump(kubelet)
     return KubernetesExport(objects, kubelet, manifests_text, kubelet_text)
-
-
-def front_config_text(cfg: VsupConfig) -> str:
-    """The front's configuration: the proxy (no key: with auth off it passes the client's
-    Authorization on, and each model's pods check it), health, and each model's balancer keys."""
-    assert cfg.models is not None
-    proxy = {k: v for k, v in cfg.proxy.model_dump(mode="json", exclude_defaults=True).items() if k != "api_key"}
-    data: dict = {"proxy": {**proxy, "host": "0.0.0.0"}}
-    health = cfg.health.model_dump(mode="json", exclude_defaults=True)
-    health.pop("warmup", None)  # the instances' warm-up: the pods' business
-    if health:
-        data["health"] = health
-    data["models"] = []
-    for entry in cfg.models:
-        item: dict = {"model": entry.model}
-        if entry.served_model_name is not None:
-            item["served_model_name"] = entry.served_model_name
-        own = {key: getattr(entry.proxy, key) for key in sorted(entry.proxy.model_fields_set)}
-        if own:
-            item["proxy"] = own
-        data["models"].append(item)
-    text = yamltext.comment("the front proxy: every model's pods behind one endpoint, by the request's model "
-                            "(written by `vsup export kubernetes`)") + yamltext.dump(data)
-    parse_config(text, "the front proxy's configuration", require_model=False)  # it must load as written
-    return text
 
 
 def _front_deployment(cfg: VsupConfig, *, name: str, image: str, upstreams: list[str]) -> dict:
