@@ -4,6 +4,8 @@ object validated offline against the Kubernetes schemas; names that cannot fit r
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import yaml
 
 from tests.machines import make_machine
@@ -17,8 +19,9 @@ from vsup.config.schema import parse_config
 from vsup.export.fleet import model_slug
 from vsup.export.kubernetes_fleet import export_kubernetes_fleet, memory_share, shape_models
 from vsup.export.pod import node_type
-from vsup.topology.fleet import plan_fleet
+from vsup.topology.fleet import merge, plan_fleet, restricted
 from vsup.topology.plan_model import FleetModel
+from vsup.topology.planner import plan
 
 FLEET = """\
 proxy: {port: 9000, api_key: s3cret}
@@ -27,12 +30,12 @@ models:
   - model: /srv/models/chat
     served_model_name: chat
     instances: 2
-    placement: {model_size_gib: 8}
+    placement: {model_size_gib: 8, nodes: [0, 1]}
     proxy: {policy: prefix_affinity}
   - model: /srv/models/embed
     served_model_name: Org/Embed_v2
     instances: 2
-    placement: {model_size_gib: 1}
+    placement: {model_size_gib: 1, nodes: [2, 3]}
     vllm: {args: [--runner, pooling]}
 """
 
@@ -91,18 +94,25 @@ def test_a_statefulset_per_model_and_a_front_that_routes_by_model():
 
 
 def test_a_model_sharing_a_node_gets_its_cpus_and_its_part_of_the_memory():
-    # 2 nodes × 8 cores: the plan gives chat (2 instances) 10 cores, embed (1) the other 6 of node 1
-    machine = make_machine(sockets=2, cores_per_node=8, smt=1, node_memory=64 * GIB)
-    text = FLEET.replace("instances: 2\n    placement: {model_size_gib: 1}", "instances: 1\n    placement: {model_size_gib: 1}")
-    fleet_plan, shapes, result = export(machine, text, replicas_per_host="1")
+    # 2 nodes × 8 cores, a partition made by hand: chat on node 0 and 2 cores of node 1, embed on the other 6
+    machine = node_type(make_machine(sockets=2, cores_per_node=8, smt=1, node_memory=64 * GIB))
+    cfg = parse_config(FLEET.replace(", nodes: [0, 1]", "").replace(", nodes: [2, 3]", "").replace("instances: 2", "instances: 1"))
+    views = models_of(cfg)
+    settings = {v.name: replace(settings_from_config(v.config, numactl_available=True), reserve_cores=0) for v in views}
+    cores = [c.cpus[0] for c in machine.cores]
+    chat = FleetModel("chat", replace(settings["chat"], instances=2), None)
+    embed = FleetModel("Org/Embed_v2", settings["Org/Embed_v2"], None)
+    fleet_plan = merge([(chat, plan(restricted(machine, frozenset(cores[:10])), chat.settings)),
+                        (embed, plan(restricted(machine, frozenset(cores[10:])), embed.settings))])
+    shapes = shape_models(machine, fleet_plan, views, settings, shm_bytes=GIB)
+    result = export_kubernetes_fleet(machine, shapes, cfg, name="vsup", image="i", replicas_per_host="1", hosts=1)
     check_objects(result)
-    embed = next(s for v, s in shapes if v.name == "Org/Embed_v2")
-    share = next(m for m in fleet_plan.models if m.name == "Org/Embed_v2")
-    assert set(embed.machine.cpus_usable) <= set(share.cpus) and embed.cpus == len(share.cpus)
+    pod = next(s for v, s in shapes if v.name == "Org/Embed_v2")
+    assert set(pod.machine.cpus_usable) == set(cores[10:])  # its 6 cores of node 1, not the node's 7 (less the system core)
     part = memory_share(fleet_plan, "Org/Embed_v2")
     assert 0 < part < 1
     # its pod asks at most its part of what node 1 leaves after the reserve
-    assert embed.memory_bytes - embed.shm_bytes - 2 * GIB <= part * (64 - 2) * GIB
+    assert pod.memory_bytes - pod.shm_bytes - 2 * GIB <= part * (64 - 2) * GIB
 
 
 def test_slugs_are_dns_labels():
@@ -111,7 +121,7 @@ def test_slugs_are_dns_labels():
 
 
 def test_a_statefulset_name_that_cannot_fit_names_the_model_and_name(tmp_path):
-    root = build_sysfs(tmp_path / "m", nodes=(8, 8), smt=2, packages=2, node_memory=64 * GIB)
+    root = build_sysfs(tmp_path / "m", nodes=(8, 8, 8, 8), smt=2, packages=2, node_memory=64 * GIB)
     path = tmp_path / "fleet.yaml"
     path.write_text(FLEET)
     name = "v" + "x" * 40  # fine alone (41), but vsup-org-embed-v2's slug adds 13
@@ -122,7 +132,7 @@ def test_a_statefulset_name_that_cannot_fit_names_the_model_and_name(tmp_path):
 
 
 def test_two_models_of_one_slug_are_refused(tmp_path):
-    root = build_sysfs(tmp_path / "m", nodes=(8, 8), smt=2, packages=2, node_memory=64 * GIB)
+    root = build_sysfs(tmp_path / "m", nodes=(8, 8, 8, 8), smt=2, packages=2, node_memory=64 * GIB)
     path = tmp_path / "fleet.yaml"
     path.write_text(FLEET.replace("Org/Embed_v2", "CHAT"))
     result = vsup("export", "kubernetes", "--config", str(path), "--fsroot", str(root))
@@ -131,10 +141,20 @@ def test_two_models_of_one_slug_are_refused(tmp_path):
 
 
 def test_the_cli_writes_the_fleet_and_the_front_config_loads(tmp_path):
-    root = build_sysfs(tmp_path / "m", nodes=(8, 8), smt=2, packages=2, node_memory=64 * GIB)
+    root = build_sysfs(tmp_path / "m", nodes=(8, 8, 8, 8), smt=2, packages=2, node_memory=64 * GIB)
     path = tmp_path / "fleet.yaml"
-    path.write_text(FLEET.replace("instances: 2", "instances: 1"))
+    path.write_text(FLEET)
     result = vsup("export", "kubernetes", "--config", str(path), "--fsroot", str(root), "-o", str(tmp_path / "out"))
     assert result.returncode == 0, result.stderr
     docs = list(yaml.safe_load_all((tmp_path / "out" / "vsup.yaml").read_text()))
     assert [d["kind"] for d in docs].count("StatefulSet") == 2 and [d["kind"] for d in docs].count("Deployment") == 1
+
+
+def test_a_model_whose_instances_span_nodes_is_named_by_its_key(tmp_path):
+    root = build_sysfs(tmp_path / "m", nodes=(8, 8, 8, 8), smt=2, packages=2, node_memory=64 * GIB)
+    path = tmp_path / "fleet.yaml"
+    # chat: 1 instance over the 2 nodes it is given
+    path.write_text(FLEET.replace("instances: 2", "instances: 1", 1))
+    result = vsup("export", "kubernetes", "--config", str(path), "--fsroot", str(root))
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("vsup: error: models[0].instances: instance 0 spans NUMA nodes 0,1"), result.stderr

@@ -75,8 +75,10 @@ def shape_models(machine: Machine, fleet_plan: Plan, views: Sequence[ModelView],
         try:
             shape = shape_pod(machine, replace(fleet_plan, instances=insts, models=()), view.config, settings[view.name],
                               shm_bytes=shm_bytes, share=frozenset(share.cpus), memory_share=memory_share(fleet_plan, view.name))
-        except VsupError as exc:
-            raise VsupError(f"{view.key} ({view.name!r}): {exc}") from None
+        except VsupError as exc:  # "instances: ..." of the model's view is its entry's key
+            text = str(exc)
+            raise VsupError(f"{view.key}.{text}" if text.startswith(("instances:", "placement."))
+                            else f"{view.key} ({view.name!r}): {text}") from None
         shapes.append((view, shape))
     return tuple(shapes)
 
