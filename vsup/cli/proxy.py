@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 
 import click
 
+from vsup.config.admission import resolved
 from vsup.config.fleet import is_fleet, models_of
 from vsup.config.schema import HealthConfig, ProxyConfig, VsupConfig, load_config
 from vsup.errors import VsupError
@@ -84,7 +85,7 @@ def model_configs(pool: BackendPool, proxy_config: ProxyConfig, config: VsupConf
         if views is None:
             out[model] = proxy_config
         elif model in views:
-            out[model] = views[model].config.proxy
+            out[model] = resolved(views[model].config)  # max_in_flight_per_instance: max_num_seqs read from its vllm.args
         else:
             raise VsupError(f"--upstream {model}=...: --config serves no model {model!r}; it serves "
                             + ", ".join(repr(name) for name in views))

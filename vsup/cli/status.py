@@ -82,6 +82,20 @@ def render_models(status: dict) -> list[str]:
     return lines
 
 
+def render_queues(queues: dict) -> list[str]:
+    """One line per model with an admission queue (proxy.max_in_flight_per_instance)."""
+    lines = []
+    for model, q in sorted(queues.items()):
+        by = ", ".join(f"priority {p}: {n}" for p, n in sorted(q.get("by_priority", {}).items(), key=lambda i: -int(i[0])))
+        line = f"queue {printable(model) or '-'}: {q.get('waiting', 0)} waiting" + (f" ({by})" if by else "")
+        if "oldest_wait_s" in q:
+            line += f", oldest {q['oldest_wait_s']:.2f} s"
+        if q.get("waited"):
+            line += f"; {q['waited']} waited, mean {q['wait_sum_s'] / q['waited']:.2f} s"
+        lines.append(line)
+    return lines
+
+
 @click.command("status")
 @config_option
 @socket_option
@@ -104,6 +118,8 @@ def status_command(config_path: str | None, socket_path: str | None, output_form
         for line in render_models(data):
             click.echo(line)
     for line in render_instances(data["instances"], models=several):
+        click.echo(line)
+    for line in render_queues(data.get("queues") or {}):
         click.echo(line)
     from .rollout_view import render_changing, render_rollout  # (it uses this module's helpers)
 

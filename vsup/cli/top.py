@@ -50,6 +50,10 @@ def header(status: Mapping[str, Any], error: str | None, interval: float) -> Tex
     ready = v.get("ready", 0)
     text.append(f"{ready}/{len(instances)} ready", style="green" if ready == len(instances) else "bold red")
     text.append(f"  {v.get('in_flight', 0)} in flight")
+    queues = status.get("queues") or {}
+    if queues:  # admission (proxy.max_in_flight_per_instance): requests waiting in the proxy
+        waiting = sum(q.get("waiting", 0) for q in queues.values())
+        text.append(f"  {waiting} queued", style="bold yellow" if waiting else "")
     total = sum((e.get("metrics") or {}).get("generation_tokens_per_s") or 0.0 for e in instances)
     text.append(f"  {total:.1f} tok/s")
     if v.get("stopping"):

@@ -13,10 +13,21 @@ vsup (vsup/config/reloading.py: live, relaunch, fixed, start, unused); `RELOAD` 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, PrivateAttr, TypeAdapter, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ByteSize,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from vsup.config import proxy_routes
 from vsup.config.loader import describe, load_yaml, read_text
@@ -95,6 +106,23 @@ class VllmConfig(_Section):
         return value.expanduser() if value is not None else None
 
 
+class ApiKeyConfig(_Section):
+    """One entry of proxy.api_keys: a client's key, its admission priority and its rate limits."""
+
+    name: str = Field(..., min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$", description="the key's name (metrics, logs, errors; never the key itself)")
+    key: str | None = Field(None, min_length=1, description="the Bearer token itself (or key_env)")
+    key_env: str | None = Field(None, min_length=1, description="the environment variable that holds the token (kept out of the file)")
+    priority: int = Field(0, description="admission priority: higher is served first when a model's instances are all at their limit; also the highest the priority header may ask for")
+    requests_per_minute: float | None = Field(None, gt=0, description="token bucket: requests per minute (bursts up to one minute's worth); null: no limit")
+    tokens_per_minute: float | None = Field(None, gt=0, description="token bucket: tokens per minute, a request counted as its max_tokens (or max_completion_tokens, else 16) plus its body's bytes / 4; null: no limit")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ApiKeyConfig:
+        if (self.key is None) == (self.key_env is None):
+            raise ValueError("set exactly one of key and key_env")
+        return self
+
+
 class ProxyConfig(_Section):
     host: str = Field("127.0.0.1", description="address the proxy listens on (0.0.0.0: every interface)", json_schema_extra=fixed("the proxy listens there"))
     port: int = Field(8000, ge=0, le=65535, description="port clients use (http://host:port/v1); not one of the instances' ports", json_schema_extra=fixed("the proxy listens there"))
@@ -102,6 +130,14 @@ class ProxyConfig(_Section):
     policy: Literal["round_robin", "least_outstanding", "prefix_affinity"] = Field("round_robin", description="round_robin, least_outstanding (fewest requests in flight), or prefix_affinity (requests that share a prompt prefix or a session go to the same instance, whose prefix cache holds it; docs/proxy.md)", json_schema_extra=LIVE)
     affinity_prefix_chars: int = Field(2048, ge=16, description="prefix_affinity: how many leading characters of a request pick its instance (chat: the messages up to the first user message; completions: the prompt); requests alike in these share an instance", json_schema_extra=LIVE)
     affinity_max_imbalance: int = Field(4, ge=0, description="prefix_affinity: the chosen instance may have this many requests in flight more than the least loaded one (per unit of weight); beyond that the least loaded gets the request", json_schema_extra=LIVE)
+    # Admission (vsup/proxy/admission.py, docs/proxy.md "Admission"): a model's requests wait in the proxy, by priority.
+    max_in_flight_per_instance: int | Literal["max_num_seqs"] | None = Field(None, description="requests the proxy sends one instance at a time; when every ready instance of a model has this many, the next wait in the proxy in priority order (FIFO within one), not in vLLM's queue; max_num_seqs: the --max-num-seqs of the model's vllm.args; null or 0: no admission queue", json_schema_extra=LIVE)
+    reserved_slots: int = Field(0, ge=0, description="of each instance's max_in_flight_per_instance, slots only the highest priority in use (of api_keys and priority_header_values) may take, so it never waits behind a batch; must leave at least one slot", json_schema_extra=LIVE)
+    queue_max: int = Field(256, ge=0, description="requests that may wait for one model; one more gets 429 (a higher-priority arrival takes the place of the newest lowest-priority waiter, which gets the 429)", json_schema_extra=LIVE)
+    queue_timeout: float = Field(60.0, gt=0, description="seconds a request may wait for an instance; then 503 with Retry-After", json_schema_extra=LIVE)
+    api_keys: list[ApiKeyConfig] = Field(default_factory=list, description="named Bearer keys, each [{name, key or key_env, priority, requests_per_minute, tokens_per_minute}] (over their limit: 429 with Retry-After and x-ratelimit-* headers); api_key still works beside them, as a key of priority 0 without limits", json_schema_extra=LIVE)
+    priority_header: str | None = Field(None, description="a request header that picks the request's priority from priority_header_values (another value: 400); a named key's own priority is the highest it can pick; null: none", json_schema_extra=LIVE)
+    priority_header_values: dict[str, int] = Field(default_factory=dict, description="priority_header's allowed values and the priority each means, e.g. {interactive: 10, batch: -10}", json_schema_extra=LIVE)
     max_body_bytes: int = Field(8 * MiB, ge=1024, description="larger request bodies get 413", json_schema_extra=fixed("the proxy's request parser is built with it"))
     connect_timeout: float = Field(5.0, gt=0, description="seconds to connect to an instance", json_schema_extra=LIVE)
     first_byte_timeout: float = Field(300.0, gt=0, description="seconds to the first byte of a response (prefill of a long prompt on CPU takes a while)", json_schema_extra=LIVE)
@@ -115,6 +151,35 @@ class ProxyConfig(_Section):
     @classmethod
     def _admin_routes(cls, value: list[str]) -> list[str]:
         return proxy_routes.check_admin_routes(value)
+
+    @field_validator("max_in_flight_per_instance")
+    @classmethod
+    def _limit(cls, value: int | str | None) -> int | str | None:
+        if isinstance(value, int) and value < 0:
+            raise ValueError("must be 0 or more (0 or null: no admission queue), or max_num_seqs")
+        return value
+
+    @field_validator("priority_header")
+    @classmethod
+    def _header_name(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+", value):
+            raise ValueError(f"{value!r} is not an HTTP header name (letters, digits and -, e.g. X-Priority)")
+        return value
+
+    @model_validator(mode="after")
+    def _admission(self) -> ProxyConfig:
+        names = [entry.name for entry in self.api_keys]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise ValueError(f"api_keys: the name {twice[0]!r} is used twice: each key needs its own name")
+        if self.priority_header is not None and not self.priority_header_values:
+            raise ValueError("priority_header is set but priority_header_values is empty: list the values it may take, e.g. {interactive: 10, batch: -10}")
+        if self.priority_header is None and self.priority_header_values:
+            raise ValueError("priority_header_values is set but priority_header is null: name the header, e.g. X-Priority")
+        limit = self.max_in_flight_per_instance
+        if self.reserved_slots and isinstance(limit, int) and limit and self.reserved_slots >= limit:
+            raise ValueError(f"reserved_slots ({self.reserved_slots}) must be less than max_in_flight_per_instance ({limit}): the other priorities need a slot")
+        return self
 
     # The front door (vsup/proxy/clients.py): what a client may hold before it is authenticated.
     max_header_bytes: int = Field(64 * KiB, ge=1024, description="a request's line and headers together may be this many bytes; more gets 431 and the connection closed (each line is also limited to 8190 bytes, and a request to 128 headers)", json_schema_extra=LIVE)
@@ -246,7 +311,7 @@ class ModelConfig(_Section):
     share: float | None = Field(None, gt=0, le=1, description="the fraction of the usable physical cores its instances get, e.g. 0.25; null: placement.cores_per_instance x instances when both are set, else an equal share of what the others leave", json_schema_extra=relaunch())
     placement: PlacementConfig = Field(default_factory=PlacementConfig, description="its placement keys; a key written here replaces the top-level placement's for this model (the machine-wide memory_reserve_gib, reserve_cores, launcher, efficiency_cores only at the top level)")
     vllm: VllmConfig = Field(default_factory=VllmConfig, description="its vLLM keys (command, venv, args, env, access_log), each replacing the top-level one (a list or mapping whole); listen and the ports only at the top level")
-    proxy: ProxyConfig = Field(default_factory=ProxyConfig, description="how the proxy picks among its instances: policy, affinity_prefix_chars, affinity_max_imbalance (the rest of proxy is the one front door: top level only)")
+    proxy: ProxyConfig = Field(default_factory=ProxyConfig, description="how the proxy picks among its instances and admits its requests: policy, affinity_prefix_chars, affinity_max_imbalance, max_in_flight_per_instance, reserved_slots, queue_max, queue_timeout (the rest of proxy is the one front door: top level only)")
     warmup: WarmupConfig = Field(default_factory=WarmupConfig, description="its warm-up (health.warmup for this model): a generating model gets a completion, a pooling model an embedding or score request")
 
     @field_validator("model")
@@ -352,6 +417,9 @@ def parse_config(text: str, origin: str = "<config>", *, require_model: bool = T
         from vsup.config.fleet import check_fleet
 
         check_fleet(config)
+    from vsup.config.admission import check_admission
+
+    check_admission(config)
     return config
 
 

@@ -4,36 +4,80 @@ Constant-time comparison (hmac.compare_digest) so the key cannot be guessed byte
 response times. /health and /ready stay open for load balancers and systemd; /metrics needs the
 key when one is set (Prometheus sends it with `authorization: {credentials: KEY}`). The /status
 page also takes the key as the password of HTTP Basic auth (any user name): a browser asks for it.
+
+Named keys (proxy.api_keys) sit beside the one api_key: `identify` says which one a request
+sent. Each token is compared by its SHA-256 digest against every key's, all of them every time
+(no early exit), so neither a key's bytes nor which key matched shows in the response time.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import hmac
+import os
+from collections.abc import Mapping, Sequence
 
 from aiohttp import web
 
+from vsup.config.schema import ProxyConfig
+from vsup.errors import VsupError
+
+# identify()'s answer for a request without a valid key (a key's name is a str, "" the api_key's).
+REFUSED = None
+
+
+def named_keys(config: ProxyConfig, environ: Mapping[str, str] = os.environ) -> list[tuple[str, str]]:
+    """(name, token) of each proxy.api_keys entry; VsupError naming the entry whose key_env is unset."""
+    out = []
+    for i, entry in enumerate(config.api_keys):
+        token = entry.key if entry.key is not None else environ.get(entry.key_env or "", "")
+        if not token:
+            raise VsupError(f"proxy.api_keys[{i}].key_env: the environment variable {entry.key_env} that holds the key of "
+                            f"{entry.name!r} is not set (or is empty): export it before vsup starts, or write key")
+        out.append((entry.name, token))
+    return out
+
+
+def _digest(token: bytes) -> bytes:
+    return hashlib.sha256(token).digest()
+
 
 class BearerAuth:
-    def __init__(self, key: str | None) -> None:
+    def __init__(self, key: str | None, named: Sequence[tuple[str, str]] = ()) -> None:
         self._key = key.encode() if key else None
+        # every key as (its name, its token's digest); the api_key is named ""
+        self._digests = [(name, _digest(token.encode())) for name, token in named]
+        if self._key is not None and self._digests:
+            self._digests.append(("", _digest(self._key)))
 
     @property
     def enabled(self) -> bool:
-        return self._key is not None
+        return self._key is not None or bool(self._digests)
 
     def allows(self, request: web.BaseRequest) -> bool:
-        if self._key is None:
-            return True
+        return self.identify(request) is not REFUSED
+
+    def identify(self, request: web.BaseRequest) -> str | None:
+        """The name of the key the request sent ("" for proxy.api_key, or with no auth), or REFUSED."""
+        if not self.enabled:
+            return ""
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
         if scheme.lower() != "bearer":
-            return False
-        return hmac.compare_digest(token.strip().encode("utf-8", "surrogateescape"), self._key)
+            return REFUSED
+        sent = token.strip().encode("utf-8", "surrogateescape")
+        if not self._digests:
+            return "" if hmac.compare_digest(sent, self._key) else REFUSED  # type: ignore[arg-type]
+        digest, found = _digest(sent), REFUSED
+        for name, known in self._digests:
+            if hmac.compare_digest(digest, known):
+                found = name
+        return found
 
     def allows_browser(self, request: web.BaseRequest) -> bool:
-        """Bearer KEY, or Basic auth whose password is KEY (the browser's login prompt)."""
-        if self._key is None or self.allows(request):
+        """Bearer KEY, or Basic auth whose password is KEY (the browser's login prompt; proxy.api_key only)."""
+        if not self.enabled or self.allows(request):
             return True
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
         if scheme.lower() != "basic":
@@ -42,4 +86,4 @@ class BearerAuth:
             _, _, password = base64.b64decode(token.strip(), validate=True).partition(b":")
         except (binascii.Error, ValueError):
             return False
-        return hmac.compare_digest(password, self._key)
+        return self._key is not None and hmac.compare_digest(password, self._key)

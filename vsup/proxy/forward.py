@@ -9,6 +9,8 @@ The life of a request, and what can end it:
                still here when a drain starts                                -> 408/503
   queued       body size-checked, JSON-validated; in a fleet its model's instances
                (routing.py); an instance chosen                             -> 400/404/413/503
+  waiting      with a gate (gate.py): its priority and its key's rate limit  -> 400/429;
+               every instance of its model full: it waits (admission.py)    -> 429/503
   first_byte   sent upstream, waiting for the status line and the first body byte
                connect error, stale keep-alive connection, 503 from the instance, or a
                connection broken by an instance shown gone within GONE_GRACE (out of the
@@ -39,6 +41,7 @@ from vsup.proxy.clients import ClientPolicy
 from vsup.proxy.codec import header_lines, is_json, parse_json, request_headers, response_head, response_headers, str_headers
 from vsup.proxy.errors import RETRY_AFTER_SECONDS
 from vsup.proxy.exchange import Exchange
+from vsup.proxy.gate import Gate
 from vsup.proxy.metrics import ProxyMetrics, route_label
 from vsup.proxy.routing import WAIT, ModelRouter, Route
 from vsup.proxy.upstream import UpstreamClient
@@ -89,12 +92,14 @@ class Forwarder:
         self.clients = clients
         self.drop_authorization = drop_authorization
         self.router: ModelRouter | None = None  # routing by model (a fleet); None: one balancer over every instance
+        self.gate: Gate | None = None  # priorities, rate limits, admission (server.py builds it when configured)
         self.in_flight: dict[str, int] = {}
         self.active: set[Exchange] = set()
         self.draining = False
         self.loop = asyncio.get_running_loop()
         # The watchdog's period: a limit is enforced within one tick of its deadline.
-        self.tick = max(0.005, min(WATCHDOG_TICK, config.first_byte_timeout / 4, config.idle_timeout / 4, config.body_timeout / 4))
+        self.tick = max(0.005, min(WATCHDOG_TICK, config.first_byte_timeout / 4, config.idle_timeout / 4, config.body_timeout / 4,
+                                   config.queue_timeout / 4))
         self._watchdog: asyncio.TimerHandle | None = None
 
     def _sweep(self) -> None:
@@ -105,9 +110,12 @@ class Forwarder:
         for exchange in self.active:
             if now - exchange.last >= exchange.limit:
                 exchange.abort("timeout")  # cancel() only schedules: `active` is unchanged here
+        gate = self.gate
+        if gate is not None and gate.admission.waiting:
+            gate.admission.expire(now)  # waits past proxy.queue_timeout end with a 503
         self._watchdog = self.loop.call_at(now + self.tick, self._sweep) if self.active else None
 
-    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
+    async def handle(self, request: web.BaseRequest, client: str = "") -> web.StreamResponse:
         route = route_label(request.path)
         if self.draining:
             refused = errors.unavailable("the proxy is shutting down; retry on another replica or shortly", RETRY_AFTER_SECONDS)
@@ -120,7 +128,7 @@ class Forwarder:
         if self._watchdog is None:
             self._watchdog = loop.call_at(loop.time() + self.tick, self._sweep)
         try:
-            response, backend = await self._handle(request, exchange)
+            response, backend = await self._handle(request, exchange, client)
         except asyncio.CancelledError:
             if exchange.reason is None:
                 self.metrics.disconnect(exchange.phase)
@@ -133,7 +141,7 @@ class Forwarder:
             self.metrics.request(route, response.status, backend.name, backend.model)
         return response
 
-    async def _handle(self, request: web.BaseRequest, exchange: Exchange) -> tuple[web.StreamResponse, Backend | None]:
+    async def _handle(self, request: web.BaseRequest, exchange: Exchange, client: str) -> tuple[web.StreamResponse, Backend | None]:
         limit = self.config.max_body_bytes
         body = b""
         document = None
@@ -182,6 +190,14 @@ class Forwarder:
             elif picked is not None:  # refused (None: no backend has a model, route as before)
                 return picked, None
         key = balancer.key(document, request.headers)  # prefix_affinity: its prefix or session; else None
+        admitted: tuple[Backend, ...] | None = None  # the instances with room (admission), else None
+        extra: list[tuple[bytes, bytes]] | None = None  # headers for the answer (x-ratelimit-*)
+        gate = self.gate
+        if gate is not None:
+            passed = await self._gate(request, exchange, gate, route, client, document, len(body))
+            if isinstance(passed, web.StreamResponse):
+                return passed, None
+            admitted, extra = passed
 
         headers = request_headers(request.raw_headers, self.drop_authorization)
         # The request target exactly as the client sent it (path and query, still percent-encoded);
@@ -195,7 +211,9 @@ class Forwarder:
         backend: Backend | None = None
         while True:
             last = backend
-            if route is None:
+            if admitted is not None and not tried:
+                ready = admitted
+            elif route is None:
                 ready = self.pool.ready()
             else:
                 ready = router.current(route) if tried else route.ready  # type: ignore[union-attr]
@@ -217,13 +235,15 @@ class Forwarder:
             name = backend.name
             self.in_flight[name] = self.in_flight.get(name, 0) + 1
             try:
-                outcome = await self._attempt(request, exchange, backend, target, body, headers)
+                outcome = await self._attempt(request, exchange, backend, target, body, headers, extra)
             finally:
                 left = self.in_flight[name] - 1
                 if left:
                     self.in_flight[name] = left
                 else:
                     del self.in_flight[name]
+                if gate is not None:
+                    gate.admission.release(backend)  # the slot to the best waiter
             if not isinstance(outcome, tuple):  # an answer for the client
                 return outcome, backend
             fallback, reason, why = outcome
@@ -236,6 +256,34 @@ class Forwarder:
                     return errors.no_reachable_instance(unreachable), None
                 return fallback, backend
             self.metrics.retry(reason)
+
+    async def _gate(self, request: web.BaseRequest, exchange: Exchange, gate: Gate, route: Route | None, client: str,
+                    document: dict | None, size: int):
+        """Priority, rate limit, admission: (the instances with room or None, the answer's extra
+        headers), or the refusal. A wait ends with the client gone (the handler is cancelled: it
+        leaves the queue), the drain (503) or proxy.queue_timeout (gate's 503)."""
+        priority = gate.priority(client, request.headers)
+        if not isinstance(priority, int):
+            return priority
+        extra = gate.rate(client, request.path, document, size)
+        if not isinstance(extra, list):
+            return extra
+        router = self.router
+        if route is not None and router is not None:
+            queue, ready = route.name, (lambda: router.current(route))
+        else:
+            queue, ready = "", self.pool.ready
+        exchange.phase = "waiting"
+        try:
+            admitted = await gate.admit(queue, ready, priority)
+        except asyncio.CancelledError:
+            if exchange.reason is None:
+                raise  # the client went away: it has left the queue
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            return errors.unavailable("the proxy is shutting down; send the request again", RETRY_AFTER_SECONDS)
+        if isinstance(admitted, web.StreamResponse):
+            return admitted
+        return admitted, extra or None
 
     async def _read_body(self, request: web.BaseRequest, exchange: Exchange, limit: int) -> bytes | web.StreamResponse:
         """A body that did not come whole with the headers, read as it arrives: at most `limit`
@@ -275,7 +323,8 @@ class Forwarder:
             return b"".join(parts)
         return await send_and_close(request, response)  # the rest of the body will not be read
 
-    async def _attempt(self, request, exchange: Exchange, backend: Backend, target: bytes, body: bytes, headers: bytes):
+    async def _attempt(self, request, exchange: Exchange, backend: Backend, target: bytes, body: bytes, headers: bytes,
+                       extra: list[tuple[bytes, bytes]] | None = None):
         """One try on one instance: a response for the client, or (fallback, reason, why): what
         to answer if nothing better comes, why to retry (None: do not) and what went wrong."""
         exchange.phase = "queued"  # until a connection to the instance is ours
@@ -319,6 +368,8 @@ class Forwarder:
                 return relayed, "503", "503 from the instance"
 
             kept, content_type, has_length = response_head(upstream.raw_headers)
+            if extra:
+                kept += extra
             sse = content_type.startswith(b"text/event-stream")
             if sse and not has_length and RawResponse.fits(request, upstream.status):  # every ordinary stream
                 return await self._relay_stream(request, exchange, backend, upstream, kept, started, sse, raw=True)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 from bisect import bisect_left
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -103,6 +104,8 @@ class ProxyMetrics:
         # the requests refused by model ((model, reason) -> count; routing.py).
         self.model_policies: Callable[[], list[tuple[str, str, Mapping[str, int]]]] = list
         self.refusals: Mapping[tuple[str, str], int] | None = None
+        # More families, each a generator of them at scrape time (the admission gate's, gate.py)
+        self.families: list[Callable[[], Iterable[Any]]] = []
         self._ttfb = {True: _Histogram(TTFB_BUCKETS), False: _Histogram(TTFB_BUCKETS)}
         self._duration = {True: _Histogram(DURATION_BUCKETS), False: _Histogram(DURATION_BUCKETS)}
         self.registry = CollectorRegistry(auto_describe=False)
@@ -228,6 +231,8 @@ class ProxyMetrics:
             ready.add_metric(values(name, model=model), 1 if self._ready(name) else 0)
         yield state
         yield ready
+        for more in self.families:
+            yield from more()
         yield GaugeMetricFamily("vsup_asyncio_tasks", "asyncio tasks alive in vsup's event loop (flat over time: nothing piles up)",
                                 value=_asyncio_tasks())
 

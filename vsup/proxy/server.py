@@ -24,12 +24,13 @@ from vsup.errors import VsupError
 from vsup.proxy import aiohttp_internals, errors
 from vsup.proxy.address import Sessions
 from vsup.proxy.affinity import PrefixAffinity
-from vsup.proxy.auth import BearerAuth
+from vsup.proxy.auth import REFUSED, BearerAuth, named_keys
 from vsup.proxy.backends import Backend, BackendPool
 from vsup.proxy.balancer import make_balancer
 from vsup.proxy.clients import ClientPolicy
 from vsup.proxy.errors import RETRY_AFTER_SECONDS
 from vsup.proxy.forward import Forwarder
+from vsup.proxy.gate import Gate, needed
 from vsup.proxy.health import PROXY_HEADER
 from vsup.proxy.metrics import CONTENT_TYPE, ProxyMetrics
 from vsup.proxy.models import merged_models, models_of
@@ -67,7 +68,7 @@ class ProxyServer:
                  models: Mapping[str, ProxyConfig] | None = None) -> None:
         self.config = config
         self.pool = pool
-        self._auth = BearerAuth(api_key if api_key is not None else config.api_key)
+        self._auth = BearerAuth(api_key if api_key is not None else config.api_key, named_keys(config))
         proxy_routes.require_key(config.admin_routes, self._auth.enabled)
         self._routes = proxy_routes.table(config.admin_routes)
         self._balancer = make_balancer(config.policy, config)
@@ -80,6 +81,8 @@ class ProxyServer:
         self.metrics = ProxyMetrics(self.in_flight, pool.states, pool.is_ready, pool.models)
         self.metrics.policy, self.metrics.policy_decisions = self._balancer.name, self._balancer.decisions
         self._router: ModelRouter | None = None
+        self._model_configs = models
+        self._gate: Gate | None = None  # priorities, rate limits, admission: built in start() when configured
         self._set_models(config, models)
         self._own: dict[str, Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]] = {
             "/health": self._health, "/ready": self._ready, "/metrics": self._metrics,
@@ -113,6 +116,7 @@ class ProxyServer:
             drop_authorization=self._auth.enabled,
         )
         self._forwarder.router = self._router
+        self._set_gate(config, self._model_configs)
         if self._router is not None:
             for backend in self.pool.ready():
                 self._learn(backend)
@@ -146,6 +150,8 @@ class ProxyServer:
         # Requests in flight keep their connections.
         if self._client is not None:
             self._client.set_reusable(backend.url, ready)
+        if self._gate is not None:  # an instance joined or left: free slots to the waiters (once the router's tables follow)
+            asyncio.get_running_loop().call_soon(self._gate.admission.poke)
         router = self._router
         if router is not None:
             if state == "removed":
@@ -175,6 +181,28 @@ class ProxyServer:
             self.metrics.model_policies = list
         if self._forwarder is not None:
             self._forwarder.router = router
+
+    def _set_gate(self, config: ProxyConfig, models: Mapping[str, ProxyConfig] | None) -> None:
+        """A gate when some key asks for one (gate.needed); a reload that turns them all off removes
+        it, after letting its waiters go to the instances (no limit any more)."""
+        forwarder = self._forwarder
+        if forwarder is None:
+            return
+        gate = self._gate
+        if needed(config, models):
+            if gate is None:
+                gate = self._gate = Gate(forwarder.in_flight, forwarder.loop.time)
+                self.metrics.families.append(gate.families)
+            gate.configure(config, models)
+        elif gate is not None:
+            gate.configure(config, {})  # no limits: every waiter is granted a slot now
+            self._gate = None
+            self.metrics.families.remove(gate.families)
+        forwarder.gate = self._gate
+
+    def queues(self) -> dict[str, dict]:
+        """The admission queues by model (vsup status): waiting by priority, the oldest wait, waits so far."""
+        return self._gate.status() if self._gate is not None else {}
 
     def _learn(self, backend: Backend) -> None:
         """Fetch what `backend` serves (its /v1/models: base names and adapters) for routing; a
@@ -213,7 +241,12 @@ class ProxyServer:
         keeps its balancer and counts); {} turns routing by model off; None keeps the models as they
         are (a caller that knows nothing of models cannot turn a fleet's routing off by omission)."""
         self.config = config
-        self._auth = BearerAuth(api_key if api_key is not None else config.api_key)
+        try:
+            named = named_keys(config)
+        except VsupError as exc:  # fail closed: the named keys are refused until a reload can read them all
+            log.error("%s; the named keys (proxy.api_keys) are refused until then", exc)
+            named = [(entry.name, "") for entry in config.api_keys]
+        self._auth = BearerAuth(api_key if api_key is not None else config.api_key, [(n, t) for n, t in named if t])
         try:
             proxy_routes.require_key(config.admin_routes, self._auth.enabled)
             self._routes = proxy_routes.table(config.admin_routes)
@@ -228,8 +261,10 @@ class ProxyServer:
             self._balancer.max_imbalance = config.affinity_max_imbalance
         if models is not None:
             self._set_models(config, models)
+            self._model_configs = models
         elif self._router is not None:
             self._router.default = config
+        self._set_gate(config, self._model_configs)
         if self._client is not None:
             self._client.set_connect_timeout(config.connect_timeout)
         if self._clients is not None:
@@ -280,7 +315,7 @@ class ProxyServer:
         for site in list(self._runner.sites):
             await site.stop()  # closes the listening socket; open connections stay
         for exchange in list(forwarder.active):
-            if exchange.phase == "body":
+            if exchange.phase in ("body", "waiting"):
                 exchange.abort("draining")  # still sending its request: nothing started, 503 now
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
@@ -325,7 +360,8 @@ class ProxyServer:
             )
         route = self._routes.get(path) or proxy_routes.templated(path)
         if route is not None:
-            if not self._auth.allows(request):
+            client = self._auth.identify(request)
+            if client is REFUSED:
                 self.metrics.request("auth", 401, "")
                 return errors.unauthorized()
             if request.method not in route.methods:
@@ -334,7 +370,7 @@ class ProxyServer:
                 return errors.error_response(405, f"{path} answers {allow} only", "invalid_request_error", "method_not_allowed", headers={"Allow": allow})
             if path == "/v1/models":
                 return await self._models()
-            response = await self._forwarder.handle(request)  # type: ignore[union-attr]
+            response = await self._forwarder.handle(request, client)  # type: ignore[union-attr]
             if route.admin and path in _ADAPTER_ROUTES and response.status == 200 and self._router is not None:
                 for backend in self.pool.ready():  # an adapter loaded or unloaded: the model names changed
                     self._learn(backend)

@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from vsup.config import proxy_routes
+from vsup.config.admission import resolved
 from vsup.config.fleet import is_fleet, models_of
 from vsup.config.schema import ProxyConfig, VsupConfig, load_config
 from vsup.errors import VsupError
@@ -45,8 +46,9 @@ logger = logging.getLogger("vsup.supervisor")
 
 
 def model_proxies(config: VsupConfig) -> dict[str, ProxyConfig]:
-    """Each served model's proxy section (its policy), for the proxy's routing by model."""
-    return {view.name: view.config.proxy for view in models_of(config)}
+    """Each served model's proxy section (its policy, its admission limit as a number), for the
+    proxy's routing by model."""
+    return {view.name: resolved(view.config) for view in models_of(config)}
 
 
 def read_config(path: str, fsroot: str, environ: Mapping[str, str], running: VsupConfig,

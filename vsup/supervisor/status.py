@@ -42,6 +42,8 @@ def status(sup: Supervisor) -> dict[str, Any]:
             "control_socket": str(sup.control.path) if sup.control else None,
             "metrics_interval": config.metrics.interval,
         },
+        # the proxy's admission queues by model (proxy.max_in_flight_per_instance): waiting by priority, waits so far
+        "queues": proxy.queues() if proxy else {},
         # per model: its instances' indexes, ready count, states, in flight (by_model.summarize)
         "models": by_model.summarize(instances, model_order(config)),
         "instances": instances,

@@ -1,0 +1,201 @@
+"""Admission: a model's requests wait in the proxy, in priority order, while its instances are full.
+
+An instance is full when the proxy has `limit` requests in flight on it (proxy.
+max_in_flight_per_instance, or its --max-num-seqs); requests below the top priority in use see it
+full `reserve` slots earlier (proxy.reserved_slots), so an interactive request never waits
+behind a batch that has taken every slot. A request that finds no room waits in its queue (one
+per routed name): higher priority first, first come first served within one. A freed slot
+(`release`) or a pool change (`poke`) grants the best waiter a slot on a particular instance; the
+slot is reserved for it until its task runs, so a newcomer cannot take it in between. A waiter
+that leaves (its client gone, the drain) gives a granted slot on to the next at once.
+
+Bounded: `queue_max` waiters per queue; a full queue refuses (FULL) unless the newcomer's
+priority is above its last waiter's, which is then shed (SHED). `expire(now)` ends the waits past
+`timeout` (EXPIRED); the forwarder's watchdog calls it, so there is no timer per waiter.
+
+Pure: no sockets, no aiohttp; times are the caller's clock (a virtual one in the unit tests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from bisect import insort
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from vsup.proxy.backends import Backend
+
+FULL = "queue_full"
+SHED = "shed"
+EXPIRED = "queue_timeout"
+
+
+@dataclass(frozen=True)
+class Limit:
+    limit: int  # requests in flight per instance
+    reserve: int = 0  # of those, kept for the top priority
+    queue_max: int = 256
+    timeout: float = 60.0
+
+
+class Waiter:
+    __slots__ = ("order", "priority", "queue", "ready", "since", "future", "granted", "limit")
+
+    def __init__(self, priority: int, seq: int, queue: str, ready: Callable[[], tuple[Backend, ...]], since: float,
+                 future: asyncio.Future, limit: Limit) -> None:
+        self.order = (-priority, seq)  # the queue's sort key: highest priority, then the oldest
+        self.priority = priority
+        self.queue = queue
+        self.ready = ready
+        self.since = since
+        self.future = future
+        self.granted: Backend | None = None
+        self.limit = limit
+
+    def __lt__(self, other: Waiter) -> bool:
+        return self.order < other.order
+
+
+class Admission:
+    """`in_flight`: the forwarder's requests per instance (it counts; this reads). `limit_of`:
+    a backend's Limit, None for no limit (set by the gate from each model's settings)."""
+
+    def __init__(self, in_flight: dict[str, int], limit_of: Callable[[Backend], Limit | None], top: int = 0) -> None:
+        self.in_flight = in_flight
+        self.limit_of = limit_of
+        self.top = top  # the highest priority in use: the only one that may take reserved slots
+        self.reserved: dict[str, int] = {}  # backend name -> slots granted to waiters not yet running
+        self.queues: dict[str, list[Waiter]] = {}
+        self.waiting = 0
+        self.enqueued = 0  # requests that ever waited (a gate compares it around admit())
+
+    # -- per request
+    def room(self, backend: Backend, priority: int) -> bool:
+        limit = self.limit_of(backend)
+        if limit is None:
+            return True
+        cap = limit.limit - (limit.reserve if priority < self.top else 0)
+        name = backend.name
+        return self.in_flight.get(name, 0) + self.reserved.get(name, 0) < cap
+
+    def free(self, ready: Iterable[Backend], priority: int) -> tuple[Backend, ...]:
+        return tuple(b for b in ready if self.room(b, priority))
+
+    async def admit(self, queue: str, ready: Callable[[], tuple[Backend, ...]], priority: int, now: float,
+                    limit: Limit) -> tuple[Backend, ...] | str:
+        """The backends with room for this request (the caller counts it in flight on one of them
+        before its next await), or why it may not wait (FULL, SHED, EXPIRED). Returns an empty
+        tuple when nothing is ready. Cancellation (client gone, drain) leaves the queue at once."""
+        waiters = self.queues.get(queue)
+        if not waiters:
+            backends = ready()
+            if not backends:
+                return ()
+            free = self.free(backends, priority)
+            if free:
+                return free
+        waiters = self.queues.setdefault(queue, [])
+        if len(waiters) >= limit.queue_max:
+            last = waiters[-1] if waiters else None
+            if last is None or last.priority >= priority:
+                return FULL
+            self._leave(last, SHED)  # the newest of the lowest priority makes room
+        self.enqueued += 1
+        waiter = Waiter(priority, self.enqueued, queue, ready, now, asyncio.get_running_loop().create_future(), limit)
+        insort(waiters, waiter)
+        self.waiting += 1
+        self.poke()  # a slot may be free for it already (another queue's waiters blocked on other instances)
+        try:
+            outcome = await waiter.future
+        except asyncio.CancelledError:
+            self._leave(waiter, None)
+            raise
+        if isinstance(outcome, str):
+            return outcome
+        # the granted slot becomes this request's own: the caller counts it in flight next
+        self._unreserve(outcome)
+        waiter.granted = None
+        free = self.free(ready(), priority)
+        if outcome not in free:
+            free = (outcome, *free)
+        return free
+
+    def expire(self, now: float) -> int:
+        """End the waits longer than their timeout; how many ended."""
+        ended = 0
+        for waiters in list(self.queues.values()):
+            for waiter in [w for w in waiters if now - w.since >= w.limit.timeout]:
+                self._leave(waiter, EXPIRED)
+                ended += 1
+        return ended
+
+    # -- slots freed
+    def release(self, backend: Backend) -> None:
+        """A request on `backend` ended: its slot to the best waiter that may use it."""
+        if not self.waiting:
+            return
+        best: Waiter | None = None
+        for waiters in self.queues.values():
+            if waiters:
+                head = waiters[0]
+                if (best is None or head.order < best.order) and backend in head.ready() and self.room(backend, head.priority):
+                    best = head
+        if best is not None:
+            self._grant(best, backend)
+
+    def poke(self) -> None:
+        """Grant every slot free now (instances joined, limits raised, a waiter left)."""
+        while self.waiting:
+            heads = sorted(w[0] for w in self.queues.values() if w)
+            for head in heads:
+                backend = next((b for b in head.ready() if self.room(b, head.priority)), None)
+                if backend is not None:
+                    self._grant(head, backend)
+                    break
+            else:
+                return
+
+    # -- figures (/metrics, vsup status)
+    def lengths(self) -> dict[tuple[str, int], int]:
+        out: dict[tuple[str, int], int] = {}
+        for queue, waiters in self.queues.items():
+            for waiter in waiters:
+                key = (queue, waiter.priority)
+                out[key] = out.get(key, 0) + 1
+        return out
+
+    def oldest(self, now: float) -> dict[str, float]:
+        return {queue: now - min(w.since for w in waiters) for queue, waiters in self.queues.items() if waiters}
+
+    # -- inside
+    def _grant(self, waiter: Waiter, backend: Backend) -> None:
+        self._remove(waiter)
+        waiter.granted = backend
+        self.reserved[backend.name] = self.reserved.get(backend.name, 0) + 1
+        waiter.future.set_result(backend)
+
+    def _remove(self, waiter: Waiter) -> None:
+        waiters = self.queues.get(waiter.queue)
+        if waiters is not None and waiter in waiters:
+            waiters.remove(waiter)
+            self.waiting -= 1
+            if not waiters:
+                del self.queues[waiter.queue]
+
+    def _unreserve(self, backend: Backend) -> None:
+        left = self.reserved.get(backend.name, 0) - 1
+        if left > 0:
+            self.reserved[backend.name] = left
+        else:
+            self.reserved.pop(backend.name, None)
+
+    def _leave(self, waiter: Waiter, outcome: str | None) -> None:
+        """`waiter` is done waiting: answered `outcome`, or (None) cancelled; a slot granted to it
+        and not yet taken goes on to the next."""
+        self._remove(waiter)
+        granted, waiter.granted = waiter.granted, None
+        if granted is not None:
+            self._unreserve(granted)
+            self.release(granted)
+        if outcome is not None and not waiter.future.done():
+            waiter.future.set_result(outcome)

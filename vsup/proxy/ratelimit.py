@@ -1,0 +1,106 @@
+"""Per-key rate limits: a token bucket for requests and one for tokens (proxy.api_keys).
+
+A bucket holds up to one minute's worth (`per_minute`) and refills continuously at per_minute/60
+a second, so a key may burst a minute's quota and then goes at its rate. A request is let through
+only when both buckets have room, and takes from both; otherwise it takes nothing and is told how
+long until they have (Retry-After). The `x-ratelimit-*` headers are OpenAI's: the limit, what
+remains, and the time until the bucket is full again ("1s", "6m0s", "20ms").
+
+What a request costs in tokens is known before it runs only as an estimate: its max_tokens (or
+max_completion_tokens; neither: DEFAULT_COMPLETION, vLLM's default for /v1/completions) on a
+generating route, none on a pooling one, plus its body's bytes / 4 for the prompt (about four
+characters a token for English text, and the JSON around the prompt is small beside a long one).
+
+Pure: times are the caller's clock (a virtual one in the unit tests).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+DEFAULT_COMPLETION = 16
+BYTES_PER_TOKEN = 4
+# Routes whose requests generate tokens (the rest pool: embeddings, score, rerank, tokenize).
+GENERATING = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
+
+
+def estimate_tokens(path: str, document: Mapping[str, Any] | None, body_bytes: int) -> int:
+    completion = 0
+    if path in GENERATING:
+        completion = DEFAULT_COMPLETION
+        if document is not None:
+            for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
+                value = document.get(key)
+                if type(value) is int and value >= 0:
+                    completion = value
+                    break
+    return completion + math.ceil(body_bytes / BYTES_PER_TOKEN)
+
+
+def duration(seconds: float) -> str:
+    """OpenAI's x-ratelimit-reset-* form: 20ms, 1s, 1.5s, 6m0s."""
+    if seconds < 1:
+        return f"{max(0, math.ceil(seconds * 1000))}ms"
+    minutes, rest = divmod(seconds, 60)
+    text = f"{round(rest, 3):g}s"
+    return f"{int(minutes)}m{text}" if minutes else text
+
+
+class TokenBucket:
+    __slots__ = ("capacity", "rate", "level", "stamp")
+
+    def __init__(self, per_minute: float, now: float) -> None:
+        self.capacity = per_minute
+        self.rate = per_minute / 60.0
+        self.level = per_minute  # starts full
+        self.stamp = now
+
+    def refill(self, now: float) -> None:
+        if now > self.stamp:
+            self.level = min(self.capacity, self.level + (now - self.stamp) * self.rate)
+        self.stamp = now
+
+    def wait(self, amount: float) -> float:
+        """Seconds until `amount` fits (0: now; inf: never, it is more than the bucket holds). Refill first."""
+        if amount <= self.level:
+            return 0.0
+        if amount > self.capacity:
+            return math.inf
+        return (amount - self.level) / self.rate
+
+    def full_in(self) -> float:
+        return (self.capacity - self.level) / self.rate
+
+
+class KeyLimits:
+    """The buckets of one key (either may be None: not limited)."""
+
+    def __init__(self, requests_per_minute: float | None, tokens_per_minute: float | None, now: float) -> None:
+        self.requests = TokenBucket(requests_per_minute, now) if requests_per_minute else None
+        self.tokens = TokenBucket(tokens_per_minute, now) if tokens_per_minute else None
+
+    def take(self, tokens: int, now: float) -> float:
+        """0.0: let through (taken from both buckets); else the seconds until it would be (inf: never)."""
+        wait = 0.0
+        for bucket, amount in ((self.requests, 1), (self.tokens, tokens)):
+            if bucket is not None:
+                bucket.refill(now)
+                wait = max(wait, bucket.wait(amount))
+        if wait == 0.0:
+            if self.requests is not None:
+                self.requests.level -= 1
+            if self.tokens is not None:
+                self.tokens.level -= tokens
+        return wait
+
+    def headers(self) -> list[tuple[str, str]]:
+        """OpenAI's x-ratelimit-* headers, as of the last take()."""
+        out = []
+        for kind, bucket in (("requests", self.requests), ("tokens", self.tokens)):
+            if bucket is not None:
+                out += [(f"x-ratelimit-limit-{kind}", f"{bucket.capacity:g}"),
+                        (f"x-ratelimit-remaining-{kind}", str(max(0, math.floor(bucket.level)))),
+                        (f"x-ratelimit-reset-{kind}", duration(bucket.full_in()))]
+        return out
