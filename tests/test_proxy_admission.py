@@ -1,0 +1,170 @@
+"""Admission through a real ProxyServer over a real fake vLLM process (real sockets): a saturated
+model queues, a higher priority passes a lower one, a full queue answers 429 and a long wait 503
+(OpenAI's error shape, Retry-After), a client that leaves while waiting leaves the queue, a key
+over its rate limit gets 429 while another key is served."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+
+import aiohttp
+import pytest
+
+from tests.fakevllm.fixtures import start_fake
+from tests.proxy_support import LEAN, metric_value, metrics_text, url, wait_for
+from vsup.config.schema import ApiKeyConfig, ProxyConfig
+from vsup.proxy import ProxyServer
+from vsup.proxy.backends import Backend, BackendPool
+
+LONG = 0.05  # seconds per token of a "long" request: 20 tokens, about 1 s
+
+
+@pytest.fixture(scope="module")
+def fake():
+    started = start_fake(name="c0", served_model_names=["chat"], env=LEAN)
+    try:
+        started.wait_ready()
+        yield started
+    finally:
+        started.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def proxy_over(fake, model: ProxyConfig | None = None, **front):
+    pool = BackendPool()
+    pool.add(Backend(fake.name, fake.url, "chat"))
+    pool.set_state(fake.name, "ready", True)
+    model = model or ProxyConfig(max_in_flight_per_instance=1)
+    proxy = ProxyServer(ProxyConfig(port=0, **front), pool, models={"chat": model})
+    await proxy.start()
+    try:
+        yield proxy
+    finally:
+        await proxy.drain_and_stop(0)
+
+
+def chat(tokens: int = 2, delay: float | None = None) -> dict:
+    body: dict = {"model": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": tokens}
+    if delay is not None:
+        body["fake"] = {"token_delay": delay}
+    return body
+
+
+async def post(session, proxy, body, headers=None, timeout=None):
+    kw = {"timeout": aiohttp.ClientTimeout(total=timeout)} if timeout else {}
+    async with session.post(url(proxy, "/v1/chat/completions"), data=json.dumps(body),
+                            headers={"Content-Type": "application/json", **(headers or {})}, **kw) as response:
+        return response.status, response.headers, json.loads(await response.text())
+
+
+def waiting(proxy) -> int:
+    return sum(q["waiting"] for q in proxy.queues().values())
+
+
+async def test_saturated_model_queues_and_higher_priority_passes_lower(fake):
+    front = {"priority_header": "X-Priority", "priority_header_values": {"interactive": 10, "batch": -10}}
+    async with proxy_over(fake, **front) as proxy, aiohttp.ClientSession() as session:
+        finished: list[str] = []
+
+        async def one(tag, priority, body):
+            result = await post(session, proxy, body, {"X-Priority": priority})
+            finished.append(tag)
+            return result
+
+        first = asyncio.create_task(one("first", "batch", chat(20, LONG)))
+        await wait_for(lambda: proxy.in_flight().get("c0") == 1, what="the first request in flight")
+        low = asyncio.create_task(one("low", "batch", chat()))
+        await wait_for(lambda: waiting(proxy) == 1, what="the batch request waiting")
+        high = asyncio.create_task(one("high", "interactive", chat()))
+        await wait_for(lambda: waiting(proxy) == 2, what="both waiting")
+        assert proxy.queues()["chat"]["by_priority"] == {"-10": 1, "10": 1}
+        text = await metrics_text(proxy)
+        assert metric_value(text, "vsup_proxy_queue_length", model="chat", priority="-10") == 1
+        assert metric_value(text, "vsup_proxy_queue_length", model="chat", priority="10") == 1
+        assert proxy.in_flight() == {"c0": 1}  # vLLM was sent one, not three
+        results = await asyncio.gather(first, low, high)
+        assert [status for status, _, _ in results] == [200, 200, 200]
+        assert finished == ["first", "high", "low"]
+        text = await metrics_text(proxy)
+        assert metric_value(text, "vsup_proxy_queue_wait_seconds_count", model="chat", priority="10") == 1
+        assert metric_value(text, "vsup_proxy_queue_length", model="chat", priority="10") == 0
+        # a value outside the allow-list is refused, not taken as a priority
+        status, _, body = await post(session, proxy, chat(), {"X-Priority": "urgent"})
+        assert status == 400 and "X-Priority".lower() in body["error"]["message"] and "'interactive'" in body["error"]["message"]
+
+
+async def test_full_queue_429_and_deadline_503_in_openai_shape(fake):
+    async with proxy_over(fake, ProxyConfig(max_in_flight_per_instance=1, queue_max=1, queue_timeout=0.5)) as proxy, \
+            aiohttp.ClientSession() as session:
+        first = asyncio.create_task(post(session, proxy, chat(30, LONG)))
+        await wait_for(lambda: proxy.in_flight().get("c0") == 1, what="the first request in flight")
+        started = time.monotonic()
+        second = asyncio.create_task(post(session, proxy, chat()))
+        await wait_for(lambda: waiting(proxy) == 1, what="one waiting")
+        status, headers, body = await post(session, proxy, chat())  # the queue holds one
+        assert status == 429 and headers["Retry-After"] == "1"
+        assert set(body["error"]) == {"message", "type", "param", "code"} and body["error"]["code"] == "queue_full"
+        assert "proxy.queue_max" in body["error"]["message"]
+        status, headers, body = await second
+        waited = time.monotonic() - started
+        assert status == 503 and headers["Retry-After"] == "1" and body["error"]["code"] == "queue_timeout"
+        assert "proxy.queue_timeout" in body["error"]["message"]
+        assert 0.45 <= waited < 1.2, waited  # the deadline, not the first request's end
+        assert (await first)[0] == 200
+        text = await metrics_text(proxy)
+        assert metric_value(text, "vsup_proxy_queue_refusals_total", model="chat", reason="queue_full") == 1
+        assert metric_value(text, "vsup_proxy_queue_refusals_total", model="chat", reason="queue_timeout") == 1
+
+
+async def test_a_disconnecting_waiter_leaves_the_queue_at_once(fake):
+    async with proxy_over(fake) as proxy, aiohttp.ClientSession() as session:
+        first = asyncio.create_task(post(session, proxy, chat(30, LONG)))
+        await wait_for(lambda: proxy.in_flight().get("c0") == 1, what="the first request in flight")
+        with pytest.raises(asyncio.TimeoutError):
+            await post(session, proxy, chat(), timeout=0.3)  # gives up while it waits
+        await wait_for(lambda: waiting(proxy) == 0, timeout=0.5, what="the gone client out of the queue")
+        assert proxy.in_flight() == {"c0": 1}
+        late = asyncio.create_task(post(session, proxy, chat()))
+        assert (await first)[0] == 200
+        assert (await late)[0] == 200  # the freed slot went to a live waiter, not the gone one
+        text = await metrics_text(proxy)
+        assert metric_value(text, "vsup_proxy_client_disconnects_total", phase="waiting") == 1
+
+
+async def test_a_drain_answers_the_waiters(fake):
+    async with proxy_over(fake) as proxy, aiohttp.ClientSession() as session:
+        first = asyncio.create_task(post(session, proxy, chat(10, LONG)))
+        await wait_for(lambda: proxy.in_flight().get("c0") == 1, what="the first request in flight")
+        second = asyncio.create_task(post(session, proxy, chat()))
+        await wait_for(lambda: waiting(proxy) == 1, what="one waiting")
+        drain = asyncio.create_task(proxy.drain_and_stop(5))
+        status, headers, body = await second
+        assert status == 503 and "Retry-After" in headers and "shutting down" in body["error"]["message"]
+        assert (await first)[0] == 200  # in flight: finished, not lost
+        await drain
+
+
+async def test_a_key_over_its_rate_limit_gets_429_while_another_is_served(fake):
+    keys = [ApiKeyConfig(name="batch", key="k-batch", requests_per_minute=2),
+            ApiKeyConfig(name="web", key="k-web", priority=5)]
+    async with proxy_over(fake, ProxyConfig(), api_keys=keys) as proxy, aiohttp.ClientSession() as session:
+        batch, web = {"Authorization": "Bearer k-batch"}, {"Authorization": "Bearer k-web"}
+        status, headers, _ = await post(session, proxy, chat(), batch)
+        assert status == 200
+        assert headers["x-ratelimit-limit-requests"] == "2" and headers["x-ratelimit-remaining-requests"] == "1"
+        assert (await post(session, proxy, chat(), batch))[0] == 200
+        status, headers, body = await post(session, proxy, chat(), batch)
+        assert status == 429 and body["error"]["code"] == "rate_limit_exceeded" and body["error"]["type"] == "requests"
+        assert set(body["error"]) == {"message", "type", "param", "code"}
+        assert 1 <= int(headers["Retry-After"]) <= 30  # one request back every 30 s
+        assert headers["x-ratelimit-remaining-requests"] == "0" and headers["x-ratelimit-reset-requests"].endswith("s")
+        for _ in range(3):
+            status, headers, _ = await post(session, proxy, chat(), web)
+            assert status == 200 and "x-ratelimit-limit-requests" not in headers
+        assert (await post(session, proxy, chat(), {"Authorization": "Bearer nope"}))[0] == 401
+        assert (await post(session, proxy, chat()))[0] == 401
+        text = await metrics_text(proxy, "k-web")
+        assert metric_value(text, "vsup_proxy_rate_limited_total", key="batch", limit="requests") == 1
