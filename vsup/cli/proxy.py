@@ -136,7 +136,8 @@ def proxy_command(upstreams, host, port, api_key, policy, config_path) -> None:
     config = None
     if config_path is not None:
         config = load_config(config_path, require_model=False)
-        proxy_config, health = config.proxy, config.health
+        # a single-model file's max_in_flight_per_instance: max_num_seqs is read from its vllm.args
+        proxy_config, health = (config.proxy if is_fleet(config) else resolved(config)), config.health
     else:
         proxy_config, health = ProxyConfig(), HealthConfig()
     overrides = {k: v for k, v in {"host": host, "port": port, "policy": policy}.items() if v is not None}
