@@ -168,3 +168,28 @@ async def test_a_key_over_its_rate_limit_gets_429_while_another_is_served(fake):
         assert (await post(session, proxy, chat()))[0] == 401
         text = await metrics_text(proxy, "k-web")
         assert metric_value(text, "vsup_proxy_rate_limited_total", key="batch", limit="requests") == 1
+
+
+async def test_a_reload_that_raises_the_limit_or_turns_it_off_lets_the_waiters_go(fake):
+    pool = BackendPool()  # a standalone proxy's upstream: no model, one queue for all
+    pool.add(Backend(fake.name, fake.url))
+    pool.set_state(fake.name, "ready", True)
+    proxy = ProxyServer(ProxyConfig(port=0, max_in_flight_per_instance=1), pool)
+    await proxy.start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            first = asyncio.create_task(post(session, proxy, chat(40, LONG)))
+            await wait_for(lambda: proxy.in_flight().get("c0") == 1, what="the first request in flight")
+            second = asyncio.create_task(post(session, proxy, chat(40, LONG)))
+            third = asyncio.create_task(post(session, proxy, chat()))
+            await wait_for(lambda: waiting(proxy) == 2, what="two waiting")
+            proxy.reconfigure(ProxyConfig(port=0, max_in_flight_per_instance=2), None)
+            await wait_for(lambda: waiting(proxy) == 1 and proxy.in_flight().get("c0") == 2, timeout=0.5,
+                           what="one more admitted at once")
+            proxy.reconfigure(ProxyConfig(port=0), None)  # no admission any more
+            assert (await asyncio.wait_for(third, 1.5))[0] == 200  # long before the first two end
+            assert not first.done()
+            assert proxy.queues() == {}
+            assert [r[0] for r in await asyncio.gather(first, second)] == [200, 200]
+    finally:
+        await proxy.drain_and_stop(0)
