@@ -157,3 +157,16 @@ async def test_no_limit_and_nothing_ready():
     lim = Limit(1)
     assert await adm.admit("chat", lambda: (A, B), 0, 0.0, lim) == (A, B)
     assert await adm.admit("chat", lambda: (), 0, 0.0, lim) == ()
+
+
+async def test_a_queue_of_one_shed_for_a_higher_priority_serves_it():
+    adm, fl, lim, ready = setup(queue_max=1)
+    await enter(adm, fl, ready, lim)
+    low = asyncio.create_task(enter(adm, fl, ready, lim, 0))
+    await settle()
+    high = asyncio.create_task(enter(adm, fl, ready, lim, 3))
+    await settle()
+    assert low.result() == SHED and adm.lengths() == {("chat", 3): 1}
+    done(adm, fl)
+    await settle()
+    assert high.result() == (A,)

@@ -20,6 +20,9 @@ from vsup.proxy import ProxyServer
 from vsup.proxy.backends import Backend, BackendPool
 
 LONG = 0.05  # seconds per token of a "long" request: 20 tokens, about 1 s
+# the live keys whose reload these tests show (tests/test_reload_classes.py counts them covered)
+RELOAD_COVERED = {f"proxy.{key}" for key in ("max_in_flight_per_instance", "reserved_slots", "queue_max", "queue_timeout",
+                                             "api_keys", "priority_header", "priority_header_values")}
 
 
 @pytest.fixture(scope="module")
@@ -191,5 +194,52 @@ async def test_a_reload_that_raises_the_limit_or_turns_it_off_lets_the_waiters_g
             assert not first.done()
             assert proxy.queues() == {}
             assert [r[0] for r in await asyncio.gather(first, second)] == [200, 200]
+    finally:
+        await proxy.drain_and_stop(0)
+
+
+async def test_a_reload_applies_the_queue_keys_the_keys_and_the_priority_header(fake):
+    pool = BackendPool()
+    pool.add(Backend(fake.name, fake.url, "chat"))
+    pool.set_state(fake.name, "ready", True)
+    proxy = ProxyServer(ProxyConfig(port=0), pool, models={"chat": ProxyConfig()})
+    await proxy.start()
+
+    def reload(front: dict, model: dict) -> None:
+        proxy.reconfigure(ProxyConfig(port=0, **front), None, models={"chat": ProxyConfig(**model)})
+
+    try:
+        async with aiohttp.ClientSession() as session:
+            # api_keys: a key added by a reload is taken, the requests without one refused
+            reload({"api_keys": [ApiKeyConfig(name="web", key="k1", priority=10)]}, {})
+            web = {"Authorization": "Bearer k1"}
+            assert (await post(session, proxy, chat()))[0] == 401
+            assert (await post(session, proxy, chat(), web))[0] == 200
+            # priority_header and its values
+            front = {"api_keys": [ApiKeyConfig(name="web", key="k1", priority=10), ApiKeyConfig(name="etl", key="k2")],
+                     "priority_header": "X-Priority", "priority_header_values": {"batch": -10}}
+            reload(front, {})
+            assert (await post(session, proxy, chat(), {**web, "X-Priority": "interactive"}))[0] == 400
+            front["priority_header_values"] = {"batch": -10, "interactive": 10}
+            reload(front, {})
+            assert (await post(session, proxy, chat(), {**web, "X-Priority": "interactive"}))[0] == 200
+            etl = {"Authorization": "Bearer k2", "X-Priority": "batch"}
+            # max_in_flight_per_instance + reserved_slots: the batch waits for the one slot it may take...
+            reload(front, {"max_in_flight_per_instance": 2, "reserved_slots": 1, "queue_max": 1, "queue_timeout": 30})
+            first = asyncio.create_task(post(session, proxy, chat(30, LONG), etl))
+            await wait_for(lambda: proxy.in_flight().get("c0") == 1, what="the batch request in flight")
+            second = asyncio.create_task(post(session, proxy, chat(), etl))
+            await wait_for(lambda: waiting(proxy) == 1, what="the second batch request waiting")
+            # ...queue_max 1: a third is refused; the top priority takes the reserved slot at once
+            assert (await post(session, proxy, chat(), etl))[1]["Retry-After"] == "1"
+            status, _, _ = await asyncio.wait_for(post(session, proxy, chat(), web), 1.0)
+            assert status == 200 and second.done() and (await second)[0] == 429  # shed for it (queue_max 1)
+            second = asyncio.create_task(post(session, proxy, chat(), etl))
+            await wait_for(lambda: waiting(proxy) == 1, what="a batch request waiting again")
+            # queue_timeout lowered: the waiting one ends by it, not by the 30 s it began with
+            reload(front, {"max_in_flight_per_instance": 2, "reserved_slots": 1, "queue_max": 1, "queue_timeout": 0.2})
+            status, _, body = await asyncio.wait_for(second, 1.0)
+            assert status == 503 and body["error"]["code"] == "queue_timeout"
+            assert (await first)[0] == 200
     finally:
         await proxy.drain_and_stop(0)

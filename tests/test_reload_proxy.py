@@ -14,6 +14,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from tests.test_proxy_admission import RELOAD_COVERED
 from vsup.config.schema import RELOAD, ProxyConfig
 from vsup.proxy import ProxyServer
 from vsup.proxy.backends import Backend, BackendPool
@@ -23,7 +24,8 @@ pytestmark = pytest.mark.timeout(60)
 # what these tests cover; test_reload_classes.py checks it is every live proxy key but drain_timeout
 COVERED = {"proxy.connect_timeout", "proxy.first_byte_timeout", "proxy.idle_timeout", "proxy.retries", "proxy.policy",
            "proxy.affinity_prefix_chars", "proxy.affinity_max_imbalance", "proxy.api_key", "proxy.admin_routes",
-           "proxy.max_header_bytes", "proxy.header_timeout", "proxy.body_timeout", "proxy.max_connections_per_client"}
+           "proxy.max_header_bytes", "proxy.header_timeout", "proxy.body_timeout", "proxy.max_connections_per_client",
+           *RELOAD_COVERED}  # the admission keys: tests/test_proxy_admission.py
 
 
 @contextlib.contextmanager

@@ -100,6 +100,7 @@ class Admission:
             if last is None or last.priority >= priority:
                 return FULL
             self._leave(last, SHED)  # the newest of the lowest priority makes room
+            waiters = self.queues.setdefault(queue, [])  # (its leaving may have dropped an emptied queue)
         self.enqueued += 1
         waiter = Waiter(priority, self.enqueued, queue, ready, now, asyncio.get_running_loop().create_future(), limit)
         insort(waiters, waiter)

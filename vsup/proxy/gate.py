@@ -109,7 +109,12 @@ class Gate:
         self.limits = {name: limit_of(c) for name, c in (models or {}).items()}
         priorities = [k.priority for k in keys.values()] + list(self.values.values())
         self.admission.top = max(priorities, default=0)
-        self.admission.poke()
+        for queue, waiters in self.admission.queues.items():  # the waiting ones under the new bound and deadline too
+            new = self._queue_limit(queue, waiters[0].ready())
+            if new is not None:
+                for waiter in waiters:
+                    waiter.limit = new
+        self.admission.poke()  # (a model without a limit now has room everywhere: its waiters go)
 
     def _backend_limit(self, backend: Backend) -> Limit | None:
         return self.limits.get(backend.model, self.default) if backend.model else self.default
@@ -178,6 +183,7 @@ class Gate:
             return outcome
         self.refused[(queue, priority, outcome)] = self.refused.get((queue, priority, outcome), 0) + 1
         shown = repr(queue) if queue else "the"
+        limit = self._queue_limit(queue, ready()) or limit  # as a reload may have left it
         if outcome == EXPIRED:
             self._waited(queue, priority, self.clock() - started)
             return errors.error_response(
