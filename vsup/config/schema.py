@@ -124,9 +124,9 @@ class ProxyConfig(_Section):
 
 
 class WarmupConfig(_Section):
-    enabled: bool = Field(True, description="before an instance joins the rotation (first start and every restart), send it one short completion; a failed or timed-out warm-up counts as a failed start (turn it off for models that do not generate, e.g. embeddings)", json_schema_extra=LIVE)
-    prompt: str = Field("Hello", min_length=1, description="the warm-up's prompt (POST /v1/completions to the instance itself)", json_schema_extra=LIVE)
-    max_tokens: int = Field(4, ge=1, description="tokens the warm-up generates", json_schema_extra=LIVE)
+    enabled: bool = Field(True, description="before an instance joins the rotation (first start and every restart), send it one short request that fits its model: a completion (POST /v1/completions) for a generating model; for a pooling model (--runner pooling, --convert embed|classify, or an embedding/classifier architecture) POST /v1/embeddings for an embedding model, POST /pooling for a classifier or reranker; a failed or timed-out warm-up counts as a failed start", json_schema_extra=LIVE)
+    prompt: str = Field("Hello", min_length=1, description="the warm-up's text, sent to the instance itself: the prompt of the completion, the input of a pooling model's /v1/embeddings or /pooling request", json_schema_extra=LIVE)
+    max_tokens: int = Field(4, ge=1, description="tokens the warm-up completion generates (a pooling model's warm-up generates none)", json_schema_extra=LIVE)
     timeout: float = Field(120.0, gt=0, description="seconds the warm-up may take", json_schema_extra=LIVE)
 
 
@@ -247,7 +247,7 @@ class ModelConfig(_Section):
     placement: PlacementConfig = Field(default_factory=PlacementConfig, description="its placement keys; a key written here replaces the top-level placement's for this model (the machine-wide memory_reserve_gib, reserve_cores, launcher, efficiency_cores only at the top level)")
     vllm: VllmConfig = Field(default_factory=VllmConfig, description="its vLLM keys (command, venv, args, env, access_log), each replacing the top-level one (a list or mapping whole); listen and the ports only at the top level")
     proxy: ProxyConfig = Field(default_factory=ProxyConfig, description="how the proxy picks among its instances: policy, affinity_prefix_chars, affinity_max_imbalance (the rest of proxy is the one front door: top level only)")
-    warmup: WarmupConfig = Field(default_factory=WarmupConfig, description="its warm-up (health.warmup for this model): a generating model gets a completion, a pooling model an embedding or score request")
+    warmup: WarmupConfig = Field(default_factory=WarmupConfig, description="its warm-up (health.warmup for this model): a generating model gets a completion, a pooling model an embedding (/v1/embeddings) or pooling (/pooling) request")
 
     @field_validator("model")
     @classmethod
