@@ -25,6 +25,7 @@ from vsup.errors import VsupError
 from vsup.proxy.health import HealthResult
 from vsup.supervisor import oomkill
 from vsup.supervisor.processes import StopReport
+from vsup.supervisor.warmup import ROUTES
 
 SETTLE = 60  # event-loop turns that let every ready task run before the clock may move
 
@@ -113,6 +114,7 @@ class FakeOps:
         self.stop_time = stop_time
         self.warmup_time = warmup_time
         self.warmups: list[tuple[int, dict]] = []  # (pid, body) of every warm-up request
+        self.warmup_routes: list[tuple[int, str]] = []  # (pid, route) of every warm-up request
         self.spawn_error: str | None = None  # the next spawns fail with VsupError(this)
         self.processes: list[FakeProcess] = []
         self.stopped: list[int] = []  # pids stop_tree was called for, in order
@@ -170,16 +172,18 @@ class FakeOps:
     async def owns_address(self, process: FakeProcess, url: str, who: str) -> str | None:
         return self.impostor
 
-    async def warm_up(self, url: str, body: dict, timeout: float) -> HealthResult:
+    async def warm_up(self, url: str, body: dict, timeout: float, kind: str = "completion") -> HealthResult:
+        route = ROUTES[kind]  # type: ignore[index]
         process = self.process_at(url)
         if process is None or process.returncode is not None:
-            return HealthResult(False, "POST /v1/completions: cannot connect: connection refused")
+            return HealthResult(False, f"POST {route}: cannot connect: connection refused")
         self.warmups.append((process.pid, body))
+        self.warmup_routes.append((process.pid, route))
         if process.warmup == "hang":
             await self.clock.sleep(timeout)
-            return HealthResult(False, f"POST /v1/completions: timeout after {timeout:g}s")
+            return HealthResult(False, f"POST {route}: timeout after {timeout:g}s")
         await self.clock.sleep(self.warmup_time)
-        return HealthResult(process.warmup == 200, f"POST /v1/completions: HTTP {process.warmup}")
+        return HealthResult(process.warmup == 200, f"POST {route}: HTTP {process.warmup}")
 
     async def tree_rss(self, process: FakeProcess) -> int | None:
         return process.rss if process.returncode is None else None

@@ -24,6 +24,7 @@ class Target:  # a control.Controlled
 
     def __init__(self, proxy_port: int = 8000) -> None:
         self.instance_count = 2
+        self.instance_indexes = [0, 1]
         self.proxy_port = proxy_port
         self.restarted: list[tuple[list[int], bool]] = []
         self.reloaded: list[tuple[str, bool]] = []

@@ -246,6 +246,19 @@ def test_paths_under_home_are_flagged(tmp_path, vsup_path):
     assert "model /home/alice/models/qwen is under /home, which ProtectHome=yes hides" in out
 
 
+def test_a_fleets_models_are_each_checked_and_counted(tmp_path, vsup_path):
+    config = tmp_path / "etc/vsup/vsup.yaml"
+    config.parent.mkdir(parents=True)
+    config.write_text("stop: {timeout: 10}\nproxy: {drain_timeout: 5}\nmodels:\n  - {model: /srv/chat, instances: 2}\n"
+                      "  - {model: /root/embed, instances: 1}\n")
+    code, out = run_install(tmp_path, vsup_path)
+    assert code == 0, out
+    assert "models[1].model /root/embed is under /root, which ProtectHome=yes hides" in out
+    assert "/srv/chat is under" not in out
+    _start, stop = timeouts_for(parse_config(config.read_text()), 3)
+    assert f"TimeoutStopSec={stop}" in (tmp_path / "etc/systemd/system/vsup.service").read_text()
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (("--vsup", "/nonexistent/vsup"), "not an executable file"),
     (("--config", "relative.yaml"), "absolute path"),

@@ -8,9 +8,8 @@ and `--uds` socket), the chat one on instance 0's CPUs and the embedding one on 
 both are used directly on their sockets through the real `openai` client; vsup's kind-aware warm-up
 (vsup/supervisor/warmup.py) is sent to the pooling one.
 
-The last test runs one `vsup run` with a `models:` config (FLEET.md) and kills the embedding
-instance with SIGKILL under a chat load. It is skipped until the fleet lands; its body is written
-against the config shape and tests/vsup_harness.py, to be un-skipped as it is.
+The last test runs one `vsup run` with a `models:` config and kills the embedding instance with
+SIGKILL under a chat load.
 
 Marked `vllm` (the venv and model are built once per machine and cached, as for
 tests/test_vllm_e2e.py, whose helpers these tests share); `VSUP_SKIP_VLLM=1` skips them.
@@ -365,8 +364,6 @@ async def test_vsups_warm_up_of_each_kind(pair):
 # ---- the fleet: one vsup run --------------------------------------------------------------------
 
 @pytest.mark.vllm
-@pytest.mark.skip(reason="TODO(issue 21, lead): un-skip once `vsup run` serves a models: config (the fleet); "
-                         "the body is written against FLEET.md's config shape")
 def test_one_vsup_run_serves_chat_and_embeddings_and_survives_a_kill9_of_the_embedding_instance(vllm_install, tmp_path):
     venv, model = vllm_install
     config = fleet_config(venv, model, tmp_path)

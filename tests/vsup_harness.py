@@ -128,7 +128,8 @@ def make_config(tmp: Path, *, instances: int = 2, **sections) -> dict:
 
 
 class VsupRun:
-    def __init__(self, tmp: Path, config: dict, env: dict[str, str] | None = None, vsup: list[str] = VSUP) -> None:
+    def __init__(self, tmp: Path, config: dict, env: dict[str, str] | None = None, vsup: list[str] = VSUP,
+                 args: list[str] | None = None) -> None:
         self.tmp = tmp
         self.config = config
         self.config_path = tmp / "vsup.yaml"
@@ -144,7 +145,7 @@ class VsupRun:
         full_env.update(env or {})
         self.seen_pids: set[int] = set()
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen([*vsup, "run", "--config", str(self.config_path)], cwd=tmp, env=full_env,
+            self.proc = subprocess.Popen([*vsup, "run", "--config", str(self.config_path), *(args or [])], cwd=tmp, env=full_env,
                                          stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True)
 

@@ -4,6 +4,11 @@ Each --upstream is health-checked on GET /health (the `health` section of --conf
 timeout, failures) and is in rotation only while healthy; an upstream that is another vsup is
 checked on GET /ready instead and weighted by the instances ready behind it (0: out of rotation). SIGTERM/SIGINT drain: stop accepting,
 let in-flight requests finish for proxy.drain_timeout, then abort the rest.
+
+`--upstream MODEL=URL` says which model an upstream serves (the front of a fleet export: one
+model's vsups behind each name); then requests go by the body's `model` (vsup/proxy/routing.py),
+each model balanced by its own policy: a fleet --config's `models[i].proxy`, else the proxy's.
+Either every upstream names its model or none does.
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ from urllib.parse import urlsplit
 
 import click
 
-from vsup.config.schema import HealthConfig, ProxyConfig, load_config
+from vsup.config.fleet import is_fleet, models_of
+from vsup.config.schema import HealthConfig, ProxyConfig, VsupConfig, load_config
 from vsup.errors import VsupError
 from vsup.proxy.backends import Backend, BackendPool
 from vsup.safetext import PrintableFormatter
@@ -42,21 +48,55 @@ def parse_upstream(url: str) -> str:
     return f"{parts.scheme}://{parts.netloc}"
 
 
+def parse_spec(raw: str) -> tuple[str, str]:
+    """`[MODEL=]URL` -> (model or "", normalised URL). A model name may hold '/' (org/name), a URL
+    never holds '=' (no query), so the first '=' before any '://' splits them."""
+    model, sep, url = raw.partition("=")
+    if not sep or "://" in model:
+        return "", parse_upstream(raw)
+    if not model.strip():
+        raise VsupError(f"--upstream {raw!r}: no model before '='; give MODEL=URL, e.g. chat=http://127.0.0.1:8100")
+    return model.strip(), parse_upstream(url)
+
+
 def build_pool(urls: tuple[str, ...]) -> BackendPool:
     pool = BackendPool()
-    for raw in urls:
-        url = parse_upstream(raw)
+    specs = [(raw, *parse_spec(raw)) for raw in urls]
+    named = [raw for raw, model, _ in specs if model]
+    if named and len(named) != len(specs):
+        bare = next(raw for raw, model, _ in specs if not model)
+        raise VsupError(f"--upstream {bare!r}: names no model while {named[0]!r} does; give every upstream as "
+                        "MODEL=URL, or none")
+    for raw, model, url in specs:
         if url in {b.url for b in pool.all()}:
             raise VsupError(f"--upstream {raw!r} is given twice")
-        pool.add(Backend(name=url, url=url))
+        pool.add(Backend(name=url, url=url, model=model))
     return pool
 
 
-async def serve(proxy_config: ProxyConfig, health: HealthConfig, pool: BackendPool, api_key: str | None) -> None:
+def model_configs(pool: BackendPool, proxy_config: ProxyConfig, config: VsupConfig | None) -> dict[str, ProxyConfig]:
+    """Each upstream model's balancer settings: its entry's in a fleet --config (a model that file
+    does not serve is an error), else the proxy's own. Empty: no upstream names a model."""
+    models = sorted({b.model for b in pool.all() if b.model})
+    views = {v.name: v for v in models_of(config)} if config is not None and is_fleet(config) else None
+    out = {}
+    for model in models:
+        if views is None:
+            out[model] = proxy_config
+        elif model in views:
+            out[model] = views[model].config.proxy
+        else:
+            raise VsupError(f"--upstream {model}=...: --config serves no model {model!r}; it serves "
+                            + ", ".join(repr(name) for name in views))
+    return out
+
+
+async def serve(proxy_config: ProxyConfig, health: HealthConfig, pool: BackendPool, api_key: str | None,
+                models: dict[str, ProxyConfig] | None = None) -> None:
     from vsup.proxy import ProxyServer
     from vsup.proxy.healthcheck import HealthChecker
 
-    server = ProxyServer(proxy_config, pool, api_key=api_key)
+    server = ProxyServer(proxy_config, pool, api_key=api_key, models=models or None)
     checker = HealthChecker(pool, interval=health.interval, timeout=health.timeout, failures=health.failures,
                             on_weight=server.set_weight)
     await server.start()
@@ -76,8 +116,9 @@ async def serve(proxy_config: ProxyConfig, health: HealthConfig, pool: BackendPo
 
 
 @click.command("proxy")
-@click.option("--upstream", "upstreams", multiple=True, required=True, metavar="URL",
-              help="An OpenAI-compatible server, e.g. http://127.0.0.1:8100 (repeat for each).")
+@click.option("--upstream", "upstreams", multiple=True, required=True, metavar="[MODEL=]URL",
+              help="An OpenAI-compatible server, e.g. http://127.0.0.1:8100 (repeat for each); MODEL=URL: it serves "
+                   "MODEL, and requests go by their model.")
 @click.option("--host", default=None, help="Listen address [default: proxy.host, 127.0.0.1].")
 @click.option("--port", type=click.IntRange(0, 65535), default=None, help="Listen port [default: proxy.port, 8000].")
 @click.option("--api-key", envvar="VSUP_API_KEY", default=None,
@@ -91,6 +132,7 @@ def proxy_command(upstreams, host, port, api_key, policy, config_path) -> None:
     """The proxy alone, in front of servers started elsewhere (health-checked on /health; other
     vsups on /ready, weighted by their ready instances)."""
     pool = build_pool(upstreams)
+    config = None
     if config_path is not None:
         config = load_config(config_path, require_model=False)
         proxy_config, health = config.proxy, config.health
@@ -99,9 +141,10 @@ def proxy_command(upstreams, host, port, api_key, policy, config_path) -> None:
     overrides = {k: v for k, v in {"host": host, "port": port, "policy": policy}.items() if v is not None}
     if overrides:
         proxy_config = proxy_config.model_copy(update=overrides)
+    models = model_configs(pool, proxy_config, config)
     handler = logging.StreamHandler()  # upstreams' text in the log lines shown as plain text
     handler.setFormatter(PrintableFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=logging.INFO, handlers=[handler])
     from vsup.proxy.runloop import run
 
-    run(serve(proxy_config, health, pool, api_key or proxy_config.api_key))
+    run(serve(proxy_config, health, pool, api_key or proxy_config.api_key, models))

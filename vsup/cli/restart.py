@@ -50,7 +50,8 @@ def restart_command(target: str, rolling: bool, no_wait: bool, config_path: str 
     if output_format == "json":
         click.echo(json.dumps(data, indent=2))
     else:
-        for line in render_instances(data["instances"]):
+        named = {inst.get("model") for inst in data["instances"] if inst.get("model")}
+        for line in render_instances(data["instances"], models=len(named) > 1):  # as `vsup status` shows a fleet
             click.echo(line)
     if no_wait:
         return

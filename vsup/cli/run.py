@@ -75,7 +75,7 @@ def run_command(config_path: str, log_level: str | None, log_format: str, fsroot
     """Start the planned instances and the proxy; keep them healthy until SIGTERM/SIGINT."""
     # the supervisor's modules (aiohttp, the proxy, psutil) load only when vsup really runs
     from vsup.proxy.runloop import run
-    from vsup.supervisor.launch import build_command
+    from vsup.supervisor.launch import build_command, model_config
     from vsup.supervisor.leftovers import sweep as sweep_leftovers
     from vsup.supervisor.preflight import check_programs, checked_plan
     from vsup.supervisor.supervisor import Supervisor
@@ -88,7 +88,7 @@ def run_command(config_path: str, log_level: str | None, log_format: str, fsroot
     sweep_leftovers(os.environ, config.stop.timeout)
     check_port_free(config.proxy.host, config.proxy.port, "proxy.port")
     for inst in plan.instances:  # what this machine must have now, beyond the config checks
-        argv, _env = build_command(inst, config, os.environ)
+        argv, _env = build_command(inst, model_config(config, inst), os.environ)
         check_programs(argv, len(inst.argv))
         if config.vllm.listen == "tcp":
             check_port_free("127.0.0.1", inst.port, f"vllm.base_port (instance {inst.index})")

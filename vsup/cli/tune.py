@@ -11,7 +11,8 @@ import click
 import yaml
 
 from vsup.cli.options import Checked, fsroot_option
-from vsup.config.schema import load_config, where
+from vsup.config.fleet import is_fleet, models_of, view_of
+from vsup.config.schema import VsupConfig, load_config, where
 from vsup.errors import VsupError
 
 
@@ -67,6 +68,9 @@ class _SloType(click.ParamType):
 @click.command("tune")
 @click.option("--config", "-c", "config_path", required=True, type=click.Path(dir_okay=False),
               help="Your vsup YAML: the model, vLLM's flags and the placement the candidates start from.")
+@click.option("--model", "model_name", default=None, metavar="NAME",
+              help="With a config of several models (models:): the one to tune, on the CPUs the plan gives it, "
+                   "the others' held as planned.")
 @click.option("--objective", type=Checked(lambda t: t if t in ("throughput", "latency") else None, "throughput or latency"),
               default="throughput", show_default=True,
               help="throughput: most output tokens/s; latency: lowest median time to first token.")
@@ -112,7 +116,7 @@ class _SloType(click.ParamType):
 @click.option("--dry-run", is_flag=True, help="List the candidates and the pruned ones (with why), measure nothing.")
 @click.option("--no-roofline", is_flag=True, help="Skip the memory-bandwidth triad (no roofline figures).")
 @fsroot_option
-def tune_command(config_path, objective, slo, workload, input_len, output_len, concurrency, request_rate, budget,
+def tune_command(config_path, model_name, objective, slo, workload, input_len, output_len, concurrency, request_rate, budget,
                  min_duration, max_duration, instances_per_node, omp_threads, smt, housekeeping_core, preload, max_num_seqs,
                  max_num_batched_tokens, kvcache_gib, report_dir, resume, write_config, dry_run, no_roofline, fsroot) -> None:
     """Measure layouts of this machine with this model through `vsup run`, pick the best.
@@ -131,6 +135,7 @@ def tune_command(config_path, objective, slo, workload, input_len, output_len, c
 
     cfg = load_config(config_path)
     data = yaml.safe_load(Path(config_path).read_text())
+    cfg, data, cpus = model_to_tune(cfg, data, model_name, config_path, fsroot)
     t = cfg.tune
     if min_duration > max_duration:
         raise VsupError(f"--min-duration {min_duration:g}s is longer than --max-duration {max_duration:g}s")
@@ -152,7 +157,7 @@ def tune_command(config_path, objective, slo, workload, input_len, output_len, c
         output_len=output_len or t.output_len, budget_s=budget, min_duration_s=min_duration, max_duration_s=max_duration,
         report_dir=Path(report_dir), resume=resume, write_config=Path(write_config) if write_config else None,
         dry_run=dry_run, roofline=not no_roofline, fsroot=fsroot,
-        workload_origin="--workload" if workload else where(cfg, "tune.workload"),
+        workload_origin="--workload" if workload else where(cfg, "tune.workload"), cpus=cpus,
     )
     if not dry_run:  # before anything is measured: a search must not end in an unwritable report
         check_writable(options.report_dir, "--report", folder=True)
@@ -172,6 +177,35 @@ def tune_command(config_path, objective, slo, workload, input_len, output_len, c
     finally:
         session.close()
     sys.exit(code)
+
+
+def model_to_tune(cfg: VsupConfig, data: dict, name: str | None, config_path: str,
+                  fsroot: str) -> tuple[VsupConfig, dict, frozenset[int] | None]:
+    """(the single-model config to tune, its YAML, the CPUs it is tuned on: None for the whole
+    machine). A fleet: the model's view, on the CPUs the fleet plan gives it (the others hold
+    theirs); several models and no --model: an error naming them."""
+    from vsup.config.planning import plan_from_config
+
+    if not is_fleet(cfg):
+        if name is not None:
+            view_of(cfg, name)  # the one model it serves, or an error naming it
+        return cfg, data, None
+    views = models_of(cfg)
+    if name is None:
+        if len(views) > 1:
+            raise VsupError(f"--config {config_path} serves {len(views)} models ({', '.join(repr(v.name) for v in views)}): "
+                            "tune one at a time with --model NAME")
+        name = views[0].name
+    try:
+        view = view_of(cfg, name)
+    except VsupError as exc:
+        raise VsupError(f"--model {name!r}: {exc}") from None
+    _machine, fleet_plan = plan_from_config(cfg, fsroot)
+    share = next(m for m in fleet_plan.models if m.name == view.name)
+    own = view.config.model_dump(mode="json", exclude_defaults=True)
+    own.pop("models", None)
+    own["placement"] = {**own.get("placement", {}), "reserve_cores": 0}  # the fleet's reserve is outside the share
+    return view.config, own, frozenset(share.cpus)
 
 
 def check_writable(path: Path, flag: str, *, folder: bool) -> None:

@@ -120,16 +120,18 @@ def _config_text(shape: PodShape) -> str:
     ) + yamltext.dump(config)
 
 
-def _config_map(name: str, config_text: str) -> dict:
+def _config_map(name: str, config_text: str, file: str = CONFIG_FILE) -> dict:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": {"name": f"{name}-config", "labels": _labels(name)},
-        "data": {CONFIG_FILE: config_text},
+        "data": {file: config_text},
     }
 
 
-def _stateful_set(shape: PodShape, cfg: VsupConfig, *, name: str, image: str, replicas: int, config_text: str) -> dict:
+def _stateful_set(shape: PodShape, cfg: VsupConfig, *, name: str, image: str, replicas: int, config_text: str,
+                  secret: str | None = None) -> dict:
+    """`secret`: the Secret holding the API key (default NAME-api-key; a fleet's models share one)."""
     resources = {"cpu": str(shape.cpus), "memory": quantity(shape.memory_bytes)}
     probe_timeout = max(1, math.ceil(cfg.health.timeout))
     mounts = [
@@ -161,7 +163,7 @@ def _stateful_set(shape: PodShape, cfg: VsupConfig, *, name: str, image: str, re
     }
     if cfg.proxy.api_key is not None:
         # the key stays out of the ConfigMap: vsup reads VSUP_API_KEY, from a Secret you create
-        container["env"] = [{"name": "VSUP_API_KEY", "valueFrom": {"secretKeyRef": {"name": f"{name}-api-key", "key": "api-key"}}}]
+        container["env"] = [{"name": "VSUP_API_KEY", "valueFrom": {"secretKeyRef": {"name": secret or f"{name}-api-key", "key": "api-key"}}}]
     digest = hashlib.sha256(config_text.encode()).hexdigest()[:16]
     return {
         "apiVersion": "apps/v1",

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import yaml
@@ -93,7 +94,11 @@ def system_cores(machine: Machine) -> dict[int, Core]:
     return chosen
 
 
-def shape_pod(machine: Machine, host_plan: Plan, cfg: VsupConfig, settings: PlanSettings, *, shm_bytes: int) -> PodShape:
+def shape_pod(machine: Machine, host_plan: Plan, cfg: VsupConfig, settings: PlanSettings, *, shm_bytes: int,
+              share: frozenset[int] | None = None, memory_share: float = 1.0) -> PodShape:
+    """A model of a fleet: `host_plan` holds its instances; `share` the CPUs the fleet plan gave it
+    (its pods take its whole cores of a node, less the system core, not the whole node) and
+    `memory_share` its part of the memory of a node it shares with other models."""
     nodes, per_pod = instances_per_node(host_plan)
     if settings.model_size_bytes is None:
         raise VsupError(
@@ -112,16 +117,22 @@ def shape_pod(machine: Machine, host_plan: Plan, cfg: VsupConfig, settings: Plan
 
     system = system_cores(machine)
     smt = max(len(c.cpus) for c in machine.cores)
-    # CPUs a pod may take on each node: whole cores less the system one, in multiples of the SMT width
-    room = {n: sum(len(c.cpus) for c in machine.cores if c.node == n and c != system[n]) // smt * smt for n in nodes}
+
+    def ours(core: Core) -> bool:  # a core a pod may take: not the system one, in the model's share
+        return core not in system.values() and (share is None or bool(set(core.cpus) & share))
+
+    # CPUs a pod may take on each node: whole cores, in multiples of the SMT width
+    room = {n: sum(len(c.cpus) for c in machine.cores if c.node == n and ours(c)) // smt * smt for n in nodes}
     smallest = min(nodes, key=lambda n: (room[n], n))
     allocatable = min(machine.node(n).memory_total_bytes - reserve for n in nodes)
+    if memory_share < 1:
+        allocatable = math.floor(allocatable * memory_share)
     if allocatable <= shm_bytes:
         raise VsupError(
             f"--shm-gib {shm_bytes / GiB:g}: the pod's /dev/shm would take all of the {format_gib(allocatable)} a node "
             "leaves after its reserve; give less"
         )
-    view = _pod_view(machine, smallest, system[smallest], room[smallest], allocatable - shm_bytes)
+    view = _pod_view(machine, smallest, ours, room[smallest], allocatable - shm_bytes)
     pod_settings = replace(settings, instances=per_pod, nodes=None, launcher="numactl")
     try:
         pod_plan = plan(view, pod_settings)
@@ -159,13 +170,13 @@ def _whole_mib(value: int) -> int:
     return math.ceil(value / MiB) * MiB
 
 
-def _pod_view(machine: Machine, node_id: int, system: Core, cpus: int, limit: int) -> Machine:
+def _pod_view(machine: Machine, node_id: int, ours: Callable[[Core], bool], cpus: int, limit: int) -> Machine:
     """The machine as vsup inside a pod on `node_id` sees it: a cpuset of `cpus` CPUs of that node
-    (whole cores, performance cores first; the system core is not among them), memory bound to that
-    node, and the pod's memory limit."""
+    (whole cores that are `ours`, performance cores first; the system core is not among them),
+    memory bound to that node, and the pod's memory limit."""
     chosen: list[Core] = []
     count = 0
-    for core in sorted((c for c in machine.cores if c.node == node_id and c != system), key=lambda c: (c.kind == EFFICIENCY, c.id)):
+    for core in sorted((c for c in machine.cores if c.node == node_id and ours(c)), key=lambda c: (c.kind == EFFICIENCY, c.id)):
         if count + len(core.cpus) <= cpus:
             chosen.append(core)
             count += len(core.cpus)

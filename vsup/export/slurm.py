@@ -16,14 +16,17 @@ from __future__ import annotations
 
 import re
 import shlex
+from dataclasses import dataclass
 
+from vsup.config.fleet import is_fleet, models_of
 from vsup.config.schema import VsupConfig, parse_config
 from vsup.errors import VsupError
 from vsup.export import yamltext
+from vsup.export.fleet import front_config_text, model_slug
 from vsup.export.pod import instances_per_node, share_config
 from vsup.topology.cpulist import format_list
 from vsup.topology.model import Machine
-from vsup.topology.plan_model import Plan, format_gib
+from vsup.topology.plan_model import InstancePlan, Plan, format_gib
 
 JOB_ID = "${SLURM_JOB_ID}"  # expanded by the script when it writes the step configurations
 JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -79,21 +82,51 @@ def _stop_trap(drain_s: int) -> list[str]:
     ]
 
 
+@dataclass(frozen=True)
+class Step:
+    """One `vsup run` step on every host: some instances of one model, on their CPUs."""
+
+    name: str  # its config file, log folder and pid file: node0, chat-node0
+    title: str  # for the comments: "NUMA node 0", "model 'chat', NUMA node 0"
+    cfg: VsupConfig  # the single-model configuration it runs (a fleet: the model's view)
+    instances: tuple[InstancePlan, ...]
+    model: str = ""  # a fleet's model name: the front's upstream says it
+
+
+def _steps(host_plan: Plan, cfg: VsupConfig) -> tuple[Step, ...]:
+    """Single model: one step per NUMA node. A fleet: one per model and NUMA node(s) its instances
+    are on (its share of that node), in the plan's order."""
+    if not is_fleet(cfg):
+        nodes, _ = instances_per_node(host_plan)
+        return tuple(Step(f"node{n}", f"NUMA node {n}", cfg, tuple(i for i in host_plan.instances if i.cpu_nodes == (n,)))
+                     for n in nodes)
+    steps = []
+    for view in models_of(cfg):
+        groups: dict[tuple[int, ...], list[InstancePlan]] = {}
+        for inst in host_plan.of_model(view.name):
+            groups.setdefault(inst.cpu_nodes, []).append(inst)
+        for nodes, insts in groups.items():
+            where_ = "-".join(map(str, nodes))
+            steps.append(Step(f"{model_slug(view.name) or f'model{view.position}'}-node{where_}",
+                              f"model {view.name!r} ({view.key}), NUMA node(s) {format_list(nodes)}", view.config,
+                              tuple(insts), view.name))
+    return tuple(steps)
+
+
 def export_slurm(machine: Machine, host_plan: Plan, cfg: VsupConfig, *, hosts: int, job_name: str) -> str:
     check_job_name(job_name)
-    nodes, per_node = instances_per_node(host_plan)
+    steps = _steps(host_plan, cfg)
     if cfg.proxy.port == 0:
         raise VsupError("proxy.port: 0 picks a free port at start, but the per-node vsups need fixed ones; give a port, e.g. 8000")
-    if cfg.proxy.port + len(nodes) > 65535:
-        raise VsupError(f"proxy.port {cfg.proxy.port}: the per-node vsups listen on the {len(nodes)} ports after it, past 65535")
-    kv = host_plan.instances[0].kvcache_bytes
-    weights = host_plan.instances[0].weights_bytes
+    if cfg.proxy.port + len(steps) > 65535:
+        raise VsupError(f"proxy.port {cfg.proxy.port}: the per-node vsups listen on the {len(steps)} ports after it, past 65535")
     drain_s = round(cfg.proxy.drain_timeout + cfg.stop.timeout)
     if drain_s + 30 > 65535:  # sbatch --signal takes at most 65535 s before the time limit
         raise VsupError(f"proxy.drain_timeout + stop.timeout = {drain_s} s: the job's stop signal (sbatch --signal, "
                         "that + 30 s before the time limit) allows at most 65505 s in all; give shorter timeouts")
+    summary = _summary(machine, host_plan, cfg, steps, hosts) if not is_fleet(cfg) else _fleet_summary(machine, cfg, steps, hosts)
     lines = ["#!/bin/bash"]
-    lines += [f"# {line}".rstrip() for line in _summary(machine, host_plan, cfg, nodes, per_node, hosts).splitlines()]
+    lines += [f"# {line}".rstrip() for line in summary.splitlines()]
     lines += [
         f"#SBATCH --job-name={job_name}",
         f"#SBATCH --nodes={hosts}",
@@ -117,47 +150,57 @@ def export_slurm(machine: Machine, host_plan: Plan, cfg: VsupConfig, *, hosts: i
             "",
         ]
     step_ports = []
-    for position, node_id in enumerate(nodes):
-        insts = [i for i in host_plan.instances if i.cpu_nodes == (node_id,)]
+    for position, step in enumerate(steps):
+        insts = step.instances
         port = cfg.proxy.port + 1 + position
         step_ports.append(port)
-        config = share_config(cfg, per_node, weights, kv, {
+        config = share_config(step.cfg, len(insts), insts[0].weights_bytes, insts[0].kvcache_bytes, {
             "placement": {"reserve_cores": 0},  # the step's mask holds its instances' CPUs only
             "vllm": {"base_port": insts[0].port},
             "proxy": {"port": port},
-            "log": {"dir": f"/tmp/vsup-{JOB_ID}/node{node_id}"},
+            "log": {"dir": f"/tmp/vsup-{JOB_ID}/{step.name}"},
         })
         # the key comes by environment (VSUP_API_KEY, required at the top of the script), never into a file on the shared filesystem
         for section, key in (("control", "socket"), ("proxy", "api_key")):
             config.get(section, {}).pop(key, None)
-        text = yamltext.comment(f"vsup for NUMA node {node_id} of every host: {per_node} instance(s), proxy on port {port}") + yamltext.dump(config)
-        parse_config(text.replace(JOB_ID, "1"), f"the step configuration of node {node_id}")
+        text = yamltext.comment(f"vsup for {step.title} of every host: {len(insts)} instance(s), proxy on port {port}") + yamltext.dump(config)
+        parse_config(text.replace(JOB_ID, "1"), f"the step configuration of {step.title}")
         cpus = sorted(cpu for i in insts for cpu in i.cpus)
-        lines.append(f"# NUMA node {node_id}: CPUs {format_list(cpus)}, instances {', '.join(str(i.index) for i in insts)} of the plan")
-        lines.append(_heredoc(f'"$CONF/node{node_id}.yaml"', text).rstrip("\n"))
+        lines.append(f"# {step.title}: CPUs {format_list(cpus)}, instances {', '.join(str(i.index) for i in insts)} of the plan")
+        lines.append(_heredoc(f'"$CONF/{step.name}.yaml"', text).rstrip("\n"))
         lines.append(
             f"srun --nodes={hosts} --ntasks-per-node=1 --overlap --cpu-bind=verbose,mask_cpu:{cpu_mask(cpus)} --mem-bind=verbose,local \\\n"
-            f'     --job-name=vsup-node{node_id} {_step(f"node{node_id}")} "$VSUP" run --config "$CONF/node{node_id}.yaml" &'
+            f'     --job-name=vsup-{step.name} {_step(step.name)} "$VSUP" run --config "$CONF/{step.name}.yaml" &'
         )
         lines.append("")
 
-    # No key on the front: with auth off it passes the client's Authorization on, and the per-node
-    # vsups check it (a front with the key would strip it and every request would get their 401).
-    front_proxy = {k: v for k, v in cfg.proxy.model_dump(mode="json", exclude_defaults=True).items() if k != "api_key"}
-    front = {"proxy": {**front_proxy, "host": "0.0.0.0"}, "health": cfg.health.model_dump(mode="json", exclude_defaults=True)}
-    front = {section: values for section, values in front.items() if values}
-    front_text = yamltext.comment("the front proxy: every per-node vsup of every host behind one endpoint") + yamltext.dump(front)
-    parse_config(front_text, "the front proxy's configuration", require_model=False)
+    if is_fleet(cfg):
+        front_text = front_config_text(cfg, "the front proxy: every model's vsups of every host behind one endpoint, by the "
+                                            "request's model")
+        loop = [f"    upstreams+=(--upstream {shlex.quote(step.model + '=')}\"http://$host:{port}\")"
+                for step, port in zip(steps, step_ports, strict=True)]
+        weighting = "# The front proxy, on the first host (on the core the plan reserved), routing by the request's model to\n" \
+                    "# that model's vsups, weighting each by the instances its /ready reports (0: out of rotation)."
+    else:
+        # No key on the front: with auth off it passes the client's Authorization on, and the per-node
+        # vsups check it (a front with the key would strip it and every request would get their 401).
+        front_proxy = {k: v for k, v in cfg.proxy.model_dump(mode="json", exclude_defaults=True).items() if k != "api_key"}
+        front = {"proxy": {**front_proxy, "host": "0.0.0.0"}, "health": cfg.health.model_dump(mode="json", exclude_defaults=True)}
+        front = {section: values for section, values in front.items() if values}
+        front_text = yamltext.comment("the front proxy: every per-node vsup of every host behind one endpoint") + yamltext.dump(front)
+        parse_config(front_text, "the front proxy's configuration", require_model=False)
+        loop = [f"    for port in {' '.join(map(str, step_ports))}; do upstreams+=(--upstream \"http://$host:$port\"); done"]
+        weighting = "# The front proxy, on the first host (on the core the plan reserved), weighting each per-node vsup\n" \
+                    "# by the instances its /ready reports (0: out of rotation)."
     reserved = host_plan.reserved_cpus
     bind = f"verbose,mask_cpu:{cpu_mask(reserved)}" if reserved else "none"
     lines += [
-        "# The front proxy, on the first host (on the core the plan reserved), weighting each per-node vsup",
-        "# by the instances its /ready reports (0: out of rotation).",
+        *weighting.splitlines(),
         _heredoc('"$CONF/front.yaml"', front_text).rstrip("\n"),
         'mapfile -t hosts < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
         "upstreams=()",
         'for host in "${hosts[@]}"; do',
-        f"    for port in {' '.join(map(str, step_ports))}; do upstreams+=(--upstream \"http://$host:$port\"); done",
+        *loop,
         "done",
         'first=${hosts[0]}',
         f'srun --nodes=1 --ntasks=1 --nodelist="$first" --overlap --cpu-bind={bind} --job-name=vsup-front \\',
@@ -171,7 +214,8 @@ def export_slurm(machine: Machine, host_plan: Plan, cfg: VsupConfig, *, hosts: i
     return "\n".join(lines) + "\n"
 
 
-def _summary(machine: Machine, host_plan: Plan, cfg: VsupConfig, nodes: tuple[int, ...], per_node: int, hosts: int) -> str:
+def _summary(machine: Machine, host_plan: Plan, cfg: VsupConfig, steps: tuple[Step, ...], hosts: int) -> str:
+    nodes, per_node = instances_per_node(host_plan)
     inst = host_plan.instances[0]
     lines = [
         "vsup on Slurm, written by `vsup export slurm` from the plan of one node type:",
@@ -184,4 +228,21 @@ def _summary(machine: Machine, host_plan: Plan, cfg: VsupConfig, nodes: tuple[in
         f"Hosts: {hosts}. Submit: sbatch {shlex.quote('vsup.sbatch')}",
     ]
     lines += [f"warning: {w}" for w in host_plan.warnings]
+    return "\n".join(lines)
+
+
+def _fleet_summary(machine: Machine, cfg: VsupConfig, steps: tuple[Step, ...], hosts: int) -> str:
+    lines = [
+        "vsup on Slurm, a fleet of models, written by `vsup export slurm` from the plan of one node type:",
+        f"  {len(machine.cpu_nodes)} NUMA node(s) with CPUs, {len(machine.cores)} cores; per host one step per model "
+        "and NUMA node of its share:",
+    ]
+    for position, step in enumerate(steps):
+        inst = step.instances[0]
+        lines.append(f"  {step.title}: {len(step.instances)} instance(s) of {len(inst.omp_cpus)} OpenMP thread(s), KV cache "
+                     f"{format_gib(inst.kvcache_bytes)}, proxy on port {cfg.proxy.port + 1 + position}")
+    lines += [
+        f"  the front proxy on port {cfg.proxy.port} of the first host routes each request by its model",
+        f"Hosts: {hosts}. Submit: sbatch {shlex.quote('vsup.sbatch')}",
+    ]
     return "\n".join(lines)

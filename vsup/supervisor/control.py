@@ -54,11 +54,24 @@ from vsup.supervisor.rundir import ensure_private, private_dir, systemd_dir
 logger = logging.getLogger("vsup.supervisor")
 
 
+def describe_indexes(indexes: list[int]) -> str:
+    """`0..3` (as ever), or `0, 1, 3` when there are holes (a reload removed a model); `none` when empty."""
+    if not indexes:
+        return "none"
+    if indexes == list(range(indexes[0], indexes[-1] + 1)):
+        return f"{indexes[0]}..{indexes[-1]}"
+    return ", ".join(map(str, indexes))
+
+
 class Controlled(Protocol):
     """What the control endpoint needs of the running vsup (the Supervisor), and no more."""
 
     @property
     def instance_count(self) -> int: ...
+
+    @property
+    def instance_indexes(self) -> list[int]:
+        """The fleet's indexes, in order (holes once a reload removed a model)."""
 
     def status(self) -> dict[str, Any]: ...
 
@@ -225,15 +238,15 @@ class ControlServer:
         if not isinstance(body, dict):
             return _error(400, "the request body must be a JSON object")
         target, rolling, wait = body.get("target"), bool(body.get("rolling")), body.get("wait", True)
-        count = self.target.instance_count
+        indexes = self.target.instance_indexes
         if target == "all":
-            indices = list(range(count))
+            indices = list(indexes)
         elif isinstance(target, int) and not isinstance(target, bool):
             indices = [target]
         else:
             return _error(400, f"target {target!r} is not an instance index or \"all\"")
-        if target != "all" and not 0 <= target < count:
-            return _error(400, f"no instance {target}: this vsup runs instances 0..{count - 1}")
+        if target != "all" and target not in indexes:
+            return _error(400, f"no instance {target}: this vsup runs instances {describe_indexes(indexes)}")
         # The restart runs as its own task: a client that goes away must not cut a rolling restart
         # in half.
         job = asyncio.create_task(self.target.restart(indices, rolling))

@@ -2,7 +2,10 @@
 the proxy, its driver task), adopt a new plan, swap it into an index of the fleet, forget it.
 
 `instances` is the fleet by index (what `vsup status`, `vsup restart N` and the plan's indexes
-mean); during a rollout a new instance may run beside it, and a replaced one drains outside it.
+mean): a `Members`, which may have holes once a reload removed a model (the other models keep
+their indexes, so their sockets, ports and logs). Each instance runs under its model's view of
+the configuration (vsup.config.fleet; launch.model_config), and its backend carries the model's
+name for the proxy's routing. During a rollout a new instance may run beside it, and a replaced one drains outside it.
 Every instance with a driver task, inside the fleet or not, is in `drivers`, and the shutdown
 stops them all. `Fleet` is what rollout.py's steps act on (its `Fleet` protocol); what it needs of
 the running vsup (configuration, operations, the proxy's in-flight counts, and where to report
@@ -15,13 +18,14 @@ import asyncio
 import dataclasses
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Protocol
 
 from vsup.config.schema import VsupConfig, spare_base_port
 from vsup.proxy.backends import Backend, BackendPool
-from vsup.supervisor.launch import build_command, instance_url
+from vsup.supervisor.control import describe_indexes
+from vsup.supervisor.launch import build_command, instance_url, model_config
 from vsup.supervisor.lifecycle import Instance
 from vsup.supervisor.logs import InstanceLog
 from vsup.supervisor.operations import Operations
@@ -35,6 +39,43 @@ def default_log_dir(environ: Mapping[str, str] = os.environ) -> Path:
     """systemd's LogsDirectory= (e.g. /var/log/vsup) when set, else ./vsup-logs."""
     logs = environ.get("LOGS_DIRECTORY", "").split(":")[0]
     return Path(logs) if logs else Path("vsup-logs")
+
+
+class Members:
+    """The fleet by instance index, in index order; an index may be missing (a removed model's)."""
+
+    def __init__(self) -> None:
+        self._by_index: dict[int, Instance] = {}
+
+    def __getitem__(self, index: int) -> Instance:
+        return self._by_index[index]
+
+    def __setitem__(self, index: int, inst: Instance) -> None:
+        self._by_index[index] = inst
+
+    def __delitem__(self, index: int) -> None:
+        del self._by_index[index]
+
+    def __len__(self) -> int:
+        return len(self._by_index)
+
+    def __iter__(self) -> Iterator[Instance]:
+        return iter([self._by_index[i] for i in sorted(self._by_index)])
+
+    def __contains__(self, item: object) -> bool:
+        """An index (int) of the fleet, or an instance in it."""
+        if isinstance(item, int):
+            return item in self._by_index
+        return any(inst is item for inst in self._by_index.values())
+
+    def indexes(self) -> list[int]:
+        return sorted(self._by_index)
+
+    def get(self, index: int) -> Instance | None:
+        return self._by_index.get(index)
+
+    def describe(self) -> str:
+        return describe_indexes(self.indexes())
 
 
 class Owner(Protocol):
@@ -66,7 +107,7 @@ class Fleet:
     def __init__(self, owner: Owner, pool: BackendPool) -> None:
         self.owner = owner
         self.pool = pool
-        self.instances: list[Instance] = []  # the fleet, by index
+        self.instances = Members()  # the fleet, by index
         self.plans: dict[str, InstancePlan] = {}  # instance name -> its plan
         self.placement: dict[str, list[str] | None] = {}  # name -> drift lines ([] ok, None not checked)
         self.drivers: dict[Instance, asyncio.Task[None]] = {}  # every instance with a driver task
@@ -85,7 +126,7 @@ class Fleet:
     def build(self) -> None:
         """The plan's instances on their ports, not started."""
         for plan in self.owner.plan.instances:
-            self.instances.append(self._new_instance(plan, plan.port))
+            self.instances[plan.index] = self._new_instance(plan, plan.port)
 
     def _new_instance(self, plan: InstancePlan, port: int) -> Instance:
         """An instance of `plan` listening on `port`, its backend known to the proxy (not in the
@@ -95,18 +136,20 @@ class Fleet:
         name = f"{plan.index}b" if port == self.spare_port(plan.index) else str(plan.index)
         argv, env = self.launch(plan, port)
         url = self.address(plan, port)
+        config = model_config(owner.config, plan)
         log_config = owner.config.log
         directory = log_config.dir if log_config.dir is not None else default_log_dir(owner.environ)
         log = InstanceLog(
             f"i{name}", directory, max_bytes=log_config.max_bytes, backups=log_config.backups,
             echo=log_config.echo, logger=logging.getLogger("vsup.instance"),
         )
-        instance = Instance(plan.index, argv, env, port=port, url=url, config=owner.config, log=log, ops=owner.ops,
-                            on_transition=owner.on_transition, name=name, in_flight=lambda: owner.in_flight(name))
+        instance = Instance(plan.index, argv, env, port=port, url=url, config=config, log=log, ops=owner.ops,
+                            on_transition=owner.on_transition, name=name, in_flight=lambda: owner.in_flight(name),
+                            model=plan.model)
         self.logs[instance] = log
         self.plans[name] = plan
         self.placement[name] = None
-        self.pool.add(Backend(name, instance.url))
+        self.pool.add(Backend(name, instance.url, model=plan.model))
         return instance
 
     def launch_driver(self, inst: Instance) -> None:
@@ -129,10 +172,10 @@ class Fleet:
         return [self.plans[inst.name] for inst in self.drivers if inst.state is not State.STOPPED or inst.intent]
 
     def launch(self, plan: InstancePlan, port: int) -> tuple[list[str], dict[str, str]]:
-        return build_command(dataclasses.replace(plan, port=port), self.owner.config, self.owner.environ)
+        return build_command(dataclasses.replace(plan, port=port), model_config(self.owner.config, plan), self.owner.environ)
 
     def address(self, plan: InstancePlan, port: int) -> str:
-        return instance_url(dataclasses.replace(plan, port=port), self.owner.config, self.owner.environ)
+        return instance_url(dataclasses.replace(plan, port=port), model_config(self.owner.config, plan), self.owner.environ)
 
     def spare_port(self, index: int) -> int:
         return spare_base_port(self.owner.config) + index
@@ -148,10 +191,7 @@ class Fleet:
 
     def swap(self, index: int, inst: Instance | None) -> None:
         if inst is None:
-            assert index == len(self.instances) - 1, (index, len(self.instances))
-            self.instances.pop()
-        elif index == len(self.instances):
-            self.instances.append(inst)
+            del self.instances[index]  # a hole: the other instances keep their indexes
         else:
             self.instances[index] = inst
         self.owner.on_fleet_changed()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from vsup.config.fleet import is_fleet, view_of
 from vsup.config.schema import VsupConfig, quote, spare_base_port, where
 from vsup.errors import ConfigError
 from vsup.proxy.address import SUN_PATH_MAX, host_port, socket_path, unix_url
@@ -56,6 +57,14 @@ _OWNED_OPTIONS = {
     "--uds": "vsup puts every instance's socket in its private runtime directory (vllm.listen)",
     "--kv-cache-memory-bytes": "the KV cache comes from the plan; set placement.kvcache_gib",
 }
+
+
+def model_config(cfg: VsupConfig, instance: InstancePlan) -> VsupConfig:
+    """The configuration `instance` runs under: its model's view of a fleet file (the top level
+    with the entry's keys over it), or the file itself for the single-model form."""
+    if not is_fleet(cfg):
+        return cfg
+    return view_of(cfg, instance.model).config
 
 
 def vllm_command(cfg: VsupConfig, environ: Mapping[str, str]) -> list[str]:

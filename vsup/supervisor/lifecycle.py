@@ -7,7 +7,8 @@ The states, events and every transition are the tables in vsup/supervisor/states
 (`TRANSITIONS`, `ON_INTENT`, `AFTER_STOP`); `states.diagram()` draws them, and
 `scripts/lifecycle_diagram.py` writes that drawing into ARCHITECTURE.md and docs/supervisor.md.
 
-`warming`: /health answered; one short completion (`health.warmup`) runs before the instance joins
+`warming`: /health answered; one short completion (`health.warmup`; one embedding for a pooling
+model, warmup.py) runs before the instance joins
 the rotation, so its first client does not pay for the first-call paths; a failed warm-up is a
 failed start. `draining`: out of the rotation, alive, until the proxy has no request in flight to
 it (at most `proxy.drain_timeout`); a rolling restart, a reload and the memory watchdog drain an
@@ -56,7 +57,7 @@ from vsup.supervisor.states import (
     Transition,
     next_state,
 )
-from vsup.supervisor.warmup import warmup_body
+from vsup.supervisor.warmup import warmup_body, warmup_kind
 
 if TYPE_CHECKING:
     from vsup.proxy.health import HealthResult
@@ -119,8 +120,10 @@ class Instance:
         on_transition: Listener | None = None,
         name: str | None = None,
         in_flight: Callable[[], int] | None = None,
+        model: str = "",
     ) -> None:
         self.index = index
+        self.model = model  # the served name of the model it runs (fleet.plans[name].model)
         self.name = name if name is not None else str(index)
         self.argv = argv
         self.env = env
@@ -423,7 +426,8 @@ class Instance:
             return
         began = self.ops.now()
         # one request, however often an intent that changes nothing wakes the race
-        job = asyncio.ensure_future(self.ops.warm_up(self.url, warmup_body(self.config), warmup.timeout))
+        kind = warmup_kind(self.config.vllm.args, self.config.model)  # a completion, an embedding, a pooling request
+        job = asyncio.ensure_future(self.ops.warm_up(self.url, warmup_body(self.config, kind), warmup.timeout, kind))
         try:
             while True:
                 wake, result = await self._race(asyncio.shield(job), None)

@@ -26,7 +26,7 @@ from vsup.proxy.address import Sessions, host_port, socket_path
 from vsup.proxy.health import HealthResult, probe_health
 from vsup.supervisor import listener, proctree
 from vsup.supervisor.processes import Child, StopReport, spawn, stop_tree, tree_rss
-from vsup.supervisor.warmup import warm_up
+from vsup.supervisor.warmup import WarmupKind, warm_up
 
 if TYPE_CHECKING:
     from vsup.supervisor.logs import InstanceLog
@@ -67,9 +67,9 @@ class Operations(Protocol):
         """One readiness/health probe of the instance at `url`, bounded by `timeout`; an answer
         that is not the instance's own (a vsup proxy's) is a failure."""
 
-    async def warm_up(self, url: str, body: dict[str, Any], timeout: float) -> HealthResult:
-        """The warm-up request (vsup/supervisor/warmup.py) to the instance at `url`, bounded by
-        `timeout`: ok, or why not."""
+    async def warm_up(self, url: str, body: dict[str, Any], timeout: float, kind: WarmupKind = "completion") -> HealthResult:
+        """The warm-up request of the model's `kind` (vsup/supervisor/warmup.py: a completion, an
+        embedding, a pooling request) to the instance at `url`, bounded by `timeout`: ok, or why not."""
 
     async def clear_address(self, url: str) -> None:
         """Before a start: remove the socket a dead instance left at its Unix address (nothing for
@@ -110,9 +110,9 @@ class SystemOperations:
         session, base = self.sessions.get(url)
         return await probe_health(session, base, timeout, expect_instance=True)
 
-    async def warm_up(self, url: str, body: dict[str, Any], timeout: float) -> HealthResult:
+    async def warm_up(self, url: str, body: dict[str, Any], timeout: float, kind: WarmupKind = "completion") -> HealthResult:
         session, base = self.sessions.get(url)
-        return await warm_up(session, base, body, timeout)
+        return await warm_up(session, base, body, timeout, kind)
 
     async def clear_address(self, url: str) -> None:
         path = socket_path(url)

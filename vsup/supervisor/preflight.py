@@ -9,10 +9,11 @@ import shutil
 from collections.abc import Mapping
 
 from vsup.config.checks import check_instance_ports, check_model_path, check_rss_limit
+from vsup.config.fleet import models_of
 from vsup.config.planning import plan_from_config
 from vsup.config.schema import VsupConfig
 from vsup.errors import VsupError
-from vsup.supervisor.launch import build_command
+from vsup.supervisor.launch import build_command, model_config
 from vsup.topology.model import Machine
 from vsup.topology.plan_model import Plan
 
@@ -27,13 +28,14 @@ def checked_plan(cfg: VsupConfig, fsroot: str, environ: Mapping[str, str], *, ru
     `planned`: the same for the planner, as PlanSettings field names."""
     flags = flags or {}
     if runs_here:
-        check_model_path(cfg, flags.get("model"))
+        for view in models_of(cfg):  # each model of a fleet, by its key (models[1].model)
+            check_model_path(view.config, flags.get("model"))
     machine, plan = plan_from_config(cfg, fsroot, flags=planned)
     if cfg.vllm.listen == "tcp":  # under unix the instances have sockets, no ports
         check_instance_ports(cfg, len(plan.instances), flags.get("vllm.base_port"))
     check_rss_limit(cfg, [instance.weights_bytes for instance in plan.instances])
     for instance in plan.instances:
-        build_command(instance, cfg, environ)
+        build_command(instance, model_config(cfg, instance), environ)
     return machine, plan
 
 

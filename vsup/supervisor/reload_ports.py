@@ -20,12 +20,13 @@ from vsup.config.schema import VsupConfig, spare_base_port
 from vsup.topology.plan_model import Plan
 
 
-def busy_port(config: VsupConfig, plan: Plan, current: Sequence[int], own: Mapping[int, str],
+def busy_port(config: VsupConfig, plan: Plan, current: Mapping[int, int] | Sequence[int], own: Mapping[int, str],
               is_free: Callable[[int], bool], holder: Callable[[int], str | None]) -> str | None:
     """The first port the re-read `config`/`plan` needs that is taken, in one line naming the key,
     the instance and who holds it; None when all are free. `current`: the running fleet's port by
-    index; `own`: port -> name of every instance of this vsup that has processes (a port one of
-    them holds is busy too: it still runs when the step needs the port)."""
+    index (holes allowed); `own`: port -> name of every instance of this vsup that has processes (a port one of
+    them holds is busy too: it still runs when the step needs the port). An index not in
+    `current` is new (a hole a removed model left counts as new)."""
 
     def taken(port: int, index: int) -> str | None:
         if port in own:
@@ -36,11 +37,12 @@ def busy_port(config: VsupConfig, plan: Plan, current: Sequence[int], own: Mappi
 
     if config.vllm.listen != "tcp":
         return None  # instances on Unix sockets in vsup's own folder: no port to take
+    ports = current if isinstance(current, Mapping) else dict(enumerate(current))
     spare = spare_base_port(config)
     for new in plan.instances:
         slots = (new.port, spare + new.index)
-        if new.index < len(current):
-            if current[new.index] in slots:
+        if new.index in ports:
+            if ports[new.index] in slots:
                 continue
             why = taken(new.port, new.index)
             if why is not None:

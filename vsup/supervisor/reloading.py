@@ -19,21 +19,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from vsup.config import proxy_routes
-from vsup.config.schema import VsupConfig, load_config
+from vsup.config.fleet import is_fleet, models_of
+from vsup.config.schema import ProxyConfig, VsupConfig, load_config
 from vsup.errors import VsupError
 from vsup.supervisor import rollout
 from vsup.supervisor.backoff import RestartPolicy
-from vsup.supervisor.launch import build_command
+from vsup.supervisor.launch import build_command, model_config
 from vsup.supervisor.lifecycle import Instance
 from vsup.supervisor.ports import port_is_free
 from vsup.supervisor.reload_ports import busy_port
 from vsup.supervisor.states import State
 from vsup.topology.cpulist import format_list
 from vsup.topology.errors import PlanError, TopologyError
+from vsup.topology.fleet import renumber
 from vsup.topology.plan_model import Plan
 
 if TYPE_CHECKING:
@@ -42,12 +44,20 @@ if TYPE_CHECKING:
 logger = logging.getLogger("vsup.supervisor")
 
 
+def model_proxies(config: VsupConfig) -> dict[str, ProxyConfig]:
+    """Each served model's proxy section (its policy), for the proxy's routing by model."""
+    return {view.name: view.config.proxy for view in models_of(config)}
+
+
 def read_config(path: str, fsroot: str, environ: Mapping[str, str], running: VsupConfig,
-                current: Sequence[int] = (), own: Mapping[int, str] | None = None) -> tuple[VsupConfig, Plan]:
+                current: Mapping[int, int] | None = None, own: Mapping[int, str] | None = None,
+                members: Mapping[tuple[str, int], int] | None = None) -> tuple[VsupConfig, Plan]:
     """The re-read configuration and its plan, checked as `vsup run` checks them (runs in a
     thread: it reads sysfs, the model's files, and may run numactl), and the TCP ports the plan
     moves instances to (`current`: the fleet's port by index; `own`: port -> name of every
-    instance of this vsup; see reload_ports.py)."""
+    instance of this vsup; see reload_ports.py). `members`: (model, replica) -> index of the
+    running fleet: the plan keeps those indexes (topology.fleet.renumber), so a model's instances
+    keep their sockets, ports and logs whatever happens to the models around them."""
     from vsup.supervisor.leftovers import describe_port_holder
     from vsup.supervisor.preflight import check_programs, checked_plan
 
@@ -55,26 +65,39 @@ def read_config(path: str, fsroot: str, environ: Mapping[str, str], running: Vsu
     # as ProxyServer refuses at start: admin routes only behind a key (the key may come from the environment)
     proxy_routes.require_key(config.proxy.admin_routes, bool(environ.get("VSUP_API_KEY") or config.proxy.api_key))
     _machine, plan = checked_plan(config, fsroot, environ, runs_here=True)
+    if members:
+        plan = renumber(plan, members)
     for inst in plan.instances:
-        argv, _env = build_command(inst, config, environ)
+        argv, _env = build_command(inst, model_config(config, inst), environ)
         check_programs(argv, len(inst.argv))
     fixed = rollout.fixed_changes(running, config)
     if fixed:
         raise VsupError(f"{path}: {'; '.join(fixed)}; a running vsup cannot change "
                         f"{'this' if len(fixed) == 1 else 'these'}: restart vsup to apply, or change back")
-    busy = busy_port(config, plan, current, own or {}, port_is_free, describe_port_holder)
+    busy = busy_port(config, plan, current or {}, own or {}, port_is_free, describe_port_holder)
     if busy is not None:
         raise VsupError(busy)
     return config, plan
 
 
 def reload_steps(fleet: rollout.Fleet, plan: Plan) -> tuple[list[rollout.Step], list[int]]:
-    """What a reload changes, in order: replacements and additions by index, then removals from
-    the last index down; and the indexes that keep running (they adopt their new plan)."""
+    """What a reload changes, matched by index (the plan was renumbered to the running fleet's):
+    first the removal of every instance of a model the plan no longer has (its CPUs and memory are
+    free before anything starts), then replacements and additions by index, then the other
+    removals from the last index down; and the indexes that keep running (they adopt their new
+    plan: a model whose launch did not change is not touched)."""
     steps, unchanged = [], []
+    planned = {new.index for new in plan.instances}
+    models = {new.model for new in plan.instances}
+    gone = [i for i in reversed(fleet.instances.indexes()) if i not in planned]
+    for index in gone:  # a model that left the configuration goes first
+        model = fleet.plan_of(fleet.instances[index]).model
+        if model not in models:
+            steps.append(rollout.Step(index, "remove", f"the configuration no longer serves model {model}"))
     for new in plan.instances:
-        if new.index >= len(fleet.instances):
-            steps.append(rollout.Step(new.index, "add", "a new instance", plan=new))
+        if new.index not in fleet.instances:
+            what = f" of model {new.model}" if len(models) > 1 else ""
+            steps.append(rollout.Step(new.index, "add", f"a new instance{what}", plan=new))
             continue
         inst = fleet.instances[new.index]
         argv, env = inst.launch or (inst.argv, inst.env)
@@ -92,10 +115,18 @@ def reload_steps(fleet: rollout.Fleet, plan: Plan) -> tuple[list[rollout.Step], 
         else:
             unchanged.append(new.index)
             fleet.adopt(inst, new)
-    count = len(plan.instances)
-    for index in reversed(range(count, len(fleet.instances))):
-        steps.append(rollout.Step(index, "remove", f"the configuration runs {count} instance(s)"))
+    for index in gone:
+        model = fleet.plan_of(fleet.instances[index]).model
+        if model in models:
+            count = sum(new.model == model for new in plan.instances)
+            whose = f"model {model}" if len(models) > 1 else "the configuration"
+            steps.append(rollout.Step(index, "remove", f"{whose} runs {count} instance(s)"))
     return steps, unchanged
+
+
+def running_members(fleet: rollout.Fleet) -> dict[tuple[str, int], int]:
+    """(model, replica) -> index of every instance in the fleet (what renumber keeps)."""
+    return {(fleet.plan_of(inst).model, fleet.plan_of(inst).replica): inst.index for inst in fleet.instances}
 
 
 class Changes:
@@ -181,11 +212,12 @@ class Changes:
         # the record from the start: while the file is read, `vsup status` shows a reload running
         record = self.record = rollout.Record("reload", trigger, sup.now())
         self._reading = asyncio.get_running_loop().create_future()
-        current = [inst.port for inst in sup.fleet.instances]
+        current = {inst.index: inst.port for inst in sup.fleet.instances}
         own = {inst.port: inst.name for inst in sup.fleet.drivers}
+        members = running_members(sup.fleet)
         try:
             config, plan = await asyncio.to_thread(read_config, sup.config_path, sup.fsroot, sup.environ, sup.config,
-                                                   current, own)
+                                                   current, own, members)
         except (VsupError, TopologyError, PlanError) as exc:
             record.finish("rejected", sup.now(), str(exc))
             logger.error("reload (%s) refused, nothing was changed: %s", trigger, exc)
@@ -213,25 +245,31 @@ class Changes:
                     f"instances to change: {', '.join(f'{s.action} {s.index} ({s.why})' for s in record.steps)}"
                     if record.steps else "every instance keeps running")
         for index in record.unchanged:  # as SIGHUP always did: a crash-looped instance gets a new chance
-            if sup.instances[index].state is State.FAILED:
-                sup.instances[index].start()
+            if sup.fleet.instances[index].state is State.FAILED:
+                sup.fleet.instances[index].start()
         task = self._start(record)
         if wait:
             await asyncio.shield(task)
         return record.to_json(sup.started_at, sup.now())
 
     def apply_settings(self, config: VsupConfig, plan: Plan) -> None:
-        """What applies without touching a process: the proxy's settings, metrics, every
-        instance's health/restart/stop/warm-up settings, vsup's log level and CPUs."""
+        """What applies without touching a process: the proxy's settings (each model's policy too),
+        metrics, every instance's health/restart/stop/warm-up settings (from its model's view),
+        vsup's log level and CPUs."""
         sup = self.sup
         sup.config, old_plan, sup.plan = config, sup.plan, plan
         if sup.proxy is not None:
-            sup.proxy.reconfigure(config.proxy, sup.environ.get("VSUP_API_KEY") or config.proxy.api_key)
+            sup.proxy.reconfigure(config.proxy, sup.environ.get("VSUP_API_KEY") or config.proxy.api_key,
+                                  models=model_proxies(config))
         sup.metrics.apply(config)
+        views = {view.name: view.config for view in models_of(config)}
+        single = not is_fleet(config)
         for inst in sup.fleet.drivers:
-            if inst.config.restart != config.restart:
-                inst.policy = RestartPolicy(config.restart)  # the new delays; the failure count starts over
-            inst.config = config
+            # a model the new file no longer serves keeps its view until its removal step drains it
+            view = config if single else views.get(sup.fleet.plan_of(inst).model, inst.config)
+            if inst.config.restart != view.restart:
+                inst.policy = RestartPolicy(view.restart)  # the new delays; the failure count starts over
+            inst.config = view
         if not sup.log_level_given:
             logging.getLogger().setLevel(config.log.level.upper())
         if plan.reserved_cpus and plan.reserved_cpus != old_plan.reserved_cpus:

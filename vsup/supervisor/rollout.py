@@ -29,8 +29,9 @@ import logging
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
+from vsup.config.fleet import is_fleet, models_of
 from vsup.config.reloading import MEANING, Reload, changed
 from vsup.config.schema import RELOAD, VsupConfig
 from vsup.supervisor.lifecycle import Instance
@@ -38,6 +39,9 @@ from vsup.supervisor.ports import port_is_free
 from vsup.supervisor.states import State
 from vsup.topology.cpulist import format_list
 from vsup.topology.plan_model import InstancePlan, Plan, format_gib
+
+if TYPE_CHECKING:
+    from vsup.supervisor.fleet import Members
 
 logger = logging.getLogger("vsup.rollout")
 
@@ -111,21 +115,43 @@ def surge_room(new: InstancePlan, live: Iterable[InstancePlan], plan: Plan) -> t
     return True, f"its CPUs {format_list(new.cpus)} are free"
 
 
+def config_changes(old: VsupConfig, new: VsupConfig) -> list[tuple[str, str, tuple[Any, Any]]]:
+    """Every changed key as (the key as written, its key in RELOAD, (old, new)). Between two fleet
+    files each model present in both is compared through its views (vsup.config.fleet), so a key
+    written in an entry reads `models[1].proxy.policy` and reloads as that key does; a model
+    added or removed is the plan's business (reload_steps), not a key's."""
+    fleets = is_fleet(old) and is_fleet(new)
+    out = [(key, key, values) for key, values in changed(old, new, RELOAD).items() if not (fleets and key == "models")]
+    if not fleets:
+        return out
+    top = {key for key, _, _ in out}
+    before = {view.name: view for view in models_of(old)}
+    for view in models_of(new):
+        was = before.get(view.name)
+        if was is None:
+            continue
+        for key, values in changed(was.config, view.config, RELOAD).items():
+            if key not in top and key != "models":
+                written = key.removeprefix("health.") if key.startswith("health.warmup.") else key
+                out.append((f"{view.key}.{written}", key, values))
+    return out
+
+
 def fixed_changes(old: VsupConfig, new: VsupConfig) -> list[str]:
     """Changes a running vsup cannot apply, one phrase each."""
-    return [f"{key} ({_short(a)} -> {_short(b)}): {FIXED_KEYS[key]}"
-            for key, (a, b) in changed(old, new, RELOAD).items() if key in FIXED_KEYS]
+    return [f"{shown} ({_short(a)} -> {_short(b)}): {FIXED_KEYS[key]}"
+            for shown, key, (a, b) in config_changes(old, new) if key in FIXED_KEYS]
 
 
 def live_changes(old: VsupConfig, new: VsupConfig) -> list[str]:
     """Changed keys a running vsup applies at once, without touching an instance's process."""
-    return [key for key in changed(old, new, RELOAD) if RELOAD[key].reload is Reload.LIVE]
+    return [shown for shown, key, _ in config_changes(old, new) if RELOAD[key].reload is Reload.LIVE]
 
 
 def unapplied_changes(old: VsupConfig, new: VsupConfig) -> list[str]:
     """Changed keys a reload takes but a running vsup does not act on, one phrase each (start.mode:
     read when vsup starts; tune.*: only `vsup tune` reads them)."""
-    return [f"{key} ({MEANING[RELOAD[key].reload]})" for key in changed(old, new, RELOAD)
+    return [f"{shown} ({MEANING[RELOAD[key].reload]})" for shown, key, _ in config_changes(old, new)
             if RELOAD[key].reload in (Reload.START, Reload.UNUSED)]
 
 
@@ -207,7 +233,7 @@ class Record:
 class Fleet(Protocol):
     """What a rollout needs of the running instances (fleet.Fleet)."""
 
-    instances: list[Instance]  # the fleet by index: what the proxy's rotation and `vsup status` follow
+    instances: Members  # the fleet by index (holes allowed): what the proxy's rotation and `vsup status` follow
     @property
     def plan(self) -> Plan:
         """The plan in force (the new one, during a reload)."""
@@ -232,7 +258,7 @@ class Fleet(Protocol):
         """`inst` now runs `plan` (a replacement in place)."""
 
     def swap(self, index: int, inst: Instance | None) -> None:
-        """Put `inst` at `index` of the fleet (None: drop the last index)."""
+        """Put `inst` at `index` of the fleet (None: `index` leaves it; the others keep theirs)."""
 
     def forget(self, inst: Instance) -> None:
         """A stopped instance leaves: its driver, backend and log go."""

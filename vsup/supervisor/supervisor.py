@@ -53,7 +53,7 @@ from vsup.supervisor.lifecycle import Instance
 from vsup.supervisor.memwatch import MemoryWatchdog
 from vsup.supervisor.metrics import Metrics
 from vsup.supervisor.operations import Operations, SystemOperations
-from vsup.supervisor.reloading import Changes
+from vsup.supervisor.reloading import Changes, model_proxies
 from vsup.supervisor.rollout import Record
 from vsup.supervisor.rundir import prepare_instance_dir, prepare_runtime_dir, remove_instance_dir
 from vsup.supervisor.states import State, Transition
@@ -107,8 +107,8 @@ class Supervisor:
 
     @property
     def instances(self) -> list[Instance]:
-        """The fleet by index (fleet.py)."""
-        return self.fleet.instances
+        """The fleet's instances in index order (fleet.py; `self.fleet.instances[i]` is instance i)."""
+        return list(self.fleet.instances)
 
     @property
     def ops(self) -> Operations:
@@ -144,7 +144,7 @@ class Supervisor:
                 logger.info("instance sockets in %s", prepare_instance_dir(self.config.proxy.port, self.environ))
             self.fleet.build()
             api_key = self.environ.get("VSUP_API_KEY") or self.config.proxy.api_key
-            self.proxy = ProxyServer(self.config.proxy, self.pool, api_key=api_key)
+            self.proxy = ProxyServer(self.config.proxy, self.pool, api_key=api_key, models=model_proxies(self.config))
             await self.proxy.start()
             self.metrics.start(self.config, self.proxy, session)
             self.control = ControlServer(control_socket_path(self.config, self.environ), self)
@@ -379,12 +379,18 @@ class Supervisor:
 
     @property
     def instance_count(self) -> int:
-        return len(self.instances)
+        return len(self.fleet.instances)
+
+    @property
+    def instance_indexes(self) -> list[int]:
+        """The fleet's indexes (a removed model leaves holes)."""
+        return self.fleet.instances.indexes()
 
     def instance(self, index: int) -> Instance:
-        if not 0 <= index < len(self.instances):
-            raise VsupError(f"no instance {index}: this vsup runs instances 0..{len(self.instances) - 1}")
-        return self.instances[index]
+        inst = self.fleet.instances.get(index)
+        if inst is None:
+            raise VsupError(f"no instance {index}: this vsup runs instances {self.fleet.instances.describe()}")
+        return inst
 
     async def restart(self, indices: list[int], rolling: bool) -> list[dict[str, Any]]:
         """Restart the given instances: all at once, or one at a time (a rollout: each drained,
@@ -397,8 +403,8 @@ class Supervisor:
             await asyncio.gather(*(inst.restart() for inst in targets))
             return [self.instance_status(inst) for inst in targets]
         record = await self.changes.rolling_restart(targets)
-        return [self.instance_status(self.instances[step.index]) for step in record.steps
-                if step.state in ("done", "failed") and step.index < len(self.instances)]
+        return [self.instance_status(self.fleet.instances[step.index]) for step in record.steps
+                if step.state in ("done", "failed") and step.index in self.fleet.instances]
 
     async def reload(self, trigger: str = "vsup reload", wait: bool = True) -> dict[str, Any]:
         """Re-read the config file and apply the difference (reloading.py). VsupError, and nothing

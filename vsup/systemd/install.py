@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path, PurePosixPath
 
+from vsup.config.fleet import models_of
 from vsup.config.schema import VsupConfig, parse_config
 from vsup.errors import ConfigError, VsupError
 from vsup.systemd.unit import DEFAULT_CONFIG, DEFAULT_USER, UnitSettings, render_unit, timeouts_for
@@ -112,16 +113,19 @@ def _write_atomic(dest: Path, text: str, mode: int, gid: int | None = None) -> N
 
 
 def _count_instances(cfg: VsupConfig) -> int:
-    if isinstance(cfg.instances, int):
-        return cfg.instances
+    """Every model's instances (a fleet's stop timeout covers them all)."""
+    counts = [view.config.instances for view in models_of(cfg)]
+    if all(isinstance(count, int) for count in counts):
+        return sum(int(count) for count in counts)
     # instances: auto -> one per NUMA node with usable CPUs on this machine
     from vsup.topology.errors import TopologyError
     from vsup.topology.sysfs import read_machine
 
     try:
-        return max(1, len(read_machine("/").cpu_nodes))
+        nodes = max(1, len(read_machine("/").cpu_nodes))
     except (TopologyError, OSError):
-        return 1
+        nodes = 1
+    return sum(count if isinstance(count, int) else nodes for count in counts)
 
 
 def install(
@@ -179,8 +183,10 @@ def install(
     else:
         start, stop = timeouts_for(cfg, _count_instances(cfg))
         settings = replace(settings, timeout_start_sec=start, timeout_stop_sec=stop)
-        used = [("model", cfg.model), ("vllm.venv", str(cfg.vllm.venv) if cfg.vllm.venv else ""),
-                ("vllm.command", cfg.vllm.command[0] if cfg.vllm.command else "")]
+        used = [(f"{view.key}.{key}".lstrip("."), path) for view in models_of(cfg) for key, path in (
+            ("model", view.config.model), ("vllm.venv", str(view.config.vllm.venv) if view.config.vllm.venv else ""),
+            ("vllm.command", view.config.vllm.command[0] if view.config.vllm.command else ""))]
+        used = list(dict.fromkeys(used))  # a fleet's models may share a venv
         for key, path in used:
             hidden = _under(path, _HIDDEN_BY_PROTECT_HOME) if path.startswith("/") else None
             if hidden:

@@ -18,6 +18,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Mapping, Sequence
@@ -31,6 +32,9 @@ from vsup.supervisor.ports import port_is_free
 from vsup.supervisor.shm import files_in_use, remove_unused
 
 FAILED_STATES = ("backoff", "failed")
+# Set the affinity, then exec the command: affinity from its first instruction on, no race, no taskset needed.
+AFFINITY = (sys.executable, "-c", "import os, sys; os.sched_setaffinity(0, map(int, sys.argv[1].split(','))); "
+            "os.execvp(sys.argv[2], sys.argv[2:])")
 
 
 class CandidateFailed(Exception):
@@ -50,8 +54,11 @@ def free_port_run(count: int) -> int:
 
 class CandidateRun:
     def __init__(self, vsup: Sequence[str], config_path: Path, log_path: Path, *, proxy_port: int, socket_path: Path,
-                 instances: int, fsroot: str = "/", env: Mapping[str, str] | None = None, stop_timeout: float = 60.0) -> None:
+                 instances: int, fsroot: str = "/", env: Mapping[str, str] | None = None, stop_timeout: float = 60.0,
+                 cpus: frozenset[int] | None = None) -> None:
         self.argv = [*vsup, "run", "--config", str(config_path)] + (["--fsroot", fsroot] if fsroot != "/" else [])
+        if cpus is not None:  # one model of a fleet: vsup runs on that model's CPUs (it plans within its affinity)
+            self.argv = [*AFFINITY, ",".join(map(str, sorted(cpus))), *self.argv]
         self.log_path = log_path
         self.proxy_url = f"http://127.0.0.1:{proxy_port}"
         self.socket_path = socket_path

@@ -14,7 +14,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,8 @@ from vsup.errors import VsupError
 from vsup.observe.bandwidth import cpus_per_node, cpus_per_node_of, measure_bandwidth
 from vsup.safetext import printable
 from vsup.supervisor.launch import vllm_command
+from vsup.topology.cpulist import format_list
+from vsup.topology.fleet import restricted
 from vsup.topology.fsroot import FsRoot
 from vsup.topology.planner import plan
 from vsup.topology.sysfs import read_machine
@@ -68,6 +70,9 @@ class TuneOptions:
     fsroot: str = "/"
     environ: dict[str, str] = field(default_factory=lambda: dict(os.environ))
     workload_origin: str = "--workload"  # what errors about the workload file name: the option or the config key
+    # One model of a fleet (--model): the CPUs the fleet plan gives it; candidates are planned on them alone
+    # and each measured vsup runs with them as its affinity. None: the whole machine.
+    cpus: frozenset[int] | None = None
 
 
 class Tune:
@@ -78,6 +83,9 @@ class Tune:
         self.out = out_console  # the ranked table (stdout)
         self.machine = read_machine(opts.fsroot)
         self.base = settings_from_config(self.cfg)
+        if opts.cpus is not None:  # the fleet's reserved cores hold its proxy: the model's share is all instances
+            self.machine = restricted(self.machine, opts.cpus)
+            self.base = replace(self.base, reserve_cores=0)
         self.levels = [level_name(concurrency=c) for c in opts.concurrency] + [level_name(rate=r) for r in opts.request_rate]
         self.items: list[WorkItem] | None = load_jsonl(opts.workload, opts.workload_origin) if opts.workload else None
         self.libraries = self._libraries()
@@ -162,7 +170,9 @@ class Tune:
         levels = []
         error = None
         run = CandidateRun(VSUP, path, logs / "vsup.log", proxy_port=proxy_port, socket_path=sock, instances=instances,
-                           fsroot=self.o.fsroot, env=self.o.environ, stop_timeout=self.cfg.stop.timeout + self.cfg.proxy.drain_timeout + 30)
+                           fsroot=self.o.fsroot, env=self.o.environ, stop_timeout=self.cfg.stop.timeout + self.cfg.proxy.drain_timeout + 30,
+                           # (a --fsroot machine is not this one: its CPU numbers mean nothing to the scheduler here)
+                           cpus=self.o.cpus if self.o.fsroot == "/" else None)
         with run:
             try:
                 levels, load_s = asyncio.run(self._drive(run, trial, start_timeout))
@@ -298,6 +308,9 @@ class Tune:
                     "Measured (" + ", ".join(self.levels) + f", {best.duration_s:.0f} s per level):",
                     *[f"  {line}" for line in report.outcome_figures(best)],
                     f"Report: {self.o.report_dir / 'summary.md'}", ""]
+        if self.o.cpus is not None:
+            comments[-1:] = [f"Model {self.model!r} alone, tuned on the CPUs the fleet plan gives it ({format_list(self.o.cpus)}):",
+                             "copy instances, placement and vllm into its entry of models: (not reserve_cores: machine-wide).", ""]
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(configs.render(data, comments))
         self.console.print(Text(f"wrote {path}"))  # a path may hold [brackets]: not markup

@@ -1,0 +1,39 @@
+"""What every export of a fleet (a config with `models:`) shares: a model's name as a DNS label
+part or a file name (its slug), and the front proxy's configuration, which routes by model."""
+
+from __future__ import annotations
+
+import re
+
+from vsup.config.schema import VsupConfig, parse_config
+from vsup.export import yamltext
+
+
+def model_slug(name: str) -> str:
+    """A served model name as a DNS label's part: lower case, runs of anything else as one '-'."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def front_config_text(cfg: VsupConfig, note: str) -> str:
+    """The front's configuration: the proxy (no key: with auth off it passes the client's
+    Authorization on, and each model's vsups check it), health (no warm-up: the front has no
+    instances), and each model's balancer keys (models[i].proxy), for `vsup proxy --config`."""
+    assert cfg.models is not None
+    proxy = {k: v for k, v in cfg.proxy.model_dump(mode="json", exclude_defaults=True).items() if k != "api_key"}
+    data: dict = {"proxy": {**proxy, "host": "0.0.0.0"}}
+    health = cfg.health.model_dump(mode="json", exclude_defaults=True)
+    health.pop("warmup", None)
+    if health:
+        data["health"] = health
+    data["models"] = []
+    for entry in cfg.models:
+        item: dict = {"model": entry.model}
+        if entry.served_model_name is not None:
+            item["served_model_name"] = entry.served_model_name
+        own = {key: getattr(entry.proxy, key) for key in sorted(entry.proxy.model_fields_set)}
+        if own:
+            item["proxy"] = own
+        data["models"].append(item)
+    text = yamltext.comment(note) + yamltext.dump(data)
+    parse_config(text, "the front proxy's configuration", require_model=False)  # it must load as written
+    return text
