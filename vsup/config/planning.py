@@ -118,7 +118,7 @@ def plan_from_config(cfg: VsupConfig, fsroot: str | Path = "/", *, numactl_avail
     except ModelPlanError as exc:
         # the partition's own refusals name the entry's key (share, placement.nodes) or the entry
         view = next((v for v in views if v.name == exc.model), views[-1])
-        named = where(view.config, exc.key) if exc.key else view.key
+        named = where(view.config, exc.key or "model")
         raise PlanError(f"{named}: {exc.text}" if exc.model == view.name else str(exc)) from None
 
 
