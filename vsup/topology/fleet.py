@@ -306,7 +306,8 @@ def _reason(pool: list[Core], parts: list[_Part], i: int) -> str:
         others = [q.model.name for q in parts if q is not p and any(c.node == n for c in q.cores)]
         where = "without a NUMA node" if n is None else f"of node {n}"
         words.append(f"{mine[n]} core{'s' if mine[n] > 1 else ''} {where}" + (f" beside {', '.join(others)}" if others else ""))
-    return f"{' + '.join(words)} ({p.why})"
+    took = f"; it takes {len(p.cores)} of them" if p.why.endswith("leave") and len(p.cores) < p.demand else ""
+    return f"{' + '.join(words)} ({p.why}{took})"
 
 
 def merge(plans: Sequence[tuple[FleetModel, Plan]]) -> Plan:
