@@ -95,13 +95,13 @@ def plan_models(machine: Machine, parts: Sequence[tuple[FleetModel, Machine]]) -
         try:
             result[i] = _plan_one(model, replace(part, nodes=tuple(nodes), memory_limit_bytes=own_limit), token=False)
         except ModelPlanError as exc:
-            mine = {n for inst in first[i].instances for n in inst.nodes}
+            where = {n for inst in first[i].instances for n in inst.nodes}
             others = [parts[j][0].name for j, one in enumerate(first)
-                      if j != i and any(set(inst.nodes) & mine for inst in one.instances)]
+                      if j != i and any(set(inst.nodes) & where for inst in one.instances)]
             if not others:
                 raise
             raise ModelPlanError(model.name, None, f"{exc.text} (its share of what {', '.join(others)} leave"
-                                 f"{' there' if len(mine) == 1 else ''})") from None
+                                 f"{' there' if len(where) == 1 else ''})") from None
     return result
 
 
