@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from pathlib import Path
 
 import pytest
 
@@ -113,3 +114,16 @@ def test_preflight_names_the_model_whose_size_max_rss_needs(xeon):
         "f.yaml:1: restart.max_rss: 1.5 is a multiple of the planned memory, but the plan does not know the model's size "
         "(f.yaml:14: models[2].model) (a hub name, or no weight files found); set models[2].placement.model_size_gib, "
         'or give restart.max_rss in bytes, e.g. "6GiB"')
+
+
+def test_the_fleet_example_in_docs_placement_is_what_vsup_plan_prints(xeon, tmp_path):
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "placement.md").read_text()
+    section = doc[doc.index("## Several models on one machine"):]
+    yaml_text = section.split("```yaml\n", 1)[1].split("```", 1)[0]
+    shown = section.split("$ vsup plan -c fleet.yaml --fsroot DUMP\n", 1)[1].split("```", 1)[0]
+    assert yaml_text == FLEET
+    path = tmp_path / "fleet.yaml"
+    path.write_text(yaml_text)
+    result = vsup("plan", "-c", str(path), "--fsroot", xeon)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == shown

@@ -264,7 +264,9 @@ class _Cutter:
         if sum(len(self.free[n]) for n in nodes) < need:
             raise ModelSettingError(p.model.name, setting_error("nodes", None, f"{self._taken(nodes)}; "
                                                                 f"{p.model.name} needs {need} core(s) there"))
-        p.why = f"placement.nodes {format_ids(n for n in nodes if n is not None)}; " + p.why
+        listed = f"placement.nodes {format_ids(n for n in nodes if n is not None)}"
+        # a model sized by what the others leave is sized by its nodes instead
+        p.why = listed if p.why.endswith("leave") or p.why == "all usable cores" else f"{listed}; {p.why}"
         return nodes
 
     def _taken(self, nodes: Sequence[int | None]) -> str:
