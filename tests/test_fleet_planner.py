@@ -205,6 +205,10 @@ def test_the_equal_split_gives_a_big_model_whole_nodes(corpus):
      "f.yaml:13: models[2].share: 0.01 of the 15 usable physical cores is 0, but 2 instance(s) need at least 2"),
     (README_FLEET.replace("cores_per_instance: 2, model_size_gib: 1}", "cores_per_instance: 20, model_size_gib: 1}"),
      "f.yaml:14: models[2].placement.cores_per_instance: needs 20 physical cores but only 14 of the 16 usable are left after embed (2)"),
+    (README_FLEET.replace("kvcache_gib: 2", "kvcache_gib: 2.5"),
+     "f.yaml:10: models[1].placement.kvcache_gib: 2.5 is not valid: vLLM's VLLM_CPU_KVCACHE_SPACE takes whole GiB; use 2 or 3"),
+    (README_FLEET.replace("launcher: numactl}", "launcher: numactl, reserve_cores: 16}"),
+     "f.yaml:1: placement.reserve_cores: 16 is not valid: the machine has 16 usable physical cores: none is left for the models"),
     (README_FLEET.replace("model_size_gib: 1, kvcache_gib: 2", "model_size_gib: 1, kvcache_gib: 40"),
      "f.yaml:11: models[2].model: node 1: 1 × (1 GiB weights + 1.5 GiB) = 2.5 GiB leaves less than 1 GiB of KV cache"),
 ])
@@ -213,3 +217,22 @@ def test_refusals_name_the_models_key(corpus, text, message):
         plan_from_config(parse_config(text, "f.yaml"), corpus.fsroot(XEON), numactl_available=True)
     assert str(info.value).startswith(message), str(info.value)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(("chat", "cores"), [("cores_per_instance: 10", 10), ("cores_per_instance: 7", 7)])
+def test_an_instance_bigger_than_a_node_spans_nodes_and_one_that_fits_does_not(corpus, chat, cores):
+    text = README_FLEET.replace("nodes: [0], model_size_gib: 16", f"{chat}, model_size_gib: 4")
+    _, p = plan_from_config(parse_config(text, "f.yaml"), corpus.fsroot(XEON), numactl_available=True)
+    first = p.instances[0]
+    assert len(first.cores) == cores
+    assert len(first.cpu_nodes) == (2 if cores > 8 else 1)
+    assert (cores > 8) == any(w.startswith("chat: --cores-per-instance 10") for w in p.warnings)
+    assert not {c for i in p.instances[1:] for c in i.cores} & set(first.cores)
+
+
+def test_a_share_is_met_even_when_its_instance_must_span_nodes(corpus):
+    text = README_FLEET.replace("    placement: {nodes: [0], model_size_gib: 16}", "    share: 0.75\n    placement: {model_size_gib: 4}")
+    _, p = plan_from_config(parse_config(text, "f.yaml"), corpus.fsroot(XEON), numactl_available=True)
+    chat = p.models[0]
+    assert len(p.instances[0].cores) == round(0.75 * 15) == 11 and chat.reason.endswith("(share 0.75 of 15 usable cores)")
+    assert chat.reason.startswith("node 0 whole + 4 cores of node 1 beside ")

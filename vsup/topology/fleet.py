@@ -8,10 +8,12 @@ planned on its part by the single-model planner (vsup.topology.fleet_memory shar
    leave, weighted by the instance counts given (auto counts as one).
 3. Models with placement.nodes first, then the largest demand first: a model takes whole free NUMA
    nodes while its demand covers one (the nodes closest to those it has, by the distance matrix),
-   but never more whole nodes than it has instances; what it still needs comes from cores of a
-   node another model also uses, best fit (the node with the fewest free cores that holds it), so
-   a small model (an embedding model of 2 cores) sits beside another one and every instance that
-   fits in one node gets one node. Cores are whole: no physical core goes to two models.
+   a model sized by what the others leave never more whole nodes than it has instances (then it
+   stops: each instance has its node); what it still needs comes from cores of a node another
+   model also uses, best fit (the node with the fewest free cores that holds it), a model with
+   cores_per_instance one instance at a time, so a small model (an embedding model of 2 cores)
+   sits beside another one and every instance that fits in one node gets one node. Cores are
+   whole: no physical core goes to two models.
 4. Each model is planned on its cores alone (restricted), its instances numbered after the
    previous model's (merge); the memory of every node is budgeted over all of them.
 """
@@ -218,7 +220,10 @@ class _Cutter:
         free, size = self.free, self.size
         allowed = self.chain if s.nodes is None else self._listed(p)
         need = p.demand
-        while need > 0 and len(p.whole) < (count or len(self.chain)):
+        sized = s.cores_per_instance is not None and count is not None  # instance by instance, below
+        # a share is what was asked for; a split of what the others leave stops at a node per instance
+        most = len(self.chain) if p.model.share is not None or count is None else count
+        while not sized and need > 0 and len(p.whole) < most:
             whole = [n for n in allowed if free[n] and len(free[n]) == size[n] <= need]
             if not whole:
                 break
@@ -226,9 +231,9 @@ class _Cutter:
             need -= size[n]
             p.whole.append(n)
             self._take(p, n, size[n])
-        if p.whole and len(p.whole) == count:
+        if p.whole and len(p.whole) == most == count:
             need = 0  # every instance has a node of its own
-        per = min_cores(s) if s.cores_per_instance else need
+        per = min_cores(s) if sized else need
         while need > 0 and any(free[n] for n in allowed):
             piece = min(per, need)
             need -= piece
