@@ -184,6 +184,10 @@ def test_two_auto_kv_models_on_a_node_split_what_is_left_by_their_cores(corpus):
     assert len(embed.cores) == 4 and len(rerank.cores) == 2
     assert embed.kvcache_bytes > rerank.kvcache_bytes >= GiB
     assert abs(embed.kvcache_bytes / (embed.kvcache_bytes + rerank.kvcache_bytes) - 4 / 6) < 0.05
+    # together they fill node 1's one budget: each loses less than a GiB to whole-GiB rounding
+    node1 = next(n for n in p.memory if n.node == 1)
+    assert embed.nodes == rerank.nodes == (1,) and node1.instances == (1, 2)
+    assert 0 <= node1.budget_bytes - node1.demand_bytes < 2 * GiB
 
 
 def test_the_equal_split_gives_a_big_model_whole_nodes(corpus):
