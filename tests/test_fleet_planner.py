@@ -239,4 +239,24 @@ def test_a_share_is_met_even_when_its_instance_must_span_nodes(corpus):
     _, p = plan_from_config(parse_config(text, "f.yaml"), corpus.fsroot(XEON), numactl_available=True)
     chat = p.models[0]
     assert len(p.instances[0].cores) == round(0.75 * 15) == 11 and chat.reason.endswith("(share 0.75 of 15 usable cores)")
-    assert chat.reason.startswith("node 0 whole + 4 cores of node 1 beside ")
+    # its whole node is the larger one: node 0 keeps the reserve and the small models
+    assert chat.reason == "node 1 whole + 3 cores of node 0 beside embed, rerank (share 0.75 of 15 usable cores)"
+
+
+def test_an_auto_count_share_gets_no_instance_of_a_few_leftover_cores(machines):
+    small = dict(model_size_bytes=64 * MiB, overhead_bytes=64 * MiB, memory_reserve_bytes=0)
+    p = plan_fleet(machines["96em64t-4no4pa3ca2co"], [  # 4 nodes of 24 cores
+        FleetModel("a", PlanSettings(**small), share=0.5), FleetModel("b", PlanSettings(**small)),
+        FleetModel("c", PlanSettings(instances=1, cores_per_instance=4, **small))])
+    assert [len(i.cores) for i in p.of_model("a")] == [24, 24]  # 0.5 × 95 = 48: two whole nodes, not 47 + 1
+    assert p.models[0].reason == "nodes 1-2 whole (share 0.5 of 95 usable cores)"
+    assert p.models[2].reason == "4 cores of node 0 beside b (1 instance(s) × 4 core(s))"
+
+
+def test_whole_nodes_go_largest_first_and_an_idle_node_is_a_warning(machines):
+    small = dict(model_size_bytes=64 * MiB, overhead_bytes=64 * MiB, memory_reserve_bytes=0)
+    p = plan_fleet(machines["16amd64-8n2c"], [  # 8 nodes of 2 cores; the reserve takes one of node 0
+        FleetModel("chat", PlanSettings(instances=2, **small)),
+        FleetModel("embed", PlanSettings(instances=1, cores_per_instance=1, **small))])
+    assert [len(i.cores) for i in p.of_model("chat")] == [2, 2] and p.models[1].nodes == (0,)
+    assert "node(s) 3,4,5,6,7 idle: no model's demand reaches them" in " ".join(p.warnings)

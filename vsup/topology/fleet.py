@@ -7,9 +7,10 @@ planned on its part by the single-model planner (vsup.topology.fleet_memory shar
    (+ the housekeeping core) × instances when both are set; else an equal split of what the others
    leave, weighted by the instance counts given (auto counts as one).
 3. Models with placement.nodes first, then the largest demand first: a model takes whole free NUMA
-   nodes while its demand covers one (the nodes closest to those it has, by the distance matrix),
-   a model sized by what the others leave never more whole nodes than it has instances (then it
-   stops: each instance has its node); what it still needs comes from cores of a node another
+   nodes while its demand covers one (the nodes closest to those it has, by the distance matrix;
+   the first the largest), a model sized by what the others leave never more whole nodes than it
+   has instances (then it stops: each instance has its node), a model with instances: auto no
+   leftover under half a node (it would be an instance of its own); what it still needs comes from cores of a node another
    model also uses, best fit (the node with the fewest free cores that holds it), a model with
    cores_per_instance one instance at a time, so a small model (an embedding model of 2 cores)
    sits beside another one and every instance that fits in one node gets one node. Cores are
@@ -89,6 +90,10 @@ def plan_fleet(machine: Machine, models: Sequence[FleetModel]) -> Plan:
     for core in pool:
         if not set(core.cpus) & taken:
             unused.update((cpu, f"node {core.node}: in no model's share (each model's demand is met)") for cpu in core.cpus)
+    idle = sorted(n for n in {c.node for c in pool} - {c.node for c in pool if set(c.cpus) & taken} if n is not None)
+    if idle:
+        warnings.append(f"node(s) {format_ids(idle)} idle: no model's demand reaches them; more instances (or instances: auto) "
+                        "or a share would use them")
     for cpu in reserved:
         unused.pop(cpu, None)
     for name, one in zip((m.name for m in models), planned, strict=True):
@@ -227,12 +232,15 @@ class _Cutter:
             whole = [n for n in allowed if free[n] and len(free[n]) == size[n] <= need]
             if not whole:
                 break
-            n = min(whole, key=lambda n: self._near(p, n))
+            # next to its nodes; the first (and on ties) the largest: the reserve's node is left to small models
+            n = min(whole, key=lambda n: (self._near(p, n)[0], -size[n], self.chain.index(n)))
             need -= size[n]
             p.whole.append(n)
             self._take(p, n, size[n])
         if p.whole and len(p.whole) == most == count:
             need = 0  # every instance has a node of its own
+        if p.whole and count is None and need < min(size[n] for n in p.whole) / 2:
+            need = 0  # instances: auto would give so few cores an instance of their own
         per = min_cores(s) if sized else need
         while need > 0 and any(free[n] for n in allowed):
             piece = min(per, need)
