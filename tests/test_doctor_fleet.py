@@ -88,3 +88,21 @@ def test_a_single_model_config_gets_no_per_model_results(tmp_path):
     checks = doctor(root, config)
     assert "model-files" not in checks and "model-memory" not in checks
     assert checks["memory-plan"][0]["summary"].startswith("1 instance(s) fit")
+
+
+def test_live_paths_are_read_here_and_relative_ones_are_not_guessed_under_a_dump(tmp_path, monkeypatch):
+    from vsup.config.fleet import models_of
+    from vsup.config.schema import parse_config
+    from vsup.doctor.models import check_model_files
+    from vsup.topology.fsroot import FsRoot
+
+    (tmp_path / "chat").mkdir()
+    (tmp_path / "chat" / "model.gguf").write_bytes(b"\0" * 1024)
+    monkeypatch.chdir(tmp_path)
+    cfg = parse_config(FLEET.replace("/srv/chat", "./chat").replace("/srv/embed", str(tmp_path / "chat")), "f.yaml")
+    chat, embed, _ = models_of(cfg)
+    live = check_model_files(chat, FsRoot("/"), live=True)
+    assert live.status == "pass" and live.summary.startswith("chat: ./chat: ")
+    assert check_model_files(embed, FsRoot("/"), live=True).status == "pass"
+    dump = check_model_files(chat, FsRoot(tmp_path / "dump"), live=False)
+    assert dump.status == "skip" and "relative to where vsup runs" in dump.summary

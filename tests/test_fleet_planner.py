@@ -106,11 +106,12 @@ def test_fleets_keep_the_rules_or_are_refused_naming_a_model(machines, name, mod
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(name=st.sampled_from(DUMP_NAMES), instances=st.one_of(st.just("auto"), st.integers(1, 4)),
-       cpi=st.sampled_from([None, 1, 2]), kv=st.sampled_from([None, 1 / 64]))
-def test_a_fleet_of_one_is_the_single_model_plan(machines, name, instances, cpi, kv):
+       cpi=st.sampled_from([None, 1, 2]), kv=st.sampled_from([None, 1 / 64]), one_node=st.booleans())
+def test_a_fleet_of_one_is_the_single_model_plan(machines, name, instances, cpi, kv, one_node):
     machine = machines[name]
+    nodes = (machine.cpu_nodes[-1].id,) if one_node and machine.cpu_nodes else None
     s = PlanSettings(instances=instances, cores_per_instance=cpi, kvcache_gib=kv, model_size_bytes=16 * MiB,
-                     overhead_bytes=16 * MiB, memory_reserve_bytes=0)
+                     overhead_bytes=16 * MiB, memory_reserve_bytes=0, nodes=nodes)
     try:
         single = plan(machine, s)
     except PlanError as exc:

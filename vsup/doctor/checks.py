@@ -84,7 +84,7 @@ def run_doctor(config_path: str | None, fsroot: str = "/", environ: Mapping[str,
         results += plan_results
         if is_fleet(cfg):  # every model's files and its part of the plan, each naming the model
             for view in models_of(cfg):
-                results.append(check_model_files(view, fs))
+                results.append(check_model_files(view, fs, live))
                 if plan is not None:
                     results.append(check_model_memory(view, plan))
     else:

@@ -4,6 +4,8 @@ single-model form keeps its own results (vsup.doctor.checks)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from vsup.config.checks import looks_local
 from vsup.config.fleet import ModelView
 from vsup.config.loader import where
@@ -14,14 +16,16 @@ from vsup.topology.fsroot import FsRoot
 from vsup.topology.plan_model import Plan, format_gib
 
 
-def check_model_files(view: ModelView, fs: FsRoot) -> Result:
-    """`view`'s model under the checked root (/ live, a dump's root with --fsroot)."""
+def check_model_files(view: ModelView, fs: FsRoot, live: bool) -> Result:
+    """`view`'s model here (`live`), else under the checked root (a dump's, with --fsroot)."""
     model = view.config.model
     if not looks_local(model):
         sized = view.config.placement.model_size_gib is not None
         return Result("model-files", SKIP, f"{view.name}: {model} is a hub name: vLLM fetches it when the instance starts"
                       + ("" if sized else f"; set {view.key}.placement.model_size_gib so its memory is planned with its weights"))
-    path = fs.path(model) if model.startswith("/") else fs.path(".") / model
+    if not live and not model.startswith("/"):
+        return Result("model-files", SKIP, f"{view.name}: {model} is relative to where vsup runs: checked on that machine only")
+    path = Path(model).expanduser() if live else fs.path(model)
     if not path.exists():
         return Result("model-files", FAIL, f"{view.name}: {where(view.config, 'model')}: {model}: no such file or directory",
                       "give the model's local directory, or a hub name like org/name")

@@ -73,7 +73,7 @@ def plan_fleet(machine: Machine, models: Sequence[FleetModel]) -> Plan:
             _check_settings(m.settings)
         except SettingError as exc:
             raise ModelSettingError(m.name, exc) from None
-    if len(models) == 1 and models[0].share is None and models[0].settings.nodes is None:
+    if len(models) == 1 and models[0].share is None:
         return _fleet_of_one(machine, models[0])
     warnings: list[str] = []
     reserved = _reserve(machine, models, warnings)
