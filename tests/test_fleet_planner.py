@@ -261,3 +261,13 @@ def test_whole_nodes_go_largest_first_and_an_idle_node_is_a_warning(machines):
         FleetModel("embed", PlanSettings(instances=1, cores_per_instance=1, **small))])
     assert [len(i.cores) for i in p.of_model("chat")] == [2, 2] and p.models[1].nodes == (0,)
     assert "node(s) 3,4,5,6,7 idle: no model's demand reaches them" in " ".join(p.warnings)
+
+
+def test_a_model_whose_equal_split_is_below_its_minimum_gets_the_minimum(machines):
+    small = dict(model_size_bytes=64 * MiB, overhead_bytes=64 * MiB, memory_reserve_bytes=0)
+    p = plan_fleet(machines[XEON], [  # 15 usable cores split 2:6:4 would give a 2.5 cores for 2 × (1 + housekeeping)
+        FleetModel("a", PlanSettings(instances=2, housekeeping_core=True, **small)),
+        FleetModel("b", PlanSettings(instances=6, **small)), FleetModel("c", PlanSettings(instances=4, **small))])
+    assert [len(i.cores) for i in p.of_model("a")] == [2, 2]
+    assert p.models[0].reason.endswith("(its 2 instance(s)' minimum of the 15 cores the others leave)")
+    assert sum(len(i.cores) for i in p.of_model("b")) + sum(len(i.cores) for i in p.of_model("c")) == 11

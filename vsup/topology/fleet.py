@@ -5,7 +5,8 @@ planned on its part by the single-model planner (vsup.topology.fleet_memory shar
    planner would take it for the whole machine (auto: one core when the fleet leaves one free).
 2. Each model's demand in physical cores: `share` × the usable cores; else cores_per_instance
    (+ the housekeeping core) × instances when both are set; else an equal split of what the others
-   leave, weighted by the instance counts given (auto counts as one).
+   leave, weighted by the instance counts given (auto counts as one), but never below what its
+   instances need (water filling).
 3. Models with placement.nodes first, then the largest demand first: a model takes whole free NUMA
    nodes while its demand covers one (the nodes closest to those it has, by the distance matrix;
    the first the largest), a model sized by what the others leave never more whole nodes than it
@@ -173,20 +174,41 @@ def _demands(models: Sequence[FleetModel], usable: int) -> list[_Part]:
         fixed += p.demand
         before.append(f"{p.model.name} ({p.demand})")
     rest = [p for p in parts if not p.demand]
-    weights = [_count(p.model.settings) or 1 for p in rest]
     left = usable - fixed
-    extra = left - sum(left * w // sum(weights) for w in weights) if rest else 0
-    for p, w in zip(rest, weights, strict=True):
-        s, count = p.model.settings, _count(p.model.settings)
-        p.demand = left * w // sum(weights) + (1 if extra > 0 else 0)
-        extra -= 1
-        weighted = " by instance count" if len(set(weights)) > 1 else ""
-        p.why = f"an equal split{weighted} of the {left} cores the others leave" if len(rest) > 1 or fixed else "all usable cores"
-        least = min_cores(s) * (count or 1)
-        if p.demand < least:
-            raise ModelPlanError(p.model.name, None, f"gets {p.demand} of the {left} physical cores the other models leave "
-                                 f"({usable} usable, {', '.join(before) or 'none'} taken), but {count or 1} instance(s) need at "
-                                 f"least {least}; give the other models smaller shares, or this one fewer instances")
+    minimum = {id(p): min_cores(p.model.settings) * (_count(p.model.settings) or 1) for p in rest}
+    weights = {id(p): _count(p.model.settings) or 1 for p in rest}
+    # an equal split, except that a model whose part would be below its instances' minimum gets that
+    # minimum and the others split the rest (water filling)
+    raised: set[int] = set()
+    while True:
+        open_ = [p for p in rest if id(p) not in raised]
+        room = left - sum(minimum[i] for i in raised)
+        low = [p for p in open_ if room * weights[id(p)] < minimum[id(p)] * sum(weights[id(q)] for q in open_)]
+        if not low or room < 0:
+            break
+        raised |= {id(p) for p in low}
+    open_ = [p for p in rest if id(p) not in raised]
+    total = sum(weights[id(p)] for p in open_)
+    extra = room - sum(room * weights[id(p)] // total for p in open_) if open_ else 0
+    taken = list(before)
+    for p in rest:
+        w = weights[id(p)]
+        if id(p) in raised:
+            p.demand = minimum[id(p)]
+        else:
+            p.demand = room * w // total + (1 if extra > 0 else 0)
+            extra -= 1
+        weighted = " by instance count" if len({weights[id(q)] for q in rest}) > 1 else ""
+        p.why = (f"an equal split{weighted} of the {left} cores the others leave" if len(rest) > 1 or fixed else "all usable cores")
+        if id(p) in raised:
+            p.why = f"its {_count(p.model.settings) or 1} instance(s)' minimum of the {left} cores the others leave"
+        spare = left - sum(q.demand for q in rest if q.demand and q is not p)
+        if p.demand < minimum[id(p)] or spare < p.demand:
+            raise ModelPlanError(p.model.name, None, f"gets {max(0, min(p.demand, spare))} of the {left} physical cores the other "
+                                 f"models leave ({usable} usable, {', '.join(taken) or 'none'} taken), but "
+                                 f"{_count(p.model.settings) or 1} instance(s) need at least {minimum[id(p)]}; give the other "
+                                 "models smaller shares, or this one fewer instances")
+        taken.append(f"{p.model.name} ({p.demand})")
     return parts
 
 
@@ -225,7 +247,7 @@ class _Cutter:
         free, size = self.free, self.size
         allowed = self.chain if s.nodes is None else self._listed(p)
         need = p.demand
-        sized = s.cores_per_instance is not None and count is not None  # instance by instance, below
+        sized = s.cores_per_instance is not None  # instance by instance, below
         # a share is what was asked for; a split of what the others leave stops at a node per instance
         most = len(self.chain) if p.model.share is not None or count is None else count
         while not sized and need > 0 and len(p.whole) < most:
@@ -242,13 +264,15 @@ class _Cutter:
         if p.whole and count is None and need < min(size[n] for n in p.whole) / 2:
             need = 0  # instances: auto would give so few cores an instance of their own
         per = min_cores(s) if sized else need
-        while need > 0 and any(free[n] for n in allowed):
+        while need >= (per if sized else 1) and any(free[n] for n in allowed):
             piece = min(per, need)
             need -= piece
             fits = [n for n in allowed if len(free[n]) >= piece]
             if fits:
                 self._take(p, min(fits, key=lambda n: (len(free[n]), self._near(p, n))), piece)
                 continue
+            if sized and count is None:
+                break  # instances: auto is one per node: an instance straddling nodes would be two
             for n in sorted(allowed, key=lambda n: (-len(free[n]), self._near(p, n))):  # no node holds it: straddle
                 k = min(piece, len(free[n]))
                 if k:
