@@ -15,7 +15,7 @@ from vsup.config.loader import where
 from vsup.config.schema import RELOAD, GiB, VsupConfig
 from vsup.errors import ConfigError
 from vsup.topology.errors import PlanError, SettingError
-from vsup.topology.fleet import ModelSettingError, plan_fleet
+from vsup.topology.fleet import ModelPlanError, ModelSettingError, plan_fleet
 from vsup.topology.model import Machine
 from vsup.topology.plan_model import FleetModel, Plan, PlanSettings
 from vsup.topology.planner import plan
@@ -112,7 +112,14 @@ def plan_from_config(cfg: VsupConfig, fsroot: str | Path = "/", *, numactl_avail
         return machine, plan_fleet(machine, models)
     except ModelSettingError as exc:
         view = next(v for v in views if v.name == exc.model)
+        if exc.error.setting == "reserve_cores":  # machine-wide: the top level's key
+            raise reworded(exc.error, cfg, flags) from None
         raise reworded(exc.error, view.config, flags) from None
+    except ModelPlanError as exc:
+        # the partition's own refusals name the entry's key (share, placement.nodes) or the entry
+        view = next((v for v in views if v.name == exc.model), views[-1])
+        named = where(view.config, exc.key or "model")
+        raise PlanError(f"{named}: {exc.text}" if exc.model == view.name else str(exc)) from None
 
 
 def reworded(exc: SettingError, cfg: VsupConfig, flags: frozenset[str] = frozenset()) -> PlanError:
