@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, event, given, settings
@@ -15,7 +16,7 @@ from vsup.config.planning import plan_from_config
 from vsup.config.schema import parse_config
 from vsup.errors import VsupError
 from vsup.topology.errors import PlanError
-from vsup.topology.fleet import ModelPlanError, ModelSettingError, plan_fleet
+from vsup.topology.fleet import ModelPlanError, ModelSettingError, kept_of, plan_fleet
 from vsup.topology.model import Machine
 from vsup.topology.plan_model import FleetModel, GiB, Plan, PlanSettings
 from vsup.topology.planner import plan
@@ -271,3 +272,69 @@ def test_a_model_whose_equal_split_is_below_its_minimum_gets_the_minimum(machine
     assert [len(i.cores) for i in p.of_model("a")] == [2, 2]
     assert p.models[0].reason.endswith("(its 2 instance(s)' minimum of the 15 cores the others leave)")
     assert sum(len(i.cores) for i in p.of_model("b")) + sum(len(i.cores) for i in p.of_model("c")) == 11
+
+
+# ---- a reload: the models it does not change keep their CPUs and KV cache (kept_of) ------------
+
+def _launch(p: Plan, name: str) -> list[tuple]:
+    return [(i.replica, i.cpus, i.omp_cpus, i.env, i.vllm_args, i.nodes, i.kvcache_bytes) for i in p.of_model(name)]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(name=st.sampled_from(DUMP_NAMES), before=fleets(), change=st.sampled_from(["add", "remove", "resize"]), data=st.data())
+def test_a_reload_moves_no_model_it_does_not_change(machines, name, before, change, data):
+    machine = machines[name]
+    try:
+        old = plan_fleet(machine, before)
+    except (ModelPlanError, ModelSettingError):
+        return
+    after = list(before)
+    if change == "add":
+        after.append(FleetModel("new", replace(before[0].settings, instances=1, cores_per_instance=1)))
+    elif change == "remove":
+        after.pop(data.draw(st.integers(0, len(after) - 1)))
+    else:
+        i = data.draw(st.integers(0, len(after) - 1))
+        count = after[i].settings.instances
+        after[i] = replace(after[i], settings=replace(after[i].settings, instances=(count + 1 if isinstance(count, int) else 1)))
+    keep = kept_of(old, after)
+    try:
+        new = plan_fleet(machine, after, keep)
+    except (ModelPlanError, ModelSettingError):
+        event("refused")
+        return
+    event("planned")
+    check_fleet_rules(machine, after, new)
+    for model, share in zip(after, new.models, strict=True):
+        if "kept where it runs" in share.reason:  # the same CPUs, threads, environment, memory nodes, KV cache
+            assert model.name in keep and _launch(new, model.name) == _launch(old, model.name), model.name
+        elif change == "remove":  # a model leaving needs no room: every other one stays where it runs
+            raise AssertionError(f"{model.name} moved when another model left")
+
+
+def test_adding_a_model_beside_a_running_fleet_moves_nothing_that_runs(corpus):
+    machine = read_machine(corpus.fsroot(XEON), live=False)
+    s = PlanSettings(model_size_bytes=GiB, overhead_bytes=GiB)
+    chat = FleetModel("chat", replace(s, instances=2, cores_per_instance=4))
+    before = [chat, FleetModel("embed", replace(s, instances=1, cores_per_instance=2))]
+    old = plan_fleet(machine, before)
+    after = [FleetModel("rerank", replace(s, instances=1, cores_per_instance=2)), *before]  # first in the file
+    fresh = plan_fleet(machine, after)  # planned from scratch, the newcomer takes cores the others run on
+    assert _launch(fresh, "chat") != _launch(old, "chat") or _launch(fresh, "embed") != _launch(old, "embed")
+    kept = plan_fleet(machine, after, kept_of(old, after))
+    assert _launch(kept, "chat") == _launch(old, "chat") and _launch(kept, "embed") == _launch(old, "embed")
+    assert kept.of_model("rerank") and "kept where it runs" in kept.models[1].reason
+    check_fleet_rules(machine, after, kept)
+
+
+def test_a_model_sized_by_what_the_others_leave_makes_room_for_a_newcomer(corpus):
+    """chat takes every core the others leave: a new model can only come from its cores, so chat
+    is planned anew (the reload replaces its instances one by one) while embed stays."""
+    machine = read_machine(corpus.fsroot(XEON), live=False)
+    s = PlanSettings(model_size_bytes=GiB, overhead_bytes=GiB)
+    before = [FleetModel("chat", replace(s, instances=2)), FleetModel("embed", replace(s, instances=1, cores_per_instance=2))]
+    old = plan_fleet(machine, before)
+    after = [*before, FleetModel("rerank", replace(s, instances=1, cores_per_instance=2))]
+    kept = plan_fleet(machine, after, kept_of(old, after))
+    assert _launch(kept, "embed") == _launch(old, "embed") and _launch(kept, "chat") != _launch(old, "chat")
+    check_fleet_rules(machine, after, kept)

@@ -7,15 +7,12 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import pytest
-
 from tests.test_plan_cli import XEON
 from tests.test_plan_cli import vsup as run_vsup
 from vsup.cli import command_names
 from vsup.config.example import example_yaml, with_readme_reference
 from vsup.config.fleet import models_of
 from vsup.config.schema import parse_config
-from vsup.topology import fleet as fleet_planner
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -82,8 +79,6 @@ def test_the_several_models_example_is_a_fleet_of_chat_and_a_pooling_embedding_m
     assert "<!-- BEGIN published:fleet " in section  # the measured cost comes from fleet_bench.json
 
 
-@pytest.mark.skipif("PHASE-0 STUB" in (fleet_planner.__doc__ or ""),
-                    reason="plan_fleet is phase 0's stub partition until branch i21-plan lands; the README shows the real one's plan")
 def test_the_several_models_plan_is_what_vsup_plan_prints(corpus, tmp_path):
     _, yaml_text, shown = _fleet_example()
     path = tmp_path / "fleet.yaml"

@@ -19,19 +19,21 @@ from vsup.topology.plan_model import Plan
 
 
 def checked_plan(cfg: VsupConfig, fsroot: str, environ: Mapping[str, str], *, runs_here: bool,
-                 flags: Mapping[str, str] | None = None, planned: frozenset[str] = frozenset()) -> tuple[Machine, Plan]:
+                 flags: Mapping[str, str] | None = None, planned: frozenset[str] = frozenset(),
+                 running: Plan | None = None) -> tuple[Machine, Plan]:
     """Plan `cfg` on the machine under `fsroot` and check what would be launched.
 
     `runs_here`: the instances would start on this machine, so the model path must exist here
     (`vsup plan --fsroot DUMP` plans for another machine). `flags`: config key -> the command-line
     option that set it (`vsup plan --base-port`), so an error names what the user typed;
-    `planned`: the same for the planner, as PlanSettings field names."""
+    `planned`: the same for the planner, as PlanSettings field names. `running`: a reload's
+    running plan (its unchanged models keep their CPUs: plan_from_config)."""
     flags = flags or {}
     views = models_of(cfg)  # a fleet: each model's view (its errors name models[i].key)
     if runs_here:
         for view in views:
             check_model_path(view.config, flags.get("model"))
-    machine, plan = plan_from_config(cfg, fsroot, flags=planned)
+    machine, plan = plan_from_config(cfg, fsroot, flags=planned, running=running)
     if cfg.vllm.listen == "tcp":  # under unix the instances have sockets, no ports
         check_instance_ports(cfg, len(plan.instances), flags.get("vllm.base_port"))
     for view in views:

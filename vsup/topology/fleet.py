@@ -34,6 +34,7 @@ from vsup.topology.model import Core, Machine
 from vsup.topology.plan_model import (
     FleetModel,
     InstancePlan,
+    Kept,
     ModelShare,
     NodeMemory,
     Plan,
@@ -43,7 +44,9 @@ from vsup.topology.plan_model import (
 )
 from vsup.topology.planner import _check_settings, plan
 
-__all__ = ["ModelPlanError", "ModelSettingError", "merge", "plan_fleet", "renumber", "restricted"]
+__all__ = ["Kept", "ModelPlanError", "ModelSettingError", "kept_of", "merge", "plan_fleet", "renumber", "restricted"]
+
+GiB = 1024**3
 
 # The reserve probe's instances: tiny, so that only cores decide where the reserve goes.
 _PROBE = PlanSettings(model_size_bytes=1, kvcache_gib=1 / 1024, overhead_bytes=0, memory_reserve_bytes=0, launcher="none")
@@ -66,22 +69,59 @@ class _Part:
     why: str = ""
     cores: list[Core] = field(default_factory=list)
     whole: list[int | None] = field(default_factory=list)  # nodes it took whole
+    kept: bool = False  # a reload keeps it where it runs (plan_fleet's keep)
 
 
-def plan_fleet(machine: Machine, models: Sequence[FleetModel]) -> Plan:
+def kept_of(running: Plan, models: Sequence[FleetModel]) -> dict[str, Kept]:
+    """The models of `models` a reload finds running unchanged in `running` (same settings and
+    share): their CPUs and KV cache, for plan_fleet's `keep`."""
+    kept = {}
+    for share in running.models:
+        model = next((m for m in models if m.name == share.name), None)
+        mine = running.of_model(share.name)
+        if model is not None and mine and (model.settings, model.share) == (share.settings, share.share):
+            kept[share.name] = Kept(frozenset(share.cpus), mine[0].kvcache_bytes, tuple(sorted(mine, key=lambda i: i.replica)))
+    return kept
+
+
+def plan_fleet(machine: Machine, models: Sequence[FleetModel], keep: Mapping[str, Kept] | None = None) -> Plan:
+    """`keep` (a reload, kept_of): those models keep the CPUs and KV cache they run with when the
+    CPUs are still theirs to take (usable, not reserved), and the others share what is left, so a
+    model added, removed or resized beside them never moves them. When what is left cannot hold
+    the others, the kept models sized by what others leave (no share, no cores_per_instance) are
+    planned anew (a reload replaces them one instance at a time), then every model."""
+    if not keep:
+        return _plan_fleet(machine, models, {})
+    fixed = {name: kept for name, kept in keep.items()
+             if any(m.name == name and (m.share is not None or m.settings.cores_per_instance) for m in models)}
+    tries = [dict(keep), fixed] if fixed != keep else [dict(keep)]
+    for kept in tries:
+        try:
+            return _plan_fleet(machine, models, kept)
+        except (ModelPlanError, ModelSettingError):
+            continue
+    return _plan_fleet(machine, models, {})
+
+
+def _plan_fleet(machine: Machine, models: Sequence[FleetModel], keep: Mapping[str, Kept]) -> Plan:
     for m in models:
         try:
             _check_settings(m.settings)
         except SettingError as exc:
             raise ModelSettingError(m.name, exc) from None
-    if len(models) == 1 and models[0].share is None:
+    if len(models) == 1 and models[0].share is None and not keep:
         return _fleet_of_one(machine, models[0])
     warnings: list[str] = []
     reserved = _reserve(machine, models, warnings)
     pool = [c for c in machine.cores if c.cpus and not set(c.cpus) & reserved]
-    parts = _demands(models, len(pool))
-    _assign(machine, pool, parts)
+    held = _held(pool, models, keep)
+    parts = _demands(models, len(pool), held, keep)
+    _assign(machine, [c for c in pool if not any(c in cores for cores in held.values())], parts)
     planned = plan_models(machine, [(p.model, restricted(machine, frozenset(x for c in p.cores for x in c.cpus))) for p in parts])
+    for i, p in enumerate(parts):  # a kept model's instances exactly as they run (summed_memory checks them with the rest)
+        if p.kept and keep[p.model.name].instances:
+            planned[i] = replace(planned[i], instances=tuple(replace(inst, index=inst.replica)
+                                                             for inst in keep[p.model.name].instances))
     fleet = merge(list(zip(models, planned, strict=True)))
     memory, limit = summed_memory(machine, fleet, models[0].settings.memory_reserve_bytes, warnings)
     taken = {x for p in parts for c in p.cores for x in c.cpus}
@@ -149,10 +189,35 @@ def _reserve(machine: Machine, models: Sequence[FleetModel], warnings: list[str]
                                                           "physical cores: none is left for the models"))
 
 
-def _demands(models: Sequence[FleetModel], usable: int) -> list[_Part]:
+def _held(pool: list[Core], models: Sequence[FleetModel], keep: Mapping[str, Kept]) -> dict[str, list[Core]]:
+    """The pool's cores each kept model runs on, when every one of them is still in the pool."""
+    held: dict[str, list[Core]] = {}
+    for m in models:
+        kept = keep.get(m.name)
+        if kept is None:
+            continue
+        cores = [c for c in pool if set(c.cpus) & kept.cpus]
+        if {x for c in cores for x in c.cpus} == set(kept.cpus):
+            held[m.name] = cores
+    return held
+
+
+def _demands(models: Sequence[FleetModel], usable: int, held: Mapping[str, list[Core]] | None = None,
+             keep: Mapping[str, Kept] | None = None) -> list[_Part]:
     parts = [_Part(m) for m in models]
     fixed, before = 0, list[str]()
     for p in parts:
+        cores = (held or {}).get(p.model.name)
+        if cores is not None:  # a model a reload keeps where it runs, with the KV cache it has
+            kv = (keep or {})[p.model.name].kvcache_bytes if keep else None
+            settings = p.model.settings
+            if kv is not None and settings.kvcache_gib is None:
+                settings = replace(settings, kvcache_gib=kv / GiB)
+            p.model, p.cores, p.demand = replace(p.model, settings=settings), list(cores), len(cores)
+            p.why, p.kept = "kept where it runs: the reload did not change it", True
+            fixed += p.demand
+            before.append(f"{p.model.name} ({p.demand})")
+            continue
         s, share, count = p.model.settings, p.model.share, _count(p.model.settings)
         least = min_cores(s) * (count or 1)
         if share is not None:
@@ -173,7 +238,7 @@ def _demands(models: Sequence[FleetModel], usable: int) -> list[_Part]:
                                  f"usable are left{after}; lower the shares or the instances")
         fixed += p.demand
         before.append(f"{p.model.name} ({p.demand})")
-    rest = [p for p in parts if not p.demand]
+    rest = [p for p in parts if not p.demand and not p.kept]
     left = usable - fixed
     minimum = {id(p): min_cores(p.model.settings) * (_count(p.model.settings) or 1) for p in rest}
     weights = {id(p): _count(p.model.settings) or 1 for p in rest}
@@ -216,7 +281,8 @@ def _assign(machine: Machine, pool: list[Core], parts: list[_Part]) -> None:
     """Step 3 of the module's docstring: each part's cores, taken from `pool`."""
     cutter = _Cutter(machine, pool)
     for i in sorted(range(len(parts)), key=lambda i: (parts[i].model.settings.nodes is None, -parts[i].demand, i)):
-        cutter.give(parts[i])
+        if not parts[i].kept:
+            cutter.give(parts[i])
 
 
 class _Cutter:
@@ -369,7 +435,8 @@ def merge(plans: Sequence[tuple[FleetModel, Plan]]) -> Plan:
                 instances=(old.instances if old else ()) + moved)
         cpus = tuple(sorted(x for inst in one.instances for x in inst.cpus))
         nodes = tuple(sorted({n for inst in one.instances for n in inst.cpu_nodes}))
-        shares.append(ModelShare(model.name, model.settings, cpus, nodes, tuple(range(first, len(instances))), "stub"))
+        shares.append(ModelShare(model.name, model.settings, cpus, nodes, tuple(range(first, len(instances))), "",
+                                 model.share))
     head = plans[0][1]
     return replace(head, instances=tuple(instances), memory=tuple(memory[n] for n in sorted(memory)),
                    warnings=tuple(w for _, p in plans for w in p.warnings), models=tuple(shares))
