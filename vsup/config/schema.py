@@ -237,7 +237,24 @@ class TuneConfig(_Section):
         return value
 
 
-class ModelConfig(_Section):
+class _ModelKeys(_Section):
+    """The checks of the keys a model is given by: the top level's and each entry of models:."""
+
+    @field_validator("model", check_fields=False)
+    @classmethod
+    def _expand_home(cls, value: str) -> str:
+        # a local directory under the home folder; vLLM would take "~/..." for a hub name
+        return os.path.expanduser(value) if value.startswith("~") else value
+
+    @field_validator("instances", check_fields=False)
+    @classmethod
+    def _positive(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 1:
+            raise ValueError("must be at least 1, or auto")
+        return value
+
+
+class ModelConfig(_ModelKeys):
     """One entry of `models:`: a model the fleet serves (vsup/config/fleet.py reads them)."""
 
     model: str = Field(..., min_length=1, examples=["/srv/models/chat"], description="local model directory or hub name, as `vllm serve` takes it", json_schema_extra=relaunch())
@@ -249,20 +266,9 @@ class ModelConfig(_Section):
     proxy: ProxyConfig = Field(default_factory=ProxyConfig, description="how the proxy picks among its instances: policy, affinity_prefix_chars, affinity_max_imbalance (the rest of proxy is the one front door: top level only)")
     warmup: WarmupConfig = Field(default_factory=WarmupConfig, description="its warm-up (health.warmup for this model): a generating model gets a completion, a pooling model an embedding (/v1/embeddings) or pooling (/pooling) request")
 
-    @field_validator("model")
-    @classmethod
-    def _expand_home(cls, value: str) -> str:
-        return os.path.expanduser(value) if value.startswith("~") else value
-
-    @field_validator("instances")
-    @classmethod
-    def _positive(cls, value: int | str) -> int | str:
-        if isinstance(value, int) and value < 1:
-            raise ValueError("must be at least 1, or auto")
-        return value
 
 
-class VsupConfig(_Section):
+class VsupConfig(_ModelKeys):
     model: str = Field(..., min_length=1, examples=["/srv/models/my-model"], description="local model directory or hub name, as `vllm serve` takes it; a local path (/, ./, ~) must exist (with `models:`, each entry names its own and this key is left out)", json_schema_extra=relaunch())
     served_model_name: str | None = Field(None, description='the name clients send as "model"; null: the model path/name itself', json_schema_extra=relaunch())
     instances: int | Literal["auto"] = Field("auto", description="a number, or auto: one per NUMA node with usable cores", json_schema_extra=relaunch(plan="instances"))
@@ -286,18 +292,6 @@ class VsupConfig(_Section):
     # A model's view of a fleet (vsup/config/fleet.py): "models[1]", where its own keys are written.
     _prefix: str | None = PrivateAttr(None)
 
-    @field_validator("model")
-    @classmethod
-    def _expand_home(cls, value: str) -> str:
-        # a local directory under the home folder; vLLM would take "~/..." for a hub name
-        return os.path.expanduser(value) if value.startswith("~") else value
-
-    @field_validator("instances")
-    @classmethod
-    def _positive(cls, value: int | str) -> int | str:
-        if isinstance(value, int) and value < 1:
-            raise ValueError("must be at least 1, or auto")
-        return value
 
 
 def parse_bytes(text: str) -> int:
