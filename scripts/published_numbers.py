@@ -250,6 +250,37 @@ def policy_cost(link: str) -> str:
             f"ratios {min(runs):.2f}–{max(runs):.2f}); per chunk {chunk['median']:.2f} (the policy runs once per request).")
 
 
+# ---- bench/fleet_bench.py -------------------------------------------------------------------------
+
+def fleet(link: str) -> str:
+    """Issue 21's bound: two models behind the proxy cost it at most `goal` × one model's CPU per
+    request; the rows side by side, then the medians of the per-run ratios against that bound."""
+    data = with_file("fleet_bench.json")
+    f = data["figures"]
+    where = f"the proxy pinned to CPU {f['proxy_cpus']}, the client and the fakes on the others" if f["pin"] else "nothing pinned"
+    lines = [conditions(data, link), "",
+             f"Fake vLLM processes; {f['requests']:,} small requests (a chat completion and an embedding in turn) and "
+             f"{f['streams']} streams of {f['chunks']} tokens per row and run, concurrency {f['concurrency']}, {where}; "
+             f"medians of {f['runs']} runs, the rows measured in turn in every run.", "",
+             "| the proxy in front of | req/s | CPU µs / small request | CPU µs / streamed request |", "|---|---|---|---|"]
+    labels = {"one model": "one model, two instances (no routing by model)",
+              "one model, routed": "a fleet of one model, two instances (routing by model on)",
+              "two models": "two models, an instance each (chat, embed)"}
+    for row, r in f["rows"].items():
+        lines.append(f"| {labels.get(row, row)} | {r['rps']:.0f} | {r['us_per_request']:.0f} | {r['us_per_stream']:.0f} |")
+    q = f["ratios"]
+    if "two models / one model, us_per_request" in q:
+        req, stream = q["two models / one model, us_per_request"], q["two models / one model, us_per_stream"]
+        lines += ["", f"Medians of the per-run ratios: two models / one model {req:.2f} per small request, {stream:.2f} per "
+                  f"streamed request (bound ≤ {f['goal']:.2f}: {'met' if f['within_goal'] else 'missed'})"
+                  + (f"; a fleet of one / one model {q['one model, routed / one model, us_per_request']:.2f} and "
+                     f"{q['one model, routed / one model, us_per_stream']:.2f}" if "one model, routed / one model, us_per_request" in q else "")
+                  + "."]
+    if f["skipped"]:
+        lines += ["", f["skipped"]]
+    return "\n".join(lines)
+
+
 # ---- bench/affinity_bench.py ----------------------------------------------------------------------
 
 def affinity(link: str) -> str:
@@ -424,6 +455,7 @@ RENDERERS: dict[str, Callable[[str], str]] = {
     "proxy-scrape": scrape,
     "proxy-policy-cost": policy_cost,
     "affinity": affinity,
+    "fleet": fleet,
     "plan": plan,
     "warmup": warmup,
     "systemd-exposure": systemd,

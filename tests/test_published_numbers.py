@@ -164,3 +164,22 @@ def test_tune_report_figures_come_from_its_files():
     numbers = set(re.findall(r"\d+\.\d+", flat))
     backed = {n for q in quoted for n in re.findall(r"\d+\.\d+", q)} | {"0.32"}  # vLLM CPU 0.32: the version
     assert numbers <= backed, f"figures without a source: {numbers - backed}"
+
+
+def test_the_fleet_block_says_when_two_models_miss_the_bound(monkeypatch):
+    """The fleet block's verdict follows the file: a run over the goal reads "missed"."""
+    real = pn.load
+
+    def over(file: str) -> dict:
+        data = real(file)
+        if file == "fleet_bench.json":
+            data["figures"]["ratios"]["two models / one model, us_per_request"] = 1.25
+            data["figures"]["within_goal"] = False
+        return data
+
+    monkeypatch.setattr(pn, "load", over)
+    text = pn.fleet("docs/bench")
+    assert "two models / one model 1.25 per small request" in text and "(bound ≤ 1.10: missed)" in text
+    monkeypatch.setattr(pn, "load", real)
+    verdict = "met" if real("fleet_bench.json")["figures"]["within_goal"] else "missed"
+    assert f"(bound ≤ 1.10: {verdict})" in pn.fleet("docs/bench")

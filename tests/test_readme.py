@@ -1,13 +1,17 @@
-"""The README's promises that a test can hold: its two set-up commands, what CI runs, and the
-configuration reference being `vsup config --example`."""
+"""The README's promises that a test can hold: its two set-up commands, what CI runs, the
+configuration reference being `vsup config --example`, and the several-models example being a
+file vsup takes with the plan `vsup plan` prints for it."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
+from tests.test_plan_cli import XEON
+from tests.test_plan_cli import vsup as run_vsup
 from vsup.cli import command_names
 from vsup.config.example import example_yaml, with_readme_reference
+from vsup.config.fleet import models_of
 from vsup.config.schema import parse_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,3 +56,33 @@ def test_the_vsup_top_capture_is_the_one_the_tmux_test_took():
     capture = (ROOT / "docs" / "vsup-top.txt").read_text()
     assert "TOK/S" in capture and "LOCAL" in capture
     assert f"```\n{capture}```" in README
+
+
+# ---- "Several models on one machine" ----------------------------------------------------------------
+
+def _fleet_example() -> tuple[str, str, str]:
+    """(the section, its YAML, the plan it shows) from the README."""
+    section = README[README.index("## Several models on one machine\n"):]
+    section = section[:section.index("\n## ", 1)]
+    yaml_text = section.split("```yaml\n", 1)[1].split("```", 1)[0]
+    shown = section.split("$ vsup plan --config fleet.yaml --fsroot DUMP\n", 1)[1].split("```", 1)[0]
+    return section, yaml_text, shown
+
+
+def test_the_several_models_example_is_a_fleet_of_chat_and_a_pooling_embedding_model():
+    section, yaml_text, _ = _fleet_example()
+    chat, embed = models_of(parse_config(yaml_text, "fleet.yaml"))
+    assert (chat.name, embed.name) == ("chat", "embed")
+    assert chat.config.vllm.args[-2:] == ["--max-model-len", "8192"]
+    assert embed.config.vllm.args[-4:] == ["--runner", "pooling", "--convert", "embed"]
+    assert f"tests/data/hwloc/{XEON}.tar.bz2" in section  # the machine of the plan is named
+    assert "<!-- BEGIN published:fleet " in section  # the measured cost comes from fleet_bench.json
+
+
+def test_the_several_models_plan_is_what_vsup_plan_prints(corpus, tmp_path):
+    _, yaml_text, shown = _fleet_example()
+    path = tmp_path / "fleet.yaml"
+    path.write_text(yaml_text)
+    result = run_vsup("plan", "--config", str(path), "--fsroot", str(corpus.fsroot(XEON)))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == shown

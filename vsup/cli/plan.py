@@ -11,6 +11,7 @@ import click
 from vsup.cli.options import Checked as _Checked
 from vsup.cli.options import fsroot_option
 from vsup.cli.plan_render import render_shell, render_table
+from vsup.config.fleet import is_fleet
 from vsup.config.schema import VsupConfig, load_config
 from vsup.errors import VsupError
 from vsup.supervisor.preflight import checked_plan
@@ -97,6 +98,11 @@ def plan_command(instances, fsroot, config_path, model, model_size_gib, kvcache_
         }.items()
         if value is not None
     }
+    if is_fleet(cfg):  # the models' own keys: a flag could not say which model it means
+        for flag, value in (("--instances", instances), ("--model", model)):
+            if value is not None:
+                raise VsupError(f"{flag}: {config_path} lists models: set {flag.lstrip('-')} in each entry of models "
+                                "(placement flags apply to every model that does not set the key itself)")
     top: dict = {"placement": cfg.placement.model_copy(update=placement_overrides)}
     if instances is not None:
         top["instances"] = instances
@@ -121,5 +127,5 @@ def plan_command(instances, fsroot, config_path, model, model_size_gib, kvcache_
     elif output_format == "shell":
         click.echo(render_shell(the_plan, cfg, os.environ), nl=False)
     else:
-        click.echo(render_table(machine, the_plan), nl=False)
+        click.echo(render_table(machine, the_plan, fleet=is_fleet(cfg)), nl=False)
 

@@ -6,6 +6,7 @@ import shlex
 from collections import defaultdict
 from collections.abc import Mapping
 
+from vsup.config.fleet import is_fleet, models_of
 from vsup.config.schema import VsupConfig
 from vsup.supervisor.launch import PLACEMENT_VARIABLES, build_command
 from vsup.topology.cpulist import format_list
@@ -22,7 +23,8 @@ EFFICIENCY_CHOICE = {
 }
 
 
-def render_table(machine: Machine, plan: Plan) -> str:
+def render_table(machine: Machine, plan: Plan, *, fleet: bool = False) -> str:
+    """`fleet`: the plan of a file with `models:` (a MODEL column, a line per model)."""
     lines: list[str] = []
     s = plan.settings
     launcher = s.launcher + (f" (--membind {s.membind})" if s.launcher == "numactl" else "")
@@ -34,9 +36,12 @@ def render_table(machine: Machine, plan: Plan) -> str:
         f"{' · ' + EFFICIENCY_CHOICE[s.efficiency_cores] if hybrid else ''}"
     )
     lines.append("")
+    if fleet:
+        lines.extend(_model_lines(plan))
+        lines.append("")
     lines.extend(_core_map(machine, plan))
     lines.append("")
-    lines.extend(_instance_table(plan))
+    lines.extend(_instance_table(plan, fleet))
     lines.append("")
     reserved = plan.reserved_cpus
     lines.append(f"reserved for vsup, the proxy and the OS: {format_list(reserved) if reserved else 'none'}")
@@ -120,14 +125,23 @@ def _node_header(machine: Machine, node_id: int | None, cores: list[Core], mem) 
     return " · ".join(parts)
 
 
-def _instance_table(plan: Plan) -> list[str]:
+def _model_lines(plan: Plan) -> list[str]:
+    """One line per model: its instances, cores, nodes and why it got them."""
+    rows = [("model", "instances", "cores", "nodes", "why")]
+    for share in plan.models:
+        cores = len({c for inst in plan.instances if inst.index in share.instances for c in inst.cores})
+        rows.append((share.name, format_list(share.instances) or "-", str(cores), format_list(share.nodes) or "-", share.reason))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    return ["models:"] + ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1] for row in rows]
+
+
+def _instance_table(plan: Plan, fleet: bool = False) -> list[str]:
     kinds = any(inst.kind for inst in plan.instances)
-    header = ("#", "port", "nodes", "cores", "threads", "OpenMP CPUs", "affinity mask", "weights", "KV", "memory") + (("kind",) if kinds else ())
+    header = ("#",) + (("model",) if fleet else ()) + ("port", "nodes", "cores", "threads", "OpenMP CPUs", "affinity mask", "weights", "KV", "memory") + (("kind",) if kinds else ())
     rows = [header]
     for inst in plan.instances:
         rows.append(
-            (
-                str(inst.index),
+            (str(inst.index),) + ((inst.model,) if fleet else ()) + (
                 str(inst.port),
                 ",".join(map(str, inst.nodes)) or "-",
                 str(len(inst.cores)),
@@ -152,12 +166,17 @@ def _instance_table(plan: Plan) -> list[str]:
 
 def render_shell(plan: Plan, cfg: VsupConfig, environ: Mapping[str, str]) -> str:
     """One runnable line per instance: `env [-u VAR] K=V … numactl … vllm serve MODEL …`. Only the
-    variables vsup sets are written out; placement variables the plan leaves unset are removed."""
+    variables vsup sets are written out; placement variables the plan leaves unset are removed. A
+    fleet: each model's lines after a `# <model>` comment, from that model's view of the file."""
     lines = []
-    for inst in plan.instances:
-        argv, env = build_command(inst, cfg, environ)
-        shown = {**inst.env_dict(), **cfg.vllm.env}
-        unset = [key for key in PLACEMENT_VARIABLES if key not in shown]
-        words = ["env", *(w for key in unset for w in ("-u", key)), *(f"{k}={v}" for k, v in shown.items() if env.get(k) == v), *argv]
-        lines.append(shlex.join(words))
+    fleet = is_fleet(cfg)
+    for view in models_of(cfg):
+        if fleet:
+            lines.append(f"# {view.name}")
+        for inst in plan.of_model(view.name) if fleet else plan.instances:
+            argv, env = build_command(inst, view.config, environ)
+            shown = {**inst.env_dict(), **view.config.vllm.env}
+            unset = [key for key in PLACEMENT_VARIABLES if key not in shown]
+            words = ["env", *(w for key in unset for w in ("-u", key)), *(f"{k}={v}" for k, v in shown.items() if env.get(k) == v), *argv]
+            lines.append(shlex.join(words))
     return "\n".join(lines) + "\n"

@@ -63,6 +63,9 @@ def check_rss_limit(cfg: VsupConfig, planned: list[int | None]) -> None:
     plan holds only the KV cache and the overhead, and the limit would restart healthy instances.
     `planned`: each instance's planned weights in bytes (None: unknown)."""
     if isinstance(cfg.restart.max_rss, float) and any(weights is None for weights in planned):
+        prefix = getattr(cfg, "_prefix", None)  # a fleet's model: name it and its own key
+        model = f" ({where(cfg, 'model')})" if prefix else ""
+        size = f"{prefix}.placement.model_size_gib" if prefix else "placement.model_size_gib"
         raise ConfigError(f"{where(cfg, 'restart.max_rss')}: {quote(cfg.restart.max_rss)} is a multiple of the planned memory, "
-                          "but the plan does not know the model's size (a hub name, or no weight files found); set "
-                          'placement.model_size_gib, or give restart.max_rss in bytes, e.g. "6GiB"')
+                          f"but the plan does not know the model's size{model} (a hub name, or no weight files found); set "
+                          f'{size}, or give restart.max_rss in bytes, e.g. "6GiB"')

@@ -15,7 +15,7 @@ from vsup.config.loader import where
 from vsup.config.schema import RELOAD, GiB, VsupConfig
 from vsup.errors import ConfigError
 from vsup.topology.errors import PlanError, SettingError
-from vsup.topology.fleet import ModelSettingError, plan_fleet
+from vsup.topology.fleet import ModelPlanError, ModelSettingError, kept_of, plan_fleet
 from vsup.topology.model import Machine
 from vsup.topology.plan_model import FleetModel, Plan, PlanSettings
 from vsup.topology.planner import plan
@@ -92,10 +92,12 @@ def model_dir_size(model: str) -> int | None:
 
 
 def plan_from_config(cfg: VsupConfig, fsroot: str | Path = "/", *, numactl_available: bool | None = None,
-                     flags: frozenset[str] = frozenset()) -> tuple[Machine, Plan]:
+                     flags: frozenset[str] = frozenset(), running: Plan | None = None) -> tuple[Machine, Plan]:
     """The plan of `cfg` on the machine under `fsroot`. `flags`: the PlanSettings fields that came
     from command-line options (`vsup plan --kvcache-gib`); an error about one of them names the
-    flag, an error about any other setting names its config key and file:line."""
+    flag, an error about any other setting names its config key and file:line. `running`: the
+    plan a running fleet has (a reload): the models it runs unchanged keep their CPUs and KV cache
+    (topology.fleet.kept_of)."""
     machine = read_machine(fsroot)
     views = models_of(cfg)
     if not is_fleet(cfg):
@@ -109,10 +111,17 @@ def plan_from_config(cfg: VsupConfig, fsroot: str | Path = "/", *, numactl_avail
     for view in views:
         models.append(FleetModel(view.name, settings_from_config(view.config, numactl_available=numactl_available), view.share))
     try:
-        return machine, plan_fleet(machine, models)
+        return machine, plan_fleet(machine, models, kept_of(running, models) if running is not None else None)
     except ModelSettingError as exc:
         view = next(v for v in views if v.name == exc.model)
+        if exc.error.setting == "reserve_cores":  # machine-wide: the top level's key
+            raise reworded(exc.error, cfg, flags) from None
         raise reworded(exc.error, view.config, flags) from None
+    except ModelPlanError as exc:
+        # the partition's own refusals name the entry's key (share, placement.nodes) or the entry
+        view = next((v for v in views if v.name == exc.model), views[-1])
+        named = where(view.config, exc.key or "model")
+        raise PlanError(f"{named}: {exc.text}" if exc.model == view.name else str(exc)) from None
 
 
 def reworded(exc: SettingError, cfg: VsupConfig, flags: frozenset[str] = frozenset()) -> PlanError:

@@ -189,9 +189,9 @@ class ProxyConfig(_Section):
 
 
 class WarmupConfig(_Section):
-    enabled: bool = Field(True, description="before an instance joins the rotation (first start and every restart), send it one short completion; a failed or timed-out warm-up counts as a failed start (turn it off for models that do not generate, e.g. embeddings)", json_schema_extra=LIVE)
-    prompt: str = Field("Hello", min_length=1, description="the warm-up's prompt (POST /v1/completions to the instance itself)", json_schema_extra=LIVE)
-    max_tokens: int = Field(4, ge=1, description="tokens the warm-up generates", json_schema_extra=LIVE)
+    enabled: bool = Field(True, description="before an instance joins the rotation (first start and every restart), send it one short request that fits its model: a completion (POST /v1/completions) for a generating model; for a pooling model (--runner pooling, --convert embed|classify, or an embedding/classifier architecture) POST /v1/embeddings for an embedding model, POST /pooling for a classifier or reranker; a failed or timed-out warm-up counts as a failed start", json_schema_extra=LIVE)
+    prompt: str = Field("Hello", min_length=1, description="the warm-up's text, sent to the instance itself: the prompt of the completion, the input of a pooling model's /v1/embeddings or /pooling request", json_schema_extra=LIVE)
+    max_tokens: int = Field(4, ge=1, description="tokens the warm-up completion generates (a pooling model's warm-up generates none)", json_schema_extra=LIVE)
     timeout: float = Field(120.0, gt=0, description="seconds the warm-up may take", json_schema_extra=LIVE)
 
 
@@ -302,7 +302,24 @@ class TuneConfig(_Section):
         return value
 
 
-class ModelConfig(_Section):
+class _ModelKeys(_Section):
+    """The checks of the keys a model is given by: the top level's and each entry of models:."""
+
+    @field_validator("model", check_fields=False)
+    @classmethod
+    def _expand_home(cls, value: str) -> str:
+        # a local directory under the home folder; vLLM would take "~/..." for a hub name
+        return os.path.expanduser(value) if value.startswith("~") else value
+
+    @field_validator("instances", check_fields=False)
+    @classmethod
+    def _positive(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 1:
+            raise ValueError("must be at least 1, or auto")
+        return value
+
+
+class ModelConfig(_ModelKeys):
     """One entry of `models:`: a model the fleet serves (vsup/config/fleet.py reads them)."""
 
     model: str = Field(..., min_length=1, examples=["/srv/models/chat"], description="local model directory or hub name, as `vllm serve` takes it", json_schema_extra=relaunch())
@@ -312,22 +329,11 @@ class ModelConfig(_Section):
     placement: PlacementConfig = Field(default_factory=PlacementConfig, description="its placement keys; a key written here replaces the top-level placement's for this model (the machine-wide memory_reserve_gib, reserve_cores, launcher, efficiency_cores only at the top level)")
     vllm: VllmConfig = Field(default_factory=VllmConfig, description="its vLLM keys (command, venv, args, env, access_log), each replacing the top-level one (a list or mapping whole); listen and the ports only at the top level")
     proxy: ProxyConfig = Field(default_factory=ProxyConfig, description="how the proxy picks among its instances and admits its requests: policy, affinity_prefix_chars, affinity_max_imbalance, max_in_flight_per_instance, reserved_slots, queue_max, queue_timeout (the rest of proxy is the one front door: top level only)")
-    warmup: WarmupConfig = Field(default_factory=WarmupConfig, description="its warm-up (health.warmup for this model): a generating model gets a completion, a pooling model an embedding or score request")
-
-    @field_validator("model")
-    @classmethod
-    def _expand_home(cls, value: str) -> str:
-        return os.path.expanduser(value) if value.startswith("~") else value
-
-    @field_validator("instances")
-    @classmethod
-    def _positive(cls, value: int | str) -> int | str:
-        if isinstance(value, int) and value < 1:
-            raise ValueError("must be at least 1, or auto")
-        return value
+    warmup: WarmupConfig = Field(default_factory=WarmupConfig, description="its warm-up (health.warmup for this model): a generating model gets a completion, a pooling model an embedding (/v1/embeddings) or pooling (/pooling) request")
 
 
-class VsupConfig(_Section):
+
+class VsupConfig(_ModelKeys):
     model: str = Field(..., min_length=1, examples=["/srv/models/my-model"], description="local model directory or hub name, as `vllm serve` takes it; a local path (/, ./, ~) must exist (with `models:`, each entry names its own and this key is left out)", json_schema_extra=relaunch())
     served_model_name: str | None = Field(None, description='the name clients send as "model"; null: the model path/name itself', json_schema_extra=relaunch())
     instances: int | Literal["auto"] = Field("auto", description="a number, or auto: one per NUMA node with usable cores", json_schema_extra=relaunch(plan="instances"))
@@ -351,18 +357,6 @@ class VsupConfig(_Section):
     # A model's view of a fleet (vsup/config/fleet.py): "models[1]", where its own keys are written.
     _prefix: str | None = PrivateAttr(None)
 
-    @field_validator("model")
-    @classmethod
-    def _expand_home(cls, value: str) -> str:
-        # a local directory under the home folder; vLLM would take "~/..." for a hub name
-        return os.path.expanduser(value) if value.startswith("~") else value
-
-    @field_validator("instances")
-    @classmethod
-    def _positive(cls, value: int | str) -> int | str:
-        if isinstance(value, int) and value < 1:
-            raise ValueError("must be at least 1, or auto")
-        return value
 
 
 def parse_bytes(text: str) -> int:

@@ -16,6 +16,7 @@ import resource
 from collections.abc import Mapping
 from pathlib import Path
 
+from vsup.config.fleet import is_fleet, models_of
 from vsup.config.planning import plan_from_config
 from vsup.config.schema import VsupConfig, load_config
 from vsup.doctor.libs import check_native_libs, check_preload, ldconfig_paths, native_extensions
@@ -32,6 +33,7 @@ from vsup.doctor.machine import (
     check_transparent_hugepages,
     read_affinities,
 )
+from vsup.doctor.models import check_model_files, check_model_memory
 from vsup.doctor.result import FAIL, PASS, SKIP, WARN, Result
 from vsup.doctor.vllm_env import check_torch_extras, check_vllm, probe_python, vllm_python
 from vsup.errors import VsupError
@@ -80,6 +82,11 @@ def run_doctor(config_path: str | None, fsroot: str = "/", environ: Mapping[str,
         plan_results, machine, plan = _check_plan(cfg, fsroot)
         planned = frozenset(c for inst in plan.instances for c in inst.cpus) if plan else None
         results += plan_results
+        if is_fleet(cfg):  # every model's files and its part of the plan, each naming the model
+            for view in models_of(cfg):
+                results.append(check_model_files(view, fs, live))
+                if plan is not None:
+                    results.append(check_model_memory(view, plan))
     else:
         results.append(Result("memory-plan", SKIP, "no configuration given (--config FILE checks that the plan fits each node)"))
     if machine is None:

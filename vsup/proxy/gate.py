@@ -48,6 +48,23 @@ def needed(config: ProxyConfig, models: Mapping[str, ProxyConfig] | None) -> boo
                 or any(limit_of(c) for c in (models or {}).values()))
 
 
+def refit(gate: Gate | None, config: ProxyConfig, models: Mapping[str, ProxyConfig] | None, in_flight: dict[str, int],
+          clock: Callable[[], float], families: list) -> Gate | None:
+    """The gate for these settings (start, reload): built when some key asks for one, reconfigured
+    while one does, and gone when none does any more, after letting its waiters go to the
+    instances (no limit any more). `families`: the metrics' list its figures join."""
+    if needed(config, models):
+        if gate is None:
+            gate = Gate(in_flight, clock)
+            families.append(gate.families)
+        gate.configure(config, models)
+        return gate
+    if gate is not None:
+        gate.configure(config, {})  # no limits: every waiter is granted a slot now
+        families.remove(gate.families)
+    return None
+
+
 class _Key:
     __slots__ = ("priority", "limits", "spec")
 

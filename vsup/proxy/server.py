@@ -30,7 +30,7 @@ from vsup.proxy.balancer import make_balancer
 from vsup.proxy.clients import ClientPolicy
 from vsup.proxy.errors import RETRY_AFTER_SECONDS
 from vsup.proxy.forward import Forwarder
-from vsup.proxy.gate import Gate, needed
+from vsup.proxy.gate import Gate, refit
 from vsup.proxy.health import PROXY_HEADER
 from vsup.proxy.metrics import CONTENT_TYPE, ProxyMetrics
 from vsup.proxy.models import merged_models, models_of
@@ -183,22 +183,10 @@ class ProxyServer:
             self._forwarder.router = router
 
     def _set_gate(self, config: ProxyConfig, models: Mapping[str, ProxyConfig] | None) -> None:
-        """A gate when some key asks for one (gate.needed); a reload that turns them all off removes
-        it, after letting its waiters go to the instances (no limit any more)."""
-        forwarder = self._forwarder
-        if forwarder is None:
-            return
-        gate = self._gate
-        if needed(config, models):
-            if gate is None:
-                gate = self._gate = Gate(forwarder.in_flight, forwarder.loop.time)
-                self.metrics.families.append(gate.families)
-            gate.configure(config, models)
-        elif gate is not None:
-            gate.configure(config, {})  # no limits: every waiter is granted a slot now
-            self._gate = None
-            self.metrics.families.remove(gate.families)
-        forwarder.gate = self._gate
+        if self._forwarder is not None:
+            forwarder = self._forwarder
+            self._gate = forwarder.gate = refit(self._gate, config, models, forwarder.in_flight, forwarder.loop.time,
+                                                self.metrics.families)
 
     def queues(self) -> dict[str, dict]:
         """The admission queues by model (vsup status): waiting by priority, the oldest wait, waits so far."""

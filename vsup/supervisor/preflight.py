@@ -9,33 +9,38 @@ import shutil
 from collections.abc import Mapping
 
 from vsup.config.checks import check_instance_ports, check_model_path, check_rss_limit
-from vsup.config.fleet import models_of
+from vsup.config.fleet import is_fleet, models_of
 from vsup.config.planning import plan_from_config
 from vsup.config.schema import VsupConfig
 from vsup.errors import VsupError
-from vsup.supervisor.launch import build_command, model_config
+from vsup.supervisor.launch import build_command
 from vsup.topology.model import Machine
 from vsup.topology.plan_model import Plan
 
 
 def checked_plan(cfg: VsupConfig, fsroot: str, environ: Mapping[str, str], *, runs_here: bool,
-                 flags: Mapping[str, str] | None = None, planned: frozenset[str] = frozenset()) -> tuple[Machine, Plan]:
+                 flags: Mapping[str, str] | None = None, planned: frozenset[str] = frozenset(),
+                 running: Plan | None = None) -> tuple[Machine, Plan]:
     """Plan `cfg` on the machine under `fsroot` and check what would be launched.
 
     `runs_here`: the instances would start on this machine, so the model path must exist here
     (`vsup plan --fsroot DUMP` plans for another machine). `flags`: config key -> the command-line
     option that set it (`vsup plan --base-port`), so an error names what the user typed;
-    `planned`: the same for the planner, as PlanSettings field names."""
+    `planned`: the same for the planner, as PlanSettings field names. `running`: a reload's
+    running plan (its unchanged models keep their CPUs: plan_from_config)."""
     flags = flags or {}
+    views = models_of(cfg)  # a fleet: each model's view (its errors name models[i].key)
     if runs_here:
-        for view in models_of(cfg):  # each model of a fleet, by its key (models[1].model)
+        for view in views:
             check_model_path(view.config, flags.get("model"))
-    machine, plan = plan_from_config(cfg, fsroot, flags=planned)
+    machine, plan = plan_from_config(cfg, fsroot, flags=planned, running=running)
     if cfg.vllm.listen == "tcp":  # under unix the instances have sockets, no ports
         check_instance_ports(cfg, len(plan.instances), flags.get("vllm.base_port"))
-    check_rss_limit(cfg, [instance.weights_bytes for instance in plan.instances])
-    for instance in plan.instances:
-        build_command(instance, model_config(cfg, instance), environ)
+    for view in views:
+        mine = plan.of_model(view.name) if is_fleet(cfg) else plan.instances
+        check_rss_limit(view.config, [instance.weights_bytes for instance in mine])
+        for instance in mine:
+            build_command(instance, view.config, environ)
     return machine, plan
 
 

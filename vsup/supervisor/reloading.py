@@ -53,20 +53,22 @@ def model_proxies(config: VsupConfig) -> dict[str, ProxyConfig]:
 
 def read_config(path: str, fsroot: str, environ: Mapping[str, str], running: VsupConfig,
                 current: Mapping[int, int] | None = None, own: Mapping[int, str] | None = None,
-                members: Mapping[tuple[str, int], int] | None = None) -> tuple[VsupConfig, Plan]:
+                members: Mapping[tuple[str, int], int] | None = None, running_plan: Plan | None = None) -> tuple[VsupConfig, Plan]:
     """The re-read configuration and its plan, checked as `vsup run` checks them (runs in a
     thread: it reads sysfs, the model's files, and may run numactl), and the TCP ports the plan
     moves instances to (`current`: the fleet's port by index; `own`: port -> name of every
     instance of this vsup; see reload_ports.py). `members`: (model, replica) -> index of the
     running fleet: the plan keeps those indexes (topology.fleet.renumber), so a model's instances
-    keep their sockets, ports and logs whatever happens to the models around them."""
+    keep their sockets, ports and logs whatever happens to the models around them; `running_plan`:
+    the plan in force, so a model the file does not change keeps its CPUs and KV cache (and so
+    its processes) while models are added, removed or resized beside it."""
     from vsup.supervisor.leftovers import describe_port_holder
     from vsup.supervisor.preflight import check_programs, checked_plan
 
     config = load_config(path)
     # as ProxyServer refuses at start: admin routes only behind a key (the key may come from the environment)
     proxy_routes.require_key(config.proxy.admin_routes, bool(environ.get("VSUP_API_KEY") or config.proxy.api_key))
-    _machine, plan = checked_plan(config, fsroot, environ, runs_here=True)
+    _machine, plan = checked_plan(config, fsroot, environ, runs_here=True, running=running_plan)
     if members:
         plan = renumber(plan, members)
     for inst in plan.instances:
@@ -219,7 +221,7 @@ class Changes:
         members = running_members(sup.fleet)
         try:
             config, plan = await asyncio.to_thread(read_config, sup.config_path, sup.fsroot, sup.environ, sup.config,
-                                                   current, own, members)
+                                                   current, own, members, sup.plan)
         except (VsupError, TopologyError, PlanError) as exc:
             record.finish("rejected", sup.now(), str(exc))
             logger.error("reload (%s) refused, nothing was changed: %s", trigger, exc)

@@ -175,6 +175,17 @@ class FleetModel:
 
 
 @dataclass(frozen=True)
+class Kept:
+    """What a reload keeps of a model that runs unchanged (vsup/topology/fleet.py): its CPUs and
+    the KV cache per instance it was planned with, so that its instances' launch stays the same
+    whatever the models around it do."""
+
+    cpus: frozenset[int]
+    kvcache_bytes: int
+    instances: tuple[InstancePlan, ...] = ()  # its instances as they run (by replica), reused as they are
+
+
+@dataclass(frozen=True)
 class ModelShare:
     """One model's part of a fleet plan: its CPUs and nodes, its instances, why it got them."""
 
@@ -184,6 +195,7 @@ class ModelShare:
     nodes: tuple[int, ...]  # NUMA nodes its CPUs are on
     instances: tuple[int, ...]  # instance indexes
     reason: str  # how the planner chose its share, in words
+    share: float | None = None  # models[i].share it was planned with
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "cpus": list(self.cpus), "cpus_list": format_list(self.cpus),
