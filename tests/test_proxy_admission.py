@@ -243,3 +243,21 @@ async def test_a_reload_applies_the_queue_keys_the_keys_and_the_priority_header(
             assert (await first)[0] == 200
     finally:
         await proxy.drain_and_stop(0)
+
+
+async def test_a_body_sent_in_pieces_then_a_long_wait_is_not_cut_by_the_body_timeout(fake):
+    async with proxy_over(fake, body_timeout=0.3) as proxy, aiohttp.ClientSession() as session:
+        first = asyncio.create_task(post(session, proxy, chat(20, LONG)))
+        await wait_for(lambda: proxy.in_flight().get("c0") == 1, what="the first request in flight")
+        body = json.dumps(chat()).encode()
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body))
+        await writer.drain()
+        await asyncio.sleep(0.05)  # the body after the headers: read in the body phase, under its deadline
+        writer.write(body)
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), 5)
+        writer.close()
+        assert (await first)[0] == 200
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:200]  # waited ~1 s, past body_timeout, and served

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 
 from aiohttp import web
@@ -274,6 +275,8 @@ class Forwarder:
         else:
             queue, ready = "", self.pool.ready
         exchange.phase = "waiting"
+        # no phase limit while it waits (proxy.body_timeout's is over): the deadline is the queue's (gate.py)
+        exchange.arm(math.inf, "proxy.queue_timeout", self.loop.time())
         try:
             admitted = await gate.admit(queue, ready, priority)
         except asyncio.CancelledError:
