@@ -182,6 +182,9 @@ class Forwarder:
             elif picked is not None:  # refused (None: no backend has a model, route as before)
                 return picked, None
         key = balancer.key(document, request.headers)  # prefix_affinity: its prefix or session; else None
+        prepare = getattr(balancer, "prepare", None)
+        if prepare is not None and key is not None:  # kv_aware: the prompt's tokens, from the instance's /tokenize
+            key = await prepare(key, route.ready if route is not None else self.pool.ready(), self.in_flight)
 
         headers = request_headers(request.raw_headers, self.drop_authorization)
         # The request target exactly as the client sent it (path and query, still percent-encoded);
