@@ -26,7 +26,7 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 class KvEventPublisher:
     def __init__(self, config: dict) -> None:
         self.topic = str(config.get("topic", "")).encode()
-        self._drop = {int(s) for s in os.environ.get("FAKE_VLLM_KV_EVENTS_DROP", "").split(",") if s.strip()}
+        self.drop = {int(s) for s in os.environ.get("FAKE_VLLM_KV_EVENTS_DROP", "").split(",") if s.strip()}
         size = int(os.environ.get("FAKE_VLLM_KV_EVENTS_BUFFER", config.get("buffer_steps", 10000)))
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=size)
         self._queue: queue.Queue[list | None] = queue.Queue()
@@ -37,7 +37,7 @@ class KvEventPublisher:
         if config.get("replay_endpoint"):
             self._replay = self._ctx.socket(zmq.ROUTER)
             self._replay.bind(config["replay_endpoint"])
-        self._seq = 0
+        self.seq = 0  # the next batch's
         self._thread = threading.Thread(target=self._run, daemon=True, name="fake-kv-events")
         self._thread.start()
 
@@ -65,9 +65,9 @@ class KvEventPublisher:
                 continue
             if events is None:
                 break
-            seq, self._seq = self._seq, self._seq + 1
+            seq, self.seq = self.seq, self.seq + 1
             payload = encoder.encode([time.time(), events, 0])
-            if seq not in self._drop:
+            if seq not in self.drop:
                 self._pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))
             self._buffer.append((seq, payload))
         self._pub.close(linger=0)

@@ -132,6 +132,8 @@ class KvAware(LeastOutstanding):
             self.events.reset(backend.name)
 
     def close(self) -> None:
+        """Stop following the instances (a reload replaced this balancer); its /tokenize
+        sessions close with it, in the background."""
         self.events.close()
         if self._sessions is not None:
             sessions, self._sessions = self._sessions, None
@@ -139,6 +141,13 @@ class KvAware(LeastOutstanding):
                 asyncio.get_running_loop().create_task(sessions.close())
             except RuntimeError:
                 pass  # no loop any more: the sessions go with it
+
+    async def aclose(self) -> None:
+        """The proxy stops."""
+        self.events.close()
+        if self._sessions is not None:
+            sessions, self._sessions = self._sessions, None
+            await sessions.close()
 
     # -- per request
     def key(self, document: dict | None, headers: Mapping[str, str]) -> Any:

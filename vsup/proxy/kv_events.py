@@ -97,6 +97,8 @@ class KvEvents:
         return index.block_size if index is not None else 0
 
     def close(self) -> None:
+        if self._stop.is_set():
+            return
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=2.0)

@@ -311,6 +311,11 @@ class ProxyServer:
         if self._session is not None:
             await self._session.close()
             self._session = None
+        balancers = [self._balancer, *(self._router.balancers.values() if self._router is not None else ())]
+        for balancer in balancers:  # kv_aware: its subscriber thread and /tokenize sessions
+            aclose = getattr(balancer, "aclose", None)
+            if aclose is not None:
+                await aclose()
 
     # -- handlers ------------------------------------------------------------------------------
 
