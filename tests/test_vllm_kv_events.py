@@ -85,6 +85,9 @@ def test_the_index_matches_what_vllm_reports(vllm_install, tmp_path):
                     tokens = await policy.prepare(({"model": "tiny-llama", "messages": messages}, None), (backend,), {})
                     assert isinstance(tokens, Tokens)
                     prompts.append(tokens)
+                sessions, policy._sessions = policy._sessions, None  # its /tokenize sessions; the index stays followed
+                if sessions is not None:
+                    await sessions.close()
                 return prompts
 
         prompts = asyncio.run(scenario())

@@ -5,10 +5,10 @@ others. docs/kv-events.md.
 The request's blocks need its token ids. They come from vLLM's own `/tokenize` of a ready
 instance of the model (the least loaded one), with the request's own messages, template
 arguments and tools, so the tokens are the ones the instance will compute, whatever the model's
-tokenizer and chat template: about 3.5 ms per request on the measured CPU box, the work done in
-the instance's API server, not in the proxy; a local tokenizer and chat template in the proxy
-cost about 1 ms of the proxy's own CPU per request and would need transformers and every model's
-files beside the proxy (docs/kv-events.md, measured). A prompt of token ids needs no call. No
+tokenizer and chat template: a few ms of wall time per request (docs/bench/kv_tokenize_bench.json),
+the work done in the instance's API server, not in the proxy; a local tokenizer and chat template
+would cost less wall time but the proxy's own CPU, and need transformers and every model's files
+beside the proxy (docs/kv-events.md). A prompt of token ids needs no call. No
 tokens (a /tokenize that fails or is slow, an image in the messages, a batch of prompts):
 routed by load alone, as least_outstanding.
 
