@@ -253,3 +253,37 @@ def test_kv_aware_without_tokenize_routes_by_load(tmp_path):
     finally:
         for fake in fakes:
             fake.cleanup()
+
+
+def test_no_tokenize_call_when_no_instance_publishes_its_blocks():
+    """A standalone `vsup proxy --policy kv_aware` in front of upstreams without KV events: every
+    request would be a miss, so none costs a /tokenize."""
+    from aiohttp import web
+
+    calls = []
+
+    async def tokenize(request):
+        calls.append(request.path)
+        return web.json_response({"tokens": [1, 2, 3, 4]})
+
+    async def scenario():
+        app = web.Application()
+        app.router.add_post("/tokenize", tokenize)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        policy = KvAware()
+        try:
+            key = policy.key({"model": "m", "prompt": "a b c d"}, {})
+            assert await policy.prepare(key, (Backend("u", f"http://127.0.0.1:{port}"),), {}) is None
+            assert calls == []
+            with_events = Backend("k", f"http://127.0.0.1:{port}", kv_events="ipc:///nonexistent/0.kv")
+            tokens = await policy.prepare(key, (with_events,), {})
+            assert isinstance(tokens, Tokens) and tokens.ids == [1, 2, 3, 4] and calls == ["/tokenize"]
+        finally:
+            await policy.aclose()
+            await runner.cleanup()
+
+    asyncio.run(scenario())

@@ -168,8 +168,8 @@ class KvAware(LeastOutstanding):
         extras = [(salt,)] if salt else []  # vLLM's extra keys: the salt on the first block
         if isinstance(body, list):
             return Tokens(body, extras)
-        if not ready:
-            return None
+        if not any(b.kv_events for b in ready):
+            return None  # no instance publishes its blocks (a standalone proxy's upstreams): no call
         target = min(ready, key=lambda b: self.load(b.name, in_flight))
         if self._sessions is None:
             self._sessions = Sessions(timeout=aiohttp.ClientTimeout(total=TOKENIZE_TIMEOUT), trust_env=False,
