@@ -106,6 +106,8 @@ def test_a_gap_replay_cannot_fill_clears_the_instance(tmp_path, monkeypatch):
 
 
 def test_a_restarted_publisher_clears_what_the_old_one_said(tmp_path):
+    """A dropped connection forgets the instance's blocks at once; a new publisher's batches are
+    never read as the old one's, even when its sequence seems to follow on."""
     pub = publisher(tmp_path)
     events = KvEvents()
     try:
@@ -113,8 +115,15 @@ def test_a_restarted_publisher_clears_what_the_old_one_said(tmp_path):
         connected(events, pub)
         pub.publish([stored([10], A)])
         until(lambda: held(events, A) == 1, what="A")
-        pub.close()
-        pub = publisher(tmp_path)  # the same endpoint, a new process: its sequence starts at 0 again
+        for _ in range(5):  # the old publisher goes on so its sequence is ahead of what the new one will send
+            pub.publish([stored([1], [0] * BS)])
+        until(lambda: events.indexes["0"].last_seq == pub.seq - 1, what="the old batches")
+        pub.close()  # the process dies: its connection drops, and the index forgets at once
+        until(lambda: held(events, A) == 0, what="A forgotten when the publisher went away")
+        assert events.disconnects >= 1
+        old_next = pub.seq
+        pub = publisher(tmp_path)  # the same endpoint, a new process
+        pub.seq = old_next  # the worst case: its sequence happens to go on where the old one's stopped
         deadline = time.monotonic() + 15
         while held(events, C) == 0:  # the subscriber reconnects by itself; what it missed comes by replay
             assert time.monotonic() < deadline, "nothing from the new publisher"

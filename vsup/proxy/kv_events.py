@@ -8,7 +8,8 @@ message after ours was lost, a publisher that started again) is first filled fro
 socket (`<endpoint>r`: the last `buffer_steps` batches); what replay cannot fill clears the
 instance's entries (kv_index.py). `reset(name)` (the instance left the rotation: it may be
 restarting) clears them and reopens its socket, so nothing queued from the old process is
-applied afterwards.
+applied afterwards; so does a dropped connection to the publisher (a ZMQ socket monitor): the
+process behind it died or restarted, and a successor's sequence may happen to continue ours.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class KvEvents:
         self.endpoints: dict[str, str] = {}
         self.received = 0  # batches (metrics, tests)
         self.replayed = 0
+        self.disconnects = 0  # publishers lost (each clears its instance)
         self._reopen: set[str] = set()
         self._ctx = zmq.Context()
         self._stop = threading.Event()
@@ -106,8 +108,9 @@ class KvEvents:
 
     # -- the thread
     def _run(self) -> None:
-        sockets: dict[str, zmq.Socket] = {}
+        sockets: dict[str, tuple[zmq.Socket, zmq.Socket]] = {}  # name -> (SUB, its monitor)
         names: dict[zmq.Socket, str] = {}
+        monitors: dict[zmq.Socket, str] = {}
         poller = zmq.Poller()
         try:
             while not self._stop.is_set():
@@ -117,16 +120,27 @@ class KvEvents:
                 for name in reopen:
                     old = sockets.pop(name, None)
                     if old is not None:
-                        poller.unregister(old)
-                        names.pop(old, None)
-                        old.close(linger=0)
+                        for sock in old:
+                            poller.unregister(sock)
+                            names.pop(sock, None)
+                            monitors.pop(sock, None)
+                        old[0].disable_monitor()
+                        old[1].close(linger=0)
+                        old[0].close(linger=0)
                     if name in endpoints:
                         sub = self._ctx.socket(zmq.SUB)
                         sub.setsockopt(zmq.SUBSCRIBE, b"")
+                        # a dropped connection is a publisher gone (the instance died or restarted):
+                        # what it said it held is forgotten before anything of its successor arrives
+                        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
                         sub.connect(endpoints[name])
-                        sockets[name], names[sub] = sub, name
+                        sockets[name], names[sub], monitors[monitor] = (sub, monitor), name, name
                         poller.register(sub, zmq.POLLIN)
+                        poller.register(monitor, zmq.POLLIN)
                 for sock, _ in poller.poll(POLL_MS):
+                    if sock in monitors:
+                        self._disconnected(monitors[sock], sock)
+                        continue
                     name = names[sock]
                     for _ in range(DRAIN):
                         try:
@@ -138,11 +152,25 @@ class KvEvents:
             if not self._stop.is_set():
                 logger.warning("KV events: the subscriber stopped: %s; kv_aware routes by load alone from now on", exc)
         finally:
-            for sock in sockets.values():
-                sock.close(linger=0)
+            for pair in sockets.values():
+                for sock in reversed(pair):
+                    sock.close(linger=0)
             with self.lock:
                 for index in self.indexes.values():
                     index.reset()  # nothing follows the instances any more: claim nothing
+
+    def _disconnected(self, name: str, monitor: zmq.Socket) -> None:
+        try:
+            while True:
+                monitor.recv_multipart(zmq.NOBLOCK)  # (event, value) and the endpoint: only disconnects are asked for
+                with self.lock:
+                    index = self.indexes.get(name)
+                    if index is not None:
+                        index.reset()
+                        self._reopen.add(name)  # what the old connection still has queued is dropped
+                        self.disconnects += 1
+        except zmq.Again:
+            pass
 
     def _message(self, name: str, endpoint: str, frames: list[bytes]) -> None:
         if len(frames) != 3 or len(frames[1]) != 8:
