@@ -296,3 +296,61 @@ def test_no_tokenize_call_when_no_instance_publishes_its_blocks():
             await runner.cleanup()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.timeout(180)
+def test_vsup_run_with_kv_aware(tmp_path):
+    """`vsup run` with proxy.policy: kv_aware over fake vLLM: the supervisor gives each instance its
+    private events socket, the proxy follows them; chats sharing a system prompt meet the instance
+    that holds it; an instance killed and restarted is forgotten (the next chat is a miss, not a
+    hit on an empty cache), and routing goes on."""
+    import os
+    import signal
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.vsup_harness import VsupRun, instance_get, make_config
+
+    config = make_config(tmp_path, proxy={"policy": "kv_aware"},
+                         vllm={"env": {"FAKE_VLLM_TOKEN_DELAY": "0.001", "FAKE_VLLM_ACCESS_LOG": "0",
+                                       "FAKE_VLLM_CHILD": "0", "FAKE_VLLM_SHM": "0"}})
+    run = VsupRun(tmp_path, config)
+
+    def ask(question: str) -> None:
+        body = {"model": "fake-model", "max_tokens": 1,
+                "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]}
+        request = urllib.request.Request(f"http://127.0.0.1:{run.proxy_port}/v1/chat/completions",
+                                         json.dumps(body).encode(), {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            assert response.status == 200
+
+    def value(address: str, name: str, **labels) -> float:
+        _, text = instance_get(address, "/metrics", timeout=10)
+        return sum(s.value for f in text_string_to_metric_families(text.decode()) for s in f.samples
+                   if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+    proxy = f"127.0.0.1:{run.proxy_port}"
+    try:
+        status = run.wait_ready()
+        addresses = [i["address"] for i in status["instances"]]
+        folder = Path(addresses[0].removeprefix("unix:")).parent
+        assert (folder / "0.kv").is_socket() and (folder / "1.kvr").is_socket()  # vsup's private folder
+        assert folder.stat().st_mode & 0o077 == 0
+        ask("question zero")
+        time.sleep(0.5)  # its events reach the proxy
+        for n in range(1, 5):
+            ask(f"question {n}")
+        hits = [value(a, "vllm:prefix_cache_hits_total") for a in addresses]
+        assert sorted(h > 0 for h in hits) == [False, True], hits  # every later chat met the one that holds it
+        assert value(proxy, "vsup_proxy_policy_decisions_total", decision="hit") >= 4
+        misses = value(proxy, "vsup_proxy_policy_decisions_total", decision="miss")
+        holder = next(i for i, h in enumerate(hits) if h > 0)
+        pid = run.status()["instances"][holder]["pid"]
+        os.kill(pid, signal.SIGKILL)  # the instance dies, its cache with it
+        run.wait_for(lambda s: all(i["state"] == "ready" for i in s["instances"]) and
+                     s["instances"][holder]["pid"] != pid, timeout=60, what="the restart")
+        ask("after the restart")
+        assert value(proxy, "vsup_proxy_policy_decisions_total", decision="miss") == misses + 1  # not a stale hit
+    finally:
+        run.close()

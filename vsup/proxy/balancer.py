@@ -100,9 +100,10 @@ class LeastOutstanding(_Rotation):
 POLICIES: tuple[str, ...] = get_args(ProxyConfig.model_fields["policy"].annotation)  # config.py lists them
 
 
-def make_balancer(policy: str, config: ProxyConfig | None = None, pool: Any = None) -> _Rotation:
+def make_balancer(policy: str, config: ProxyConfig | None = None, pool: Any = None, model: str | None = None) -> _Rotation:
     """The balancer for `policy`; prefix_affinity and kv_aware take their settings from `config`
-    (defaults without); kv_aware follows the instances of `pool` (a BackendPool)."""
+    (defaults without); kv_aware follows the instances of `pool` (a BackendPool; those of `model`
+    when given), none without one."""
     if policy == RoundRobin.name:
         return RoundRobin()
     if policy == LeastOutstanding.name:
@@ -118,6 +119,6 @@ def make_balancer(policy: str, config: ProxyConfig | None = None, pool: Any = No
         config = config or ProxyConfig()
         balancer = KvAware(config.affinity_max_imbalance)
         if pool is not None:
-            balancer.attach(pool)
+            balancer.attach(pool, model)
         return balancer
     raise ValueError(f"unknown proxy policy {policy!r}: use one of {', '.join(POLICIES)}")

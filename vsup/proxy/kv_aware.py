@@ -103,26 +103,19 @@ class KvAware(LeastOutstanding):
         self.decisions = {"hit": 0, "miss": 0, "escaped": 0, "no_tokens": 0}
         self.hit_blocks = 0  # blocks the chosen instances held (a running sum: /metrics, the bench)
         self._sessions: Sessions | None = None
-        self._pool: BackendPool | None = None
-        self._following = False
+        self._model: str | None = None
 
     # -- lifecycle: which instances to follow, and when to forget what they held
-    def attach(self, pool: BackendPool) -> None:
-        """Follow `pool`'s instances, from this balancer's first request on (a balancer that never
-        routes, as the top-level one of a fleet, opens no socket)."""
-        self._pool = pool
-
-    def _follow(self) -> None:
-        self._following = True
-        pool = self._pool
-        if pool is None:
-            return
+    def attach(self, pool: BackendPool, model: str | None = None) -> None:
+        """Follow `pool`'s instances (only those of `model` when given) from now on: their events
+        from the start, before the first request."""
+        self._model = model
         pool.subscribe(self._changed)
         for backend in pool.all():
             self._changed(backend, pool.state(backend.name), pool.is_ready(backend.name))
 
     def _changed(self, backend: Backend, state: str, ready: bool) -> None:
-        if not backend.kv_events:
+        if not backend.kv_events or (self._model is not None and backend.model != self._model):
             return
         if state == "removed":
             self.events.forget(backend.name)
@@ -160,8 +153,6 @@ class KvAware(LeastOutstanding):
 
     async def prepare(self, key: Any, ready: tuple[Backend, ...], in_flight: Mapping[str, int]) -> Tokens | None:
         """The request's tokens (forward.py awaits this before choose())."""
-        if not self._following:
-            self._follow()
         if key is None:
             return None
         body, salt = key

@@ -66,6 +66,8 @@ class KvEvents:
     # -- the event loop's side
     def watch(self, name: str, endpoint: str) -> None:
         """Subscribe to `name`'s events at `endpoint` (once; a new endpoint starts afresh)."""
+        if self._stop.is_set():
+            return  # closed (its balancer was replaced): the pool still calls its listener
         with self.lock:
             if self.endpoints.get(name) == endpoint:
                 return

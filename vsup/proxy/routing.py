@@ -62,7 +62,7 @@ class ModelRouter:
         self.pool = pool
         self.default = default  # the balancer settings of a model the pool names but `models` does not
         self.configs: dict[str, ProxyConfig] = dict(models)
-        self.balancers = {name: make_balancer(config.policy, config, pool) for name, config in self.configs.items()}
+        self.balancers = {name: make_balancer(config.policy, config, pool, name) for name, config in self.configs.items()}
         self.learned: dict[str, frozenset[str]] = {}  # backend name -> the ids its /v1/models listed
         self.learning: dict[str, asyncio.Task] = {}  # backend name -> its fetch in progress (server.py)
         self.refused: dict[tuple[str, str], int] = {}  # (model, reason) -> requests refused (/metrics)
@@ -78,7 +78,7 @@ class ModelRouter:
         for name, config in models.items():
             balancer = self.balancers.get(name)
             if balancer is None or balancer.name != config.policy:
-                balancer = make_balancer(config.policy, config, self.pool)
+                balancer = make_balancer(config.policy, config, self.pool, name)
             elif isinstance(balancer, PrefixAffinity):  # the same policy: its counts kept
                 balancer.prefix_chars = config.affinity_prefix_chars
                 balancer.max_imbalance = config.affinity_max_imbalance
@@ -182,7 +182,7 @@ class ModelRouter:
         balancer_of = dict(self.balancers)
         for backend in backends:  # a model the pool names before a reload told us its settings
             if backend.model and backend.model not in balancer_of:
-                balancer_of[backend.model] = self.balancers[backend.model] = make_balancer(self.default.policy, self.default, pool)
+                balancer_of[backend.model] = self.balancers[backend.model] = make_balancer(self.default.policy, self.default, pool, backend.model)
         table: dict[str, list[Backend]] = {name: [] for name in balancer_of}
         for backend in backends:  # a learned name uses the balancer of the model it runs on
             own = balancer_of.get(backend.model)
