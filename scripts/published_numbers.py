@@ -390,9 +390,9 @@ def flood(link: str) -> str:
 
 # ---- the blocks -----------------------------------------------------------------------------------
 
-def kv_oracle(link: str) -> str:
+def kv_oracle(link: str, file: str = "kv_bench.json") -> str:
     """bench/kv_bench.py: every policy's prefix-cache hit rate per cache size, kv_aware over the oracle."""
-    data = with_file("kv_bench.json")
+    data = with_file(file)
     f = data["figures"]
     names = ("round_robin", "prefix_affinity", "kv_aware", "oracle")
     rows = []
@@ -401,7 +401,9 @@ def kv_oracle(link: str) -> str:
         ratio = scenario["kv_aware_over_oracle_hit_rate"]
         rows.append(f"| {scenario['cache_blocks']:,} blocks | {rates} | {ratio:.2f} ({'met' if scenario['goal_met'] else 'not met'}) |")
     st = f["settings"]
-    return (f"{st['instances']} fake vLLM instances, {st['conversations']} chats x {st['turns']} turns, a {st['system_words']}-word "
+    what = f"{st['instances']} fake vLLM instances" if isinstance(f["instances"], str) else \
+        f"{len(f['instances'])} real vLLM instances (`vsup run`, kv_aware, the tiny random Llama)"
+    return (f"{what}, {st['conversations']} chats x {st['turns']} turns, a {st['system_words']}-word "
             f"system prompt, {st['concurrency']} turns in flight, {st['rounds']} rounds; prefix-cache hit rate (the instances' "
             f"own counters):\n\n| cache per instance | round_robin | prefix_affinity | kv_aware | oracle | kv_aware / oracle (goal >= 0.9) |\n"
             f"|---|---|---|---|---|---|\n" + "\n".join(rows) + f"\n\n{conditions(data, link)}")
@@ -421,6 +423,7 @@ def kv_tokenize(link: str) -> str:
 RENDERERS: dict[str, Callable[[str], str]] = {
     "kv-oracle": kv_oracle,
     "kv-tokenize": kv_tokenize,
+    "kv-oracle-vllm": lambda link: kv_oracle(link, "kv_bench-vllm.json"),
     "vllm-layouts": vllm_layouts,
     "vllm-runs": vllm_runs,
     "layout-sentence": layout_sentence,
