@@ -445,7 +445,40 @@ def priority(link: str) -> str:
 
 # ---- the blocks -----------------------------------------------------------------------------------
 
+def kv_oracle(link: str, file: str = "kv_bench.json") -> str:
+    """bench/kv_bench.py: every policy's prefix-cache hit rate per cache size, kv_aware over the oracle."""
+    data = with_file(file)
+    f = data["figures"]
+    names = ("round_robin", "prefix_affinity", "kv_aware", "oracle")
+    rows = []
+    for scenario in f["scenarios"]:
+        rates = " | ".join(f"{scenario['policies'][n]['hit_rate']:.1%}" for n in names)
+        ratio = scenario["kv_aware_over_oracle_hit_rate"]
+        rows.append(f"| {scenario['cache_blocks']:,} blocks | {rates} | {ratio:.2f} ({'met' if scenario['goal_met'] else 'not met'}) |")
+    st = f["settings"]
+    what = f"{st['instances']} fake vLLM instances" if isinstance(f["instances"], str) else \
+        f"{len(f['instances'])} real vLLM instances (`vsup run`, kv_aware, the tiny random Llama)"
+    return (f"{what}, {st['conversations']} chats x {st['turns']} turns, a {st['system_words']}-word "
+            f"system prompt, {st['concurrency']} turns in flight, {st['rounds']} rounds; prefix-cache hit rate (the instances' "
+            f"own counters):\n\n| cache per instance | round_robin | prefix_affinity | kv_aware | oracle | kv_aware / oracle (goal >= 0.9) |\n"
+            f"|---|---|---|---|---|---|\n" + "\n".join(rows) + f"\n\n{conditions(data, link)}")
+
+
+def kv_tokenize(link: str) -> str:
+    """bench/kv_tokenize_bench.py: the token ids of a chat request, two ways."""
+    data = with_file("kv_tokenize_bench.json")
+    f = data["figures"]
+    remote, local = f["tokenize_route"], f["local_tokenizer_and_chat_template"]
+    return (f"A {f['prompt_tokens']}-token chat request, {remote['requests']} times each way: the instance's `/tokenize` "
+            f"{remote['p50_ms']:.2f} ms p50 ({remote['p90_ms']:.2f} ms p90) of wall time, the work in the instance's API server; "
+            f"the tokenizer and chat template in the calling process {local['p50_ms']:.2f} ms p50 ({local['p90_ms']:.2f} ms p90) "
+            f"of its own CPU; the same token ids {f['same_token_ids']}. {conditions(data, link)}")
+
+
 RENDERERS: dict[str, Callable[[str], str]] = {
+    "kv-oracle": kv_oracle,
+    "kv-tokenize": kv_tokenize,
+    "kv-oracle-vllm": lambda link: kv_oracle(link, "kv_bench-vllm.json"),
     "vllm-layouts": vllm_layouts,
     "vllm-runs": vllm_runs,
     "layout-sentence": layout_sentence,

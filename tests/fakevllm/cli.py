@@ -19,7 +19,7 @@ USAGE = ("usage: fakevllm serve MODEL [--host H] [--port P | --uds PATH] [--serv
 _NUMBER = re.compile(r"^-\d")
 _BOOLEAN = {"--disable-uvicorn-access-log"}
 _KNOWN = ("--model", "--host", "--port", "--uds", "--served-model-name", "--max-model-len", "--max-num-seqs",
-          "--disable-access-log-for-endpoints", "--lora-modules")
+          "--disable-access-log-for-endpoints", "--lora-modules", "--kv-events-config")
 _MANY = {"--served-model-name", "--lora-modules"}  # nargs="+" in vLLM
 
 
@@ -65,6 +65,7 @@ class ServeArgs:
     access_log: bool = True
     access_log_excluded: frozenset[str] = frozenset()
     ignored: tuple[str, ...] = field(default=())
+    kv_events: dict | None = None  # --kv-events-config with enable_kv_cache_events: the publisher's settings
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -154,4 +155,15 @@ def parse_args(argv: list[str]) -> ServeArgs:
         access_log_excluded=frozenset(
             p.strip() for p in options.get("--disable-access-log-for-endpoints", [""])[0].split(",") if p.strip()),
         ignored=tuple(ignored),
+        kv_events=_kv_events(options["--kv-events-config"][0]) if "--kv-events-config" in options else None,
     )
+
+
+def _kv_events(value: str) -> dict | None:
+    try:
+        config = json.loads(value)
+    except ValueError:
+        raise UsageError(f"--kv-events-config: not JSON: {value!r}") from None
+    if not isinstance(config, dict):
+        raise UsageError(f"--kv-events-config: expected a JSON object, got {value!r}")
+    return config if config.get("enable_kv_cache_events") else None

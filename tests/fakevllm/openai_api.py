@@ -333,8 +333,8 @@ def tokenize_response(body: object, max_model_len: int) -> dict:
         raise bad_request("Input should be a valid dictionary or object to extract fields from")
     if isinstance(body.get("prompt"), str):
         text = body["prompt"]
-    elif isinstance(body.get("messages"), list):
-        text = " ".join(_message_text(m) for m in body["messages"] if isinstance(m, dict))
+    elif isinstance(body.get("messages"), list):  # as the chat template renders it: each message opened by its role
+        text = " ".join(" ".join([f"<|{m.get('role')}|>", _message_text(m)]) for m in body["messages"] if isinstance(m, dict))
     else:
         raise bad_request("prompt: Field required (a string), or messages", "prompt")
     tokens = token_ids(text)

@@ -26,6 +26,7 @@ from . import openai_api as api
 from .cli import ServeArgs, UsageError, parse_args
 from .engine import BatchEngine
 from .events import EventLog
+from .kv_events import KvEventPublisher
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import VllmMetrics
 from .prefix_cache import PrefixCache
@@ -105,7 +106,9 @@ class FakeVllm:
         max_seqs = faults.max_num_seqs or args.max_num_seqs
         self.slots = asyncio.Semaphore(max_seqs) if max_seqs else None
         self.prom = VllmMetrics(args.names[0], lambda: self.running, lambda: self.waiting)
-        self.prefix_cache = PrefixCache(faults.prefix_cache_blocks)
+        self.kv_events: list[dict] | None = [] if args.kv_events else None  # drained to the publisher per request
+        self.kv_publisher: KvEventPublisher | None = None
+        self.prefix_cache = PrefixCache(faults.prefix_cache_blocks, self.kv_events)
         self.prefill_lock = asyncio.Lock()  # one prefill at a time, as one engine computes them
         self.created = int(time.time())
         self.early_signals: list[str] = []
@@ -151,6 +154,8 @@ class FakeVllm:
 
     def release(self) -> None:
         """What a clean vLLM exit does: stop EngineCore (and its Worker), remove shm files."""
+        if self.kv_publisher is not None:
+            self.kv_publisher.close()
         if self.engine is not None:
             self.engine.terminate(timeout=1.0)
         if self.shm is not None:
@@ -210,6 +215,8 @@ class FakeVllm:
             self.release()
             self.events.emit("stopped", code=0, during="startup")
             return 0
+        if self.args.kv_events is not None:  # vLLM's scheduler starts its publisher with the engine
+            self.kv_publisher = KvEventPublisher(self.args.kv_events)
         if self.faults.crash_at_start is not None:
             code = self.faults.crash_at_start
             log("ERROR", "core.py", "EngineCore failed to start (FAKE_VLLM_CRASH_AT_START).", sys.stderr)
@@ -348,6 +355,7 @@ class FakeVllm:
             app.router.add_post("/tokenize", self.tokenize)
             app.router.add_post("/detokenize", self.detokenize)
         app.router.add_post("/fake/grow", self.grow)
+        app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)  # vLLM's, with VLLM_SERVER_DEV_MODE=1
         # two of vLLM's admin routes (serve/lora/api_router.py), so tests can see whether the proxy lets them through
         app.router.add_post("/v1/load_lora_adapter", self.lora_adapter)
         app.router.add_post("/v1/unload_lora_adapter", self.lora_adapter)
@@ -440,6 +448,13 @@ class FakeVllm:
                      b"# TYPE fakevllm:engine_steps_total counter\n"
                      b"fakevllm:engine_steps_total %d\n" % self.engine_model.steps)
         return web.Response(body=body, headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        self.prefix_cache.clear()
+        if self.kv_publisher is not None and self.kv_events:
+            batch, self.kv_events[:] = list(self.kv_events), []
+            self.kv_publisher.publish(batch)
+        return web.Response(status=200)
 
     async def grow(self, request: web.Request) -> web.Response:
         """Test-only: `POST /fake/grow {"mib": N}` makes the server's resident memory N MiB larger."""
@@ -541,6 +556,9 @@ class FakeVllm:
             self.prom.prefix_cache_queries.inc(len(words))
             self.prom.prefix_cache_hits.inc(hits)
             uncached += len(words) - hits
+        if self.kv_publisher is not None and self.kv_events:
+            batch, self.kv_events[:] = list(self.kv_events), []
+            self.kv_publisher.publish(batch)  # one batch per request, as one engine step would
         progress = _Progress()
         try:
             if self.slots is not None and self.slots.locked():

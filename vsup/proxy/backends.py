@@ -24,6 +24,8 @@ class Backend:
     # The served model name of the instance (`vsup run`: its model's name); "" = not known (the
     # upstreams of a standalone `vsup proxy`): routing then ignores the body's model (routing.py).
     model: str = ""
+    # Where the instance publishes its KV-cache events (a ZMQ endpoint; kv_aware); "" = it does not.
+    kv_events: str = ""
 
 
 Listener = Callable[[Backend, str, bool], None]

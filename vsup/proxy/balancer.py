@@ -100,8 +100,10 @@ class LeastOutstanding(_Rotation):
 POLICIES: tuple[str, ...] = get_args(ProxyConfig.model_fields["policy"].annotation)  # config.py lists them
 
 
-def make_balancer(policy: str, config: ProxyConfig | None = None) -> _Rotation:
-    """The balancer for `policy`; prefix_affinity takes its settings from `config` (defaults without)."""
+def make_balancer(policy: str, config: ProxyConfig | None = None, pool: Any = None, model: str | None = None) -> _Rotation:
+    """The balancer for `policy`; prefix_affinity and kv_aware take their settings from `config`
+    (defaults without); kv_aware follows the instances of `pool` (a BackendPool; those of `model`
+    when given), none without one."""
     if policy == RoundRobin.name:
         return RoundRobin()
     if policy == LeastOutstanding.name:
@@ -111,4 +113,12 @@ def make_balancer(policy: str, config: ProxyConfig | None = None) -> _Rotation:
 
         config = config or ProxyConfig()
         return PrefixAffinity(config.affinity_prefix_chars, config.affinity_max_imbalance)
+    if policy == "kv_aware":
+        from vsup.proxy.kv_aware import KvAware  # pyzmq, and a thread, only when chosen
+
+        config = config or ProxyConfig()
+        balancer = KvAware(config.affinity_max_imbalance)
+        if pool is not None:
+            balancer.attach(pool, model)
+        return balancer
     raise ValueError(f"unknown proxy policy {policy!r}: use one of {', '.join(POLICIES)}")

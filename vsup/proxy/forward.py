@@ -199,6 +199,9 @@ class Forwarder:
             if isinstance(passed, web.StreamResponse):
                 return passed, None
             admitted, extra = passed
+        prepare = getattr(balancer, "prepare", None)
+        if prepare is not None and key is not None:  # kv_aware: the prompt's tokens, from the instance's /tokenize
+            key = await prepare(key, route.ready if route is not None else self.pool.ready(), self.in_flight)
 
         headers = request_headers(request.raw_headers, self.drop_authorization)
         # The request target exactly as the client sent it (path and query, still percent-encoded);

@@ -62,7 +62,7 @@ class ModelRouter:
         self.pool = pool
         self.default = default  # the balancer settings of a model the pool names but `models` does not
         self.configs: dict[str, ProxyConfig] = dict(models)
-        self.balancers = {name: make_balancer(config.policy, config) for name, config in self.configs.items()}
+        self.balancers = {name: make_balancer(config.policy, config, pool, name) for name, config in self.configs.items()}
         self.learned: dict[str, frozenset[str]] = {}  # backend name -> the ids its /v1/models listed
         self.learning: dict[str, asyncio.Task] = {}  # backend name -> its fetch in progress (server.py)
         self.refused: dict[tuple[str, str], int] = {}  # (model, reason) -> requests refused (/metrics)
@@ -78,11 +78,17 @@ class ModelRouter:
         for name, config in models.items():
             balancer = self.balancers.get(name)
             if balancer is None or balancer.name != config.policy:
-                balancer = make_balancer(config.policy, config)
+                balancer = make_balancer(config.policy, config, self.pool, name)
             elif isinstance(balancer, PrefixAffinity):  # the same policy: its counts kept
                 balancer.prefix_chars = config.affinity_prefix_chars
                 balancer.max_imbalance = config.affinity_max_imbalance
+            elif balancer.name == "kv_aware":  # its index kept (kv_aware.py: imported only when chosen)
+                balancer.max_imbalance = config.affinity_max_imbalance  # type: ignore[attr-defined]
             balancers[name] = balancer
+        kept = {id(b) for b in balancers.values()}
+        for old in self.balancers.values():  # kv_aware's subscriber thread stops with its balancer
+            if id(old) not in kept and hasattr(old, "close"):
+                old.close()
         self.default, self.configs, self.balancers = default, dict(models), balancers
         self._version = -1
 
@@ -176,7 +182,7 @@ class ModelRouter:
         balancer_of = dict(self.balancers)
         for backend in backends:  # a model the pool names before a reload told us its settings
             if backend.model and backend.model not in balancer_of:
-                balancer_of[backend.model] = self.balancers[backend.model] = make_balancer(self.default.policy, self.default)
+                balancer_of[backend.model] = self.balancers[backend.model] = make_balancer(self.default.policy, self.default, pool, backend.model)
         table: dict[str, list[Backend]] = {name: [] for name in balancer_of}
         for backend in backends:  # a learned name uses the balancer of the model it runs on
             own = balancer_of.get(backend.model)

@@ -71,7 +71,8 @@ class ProxyServer:
         self._auth = BearerAuth(api_key if api_key is not None else config.api_key, named_keys(config))
         proxy_routes.require_key(config.admin_routes, self._auth.enabled)
         self._routes = proxy_routes.table(config.admin_routes)
-        self._balancer = make_balancer(config.policy, config)
+        # a fleet routes by model (routing.py: a balancer each): kv_aware's top-level one follows nothing
+        self._balancer = make_balancer(config.policy, config, None if models else self.pool)
         self._forwarder: Forwarder | None = None
         self._client: UpstreamClient | None = None
         self._session: Sessions | None = None  # for /v1/models only
@@ -242,7 +243,7 @@ class ProxyServer:
             log.error("%s; the admin routes stay closed", exc)
             self._routes = proxy_routes.table([])
         if config.policy != self._balancer.name:
-            self._balancer = make_balancer(config.policy, config)
+            self._balancer = make_balancer(config.policy, config, self.pool if self._router is None and not models else None)
             self.metrics.policy, self.metrics.policy_decisions = self._balancer.name, self._balancer.decisions
         elif isinstance(self._balancer, PrefixAffinity):  # same policy, its counts kept
             self._balancer.prefix_chars = config.affinity_prefix_chars
@@ -334,6 +335,11 @@ class ProxyServer:
         if self._session is not None:
             await self._session.close()
             self._session = None
+        balancers = [self._balancer, *(self._router.balancers.values() if self._router is not None else ())]
+        for balancer in balancers:  # kv_aware: its subscriber thread and /tokenize sessions
+            aclose = getattr(balancer, "aclose", None)
+            if aclose is not None:
+                await aclose()
 
     # -- handlers ------------------------------------------------------------------------------
 

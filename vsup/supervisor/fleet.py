@@ -25,7 +25,7 @@ from typing import Protocol
 from vsup.config.schema import VsupConfig, spare_base_port
 from vsup.proxy.backends import Backend, BackendPool
 from vsup.supervisor.control import describe_indexes
-from vsup.supervisor.launch import build_command, instance_url, model_config
+from vsup.supervisor.launch import build_command, instance_url, kv_events_endpoint, model_config
 from vsup.supervisor.lifecycle import Instance
 from vsup.supervisor.logs import InstanceLog
 from vsup.supervisor.operations import Operations
@@ -149,7 +149,8 @@ class Fleet:
         self.logs[instance] = log
         self.plans[name] = plan
         self.placement[name] = None
-        self.pool.add(Backend(name, instance.url, model=plan.model))
+        self.pool.add(Backend(name, instance.url, model=plan.model, kv_events=kv_events_endpoint(
+            dataclasses.replace(plan, port=port), config, owner.environ)))
         return instance
 
     def launch_driver(self, inst: Instance) -> None:

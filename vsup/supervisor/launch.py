@@ -22,9 +22,10 @@ node 0), so it is a ConfigError that names the placement key to change instead.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 
-from vsup.config.fleet import is_fleet, view_of
+from vsup.config.fleet import is_fleet, models_of, view_of
 from vsup.config.schema import VsupConfig, quote, spare_base_port, where
 from vsup.errors import ConfigError
 from vsup.proxy.address import SUN_PATH_MAX, host_port, socket_path, unix_url
@@ -100,8 +101,40 @@ def build_command(instance: InstancePlan, cfg: VsupConfig, base_env: Mapping[str
     argv = [*instance.argv, *vllm_command(cfg, base_env), cfg.model, *address_args(instance_url(instance, cfg, base_env))]
     if cfg.served_model_name:
         argv += ["--served-model-name", cfg.served_model_name]
-    argv += [*access_log_args(cfg), *instance.vllm_args, *cfg.vllm.args]
+    argv += [*access_log_args(cfg), *instance.vllm_args, *kv_events_args(instance, cfg, base_env), *cfg.vllm.args]
     return argv, env
+
+
+KV_EVENTS_OPTION = "--kv-events-config"
+
+
+def kv_events_endpoint(instance: InstancePlan, cfg: VsupConfig, environ: Mapping[str, str]) -> str:
+    """Where the instance publishes its KV-cache events for kv_aware (docs/kv-events.md): a ZMQ
+    ipc socket `<i>[b].kv` beside its own in the private (0700) instances' folder, so no other
+    user can read or feed it; its replay socket is that + 'r' (vsup.proxy.kv_events). "" when
+    the model's policy is not kv_aware."""
+    if cfg.proxy.policy != "kv_aware":
+        return ""
+    spare = instance.port == spare_base_port(cfg) + instance.index
+    path = instance_dir(cfg.proxy.port, environ) / f"{instance.index}{'b' if spare else ''}.kv"
+    if len(str(path).encode()) + 1 > SUN_PATH_MAX:  # + 1: the replay socket's 'r'
+        raise ConfigError(f"proxy.policy: kv_aware: the KV-events socket {path}r is longer than the {SUN_PATH_MAX} bytes "
+                          "a Unix socket path may have; point TMPDIR (or RUNTIME_DIRECTORY) at a shorter directory")
+    return f"ipc://{path}"
+
+
+def wants_kv_events(cfg: VsupConfig) -> bool:
+    """Does any model route kv_aware (its instances then publish into the instances' folder)?"""
+    return any(view.config.proxy.policy == "kv_aware" for view in models_of(cfg))
+
+
+def kv_events_args(instance: InstancePlan, cfg: VsupConfig, environ: Mapping[str, str]) -> list[str]:
+    endpoint = kv_events_endpoint(instance, cfg, environ)
+    if not endpoint:
+        return []
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint,
+              "replay_endpoint": endpoint + "r", "topic": "kv"}
+    return [KV_EVENTS_OPTION, json.dumps(config, separators=(",", ":"))]
 
 
 def instance_url(instance: InstancePlan, cfg: VsupConfig, environ: Mapping[str, str]) -> str:
@@ -158,3 +191,6 @@ def _check_args(cfg: VsupConfig) -> None:
         option = arg.split("=", 1)[0]
         if option in _OWNED_OPTIONS:
             raise ConfigError(f"{where(cfg, f'vllm.args[{index}]')}: {quote(arg)} is not allowed: {_OWNED_OPTIONS[option]}")
+        if option == KV_EVENTS_OPTION and cfg.proxy.policy == "kv_aware":
+            raise ConfigError(f"{where(cfg, f'vllm.args[{index}]')}: {quote(arg)} is not allowed with proxy.policy: kv_aware:"
+                              " vsup gives each instance a private KV-events socket of its own")

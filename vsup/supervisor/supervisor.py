@@ -49,6 +49,7 @@ from vsup.supervisor import status as status_json
 from vsup.supervisor.control import ControlServer, control_socket_path
 from vsup.supervisor.fleet import Fleet
 from vsup.supervisor.host import Host, SystemHost
+from vsup.supervisor.launch import wants_kv_events
 from vsup.supervisor.lifecycle import Instance
 from vsup.supervisor.memwatch import MemoryWatchdog
 from vsup.supervisor.metrics import Metrics
@@ -140,7 +141,7 @@ class Supervisor:
         if self._ops is None:
             self._ops = SystemOperations(session)
         try:
-            if self.config.vllm.listen == "unix":  # private (0700) before any instance binds there
+            if self.config.vllm.listen == "unix" or wants_kv_events(self.config):  # private (0700) before any instance binds there
                 logger.info("instance sockets in %s", prepare_instance_dir(self.config.proxy.port, self.environ))
             self.fleet.build()
             api_key = self.environ.get("VSUP_API_KEY") or self.config.proxy.api_key
