@@ -224,6 +224,7 @@ class Phase:
     elapsed: float = 0.0
     ttfts: list[float] = field(default_factory=list)
     instances: dict[str, dict[str, float]] = field(default_factory=dict)  # url -> counter changes
+    decisions: dict[str, float] = field(default_factory=dict)  # the proxy's policy decisions in the phase
     error_samples: list[str] = field(default_factory=list)
 
     @property
@@ -293,12 +294,26 @@ def scrape(url: str) -> tuple[dict[str, float], str]:
     return values, capacity
 
 
+def decisions(proxy_url: str) -> dict[str, float]:
+    """The proxy's vsup_proxy_policy_decisions_total by decision (affinity, session, escaped, ...)."""
+    with urllib.request.urlopen(f"{proxy_url}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "vsup_proxy_policy_decisions_total":
+                out[sample.labels["decision"]] = out.get(sample.labels["decision"], 0.0) + sample.value
+    return out
+
+
 def measure(phase: Phase, proxy_url: str, instances: list[str], requests: list[Request], args) -> Phase:
     before = {url: scrape(url)[0] for url in instances}
+    chosen = decisions(proxy_url)
     asyncio.run(run_phase(phase, proxy_url, requests, args))
     after = {url: scrape(url)[0] for url in instances}
     for url in instances:
         phase.instances[url] = {key: after[url].get(key, 0.0) - before[url].get(key, 0.0) for key in after[url]}
+    phase.decisions = {key: value - chosen.get(key, 0.0) for key, value in decisions(proxy_url).items() if value - chosen.get(key, 0.0)}
     return phase
 
 
@@ -406,6 +421,8 @@ def merged(phases: list[Phase], workload: str, policy: str) -> Phase:
             for key, value in counters.items():
                 row[key] = row.get(key, 0.0) + value
         out.error_samples += p.error_samples
+        for key, value in p.decisions.items():
+            out.decisions[key] = out.decisions.get(key, 0.0) + value
     return out
 
 
@@ -438,8 +455,8 @@ def report(phases: list[Phase], instances: list[str], capacities: list[str], arg
         f"{args.affinity_prefix_chars}, affinity_load_factor {args.affinity_load_factor}; load_interval {args.load_interval}; "
         f"--seed {args.seed}",
         "",
-        "| workload | policy | requests | errors | TTFT p50 | TTFT p90 | output tok/s | prefix-cache hit rate | per instance: requests, hit rate |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| workload | policy | requests | errors | TTFT p50 | TTFT p90 | output tok/s | prefix-cache hit rate | per instance: requests, hit rate | decisions |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     summary: dict[tuple[str, str], Phase] = {}
     for workload in WORKLOADS:
@@ -450,7 +467,8 @@ def report(phases: list[Phase], instances: list[str], capacities: list[str], arg
                 f"{names[url]} {int(m.instances.get(url, {}).get('requests', 0))} / {fmt_rate(m.hit_rate(url) if url in m.instances else None)}"
                 for url in instances)
             lines.append(f"| {workload} | {policy} | {m.requests} | {m.errors} | {m.ttft(0.5):.2f} s | {m.ttft(0.9):.2f} s | "
-                         f"{m.tokens_per_s:.1f} | {fmt_rate(rate)} | {per} |")
+                         f"{m.tokens_per_s:.1f} | {fmt_rate(rate)} | {per} | "
+                         f"{', '.join(f'{k} {int(v)}' for k, v in sorted(m.decisions.items())) or '-'} |")
     checks = bars(summary, args.policies)
     if checks:
         lines += ["", "The issue's bar (ratios of this run, each policy against round_robin):"]
@@ -476,6 +494,7 @@ def figures(phases: list[Phase], instances: list[str], capacities: list[str], ar
             rows.append({"workload": workload, "policy": policy, "requests": m.requests, "errors": m.errors,
                          "ttft_p50_s": r(m.ttft(0.5), 3), "ttft_p90_s": r(m.ttft(0.9), 3),
                          "tokens_per_s": r(m.tokens_per_s, 2), "hit_rate": r(m.hit_rate(), 3),
+                         "decisions": {k: int(v) for k, v in sorted(m.decisions.items())},
                          "instances": {names[url]: {"requests": int(m.instances.get(url, {}).get("requests", 0)),
                                                     "hit_rate": r(m.hit_rate(url) if url in m.instances else None, 3)}
                                        for url in instances}})
@@ -531,7 +550,8 @@ def parse_args(argv: list[str] | None):
                         "prefill delay) instead of vLLM; see --fake-prefill-delay")
     parser.add_argument("--fake-prefill-delay", type=float, default=0.004, help="--fake: seconds per uncached prompt word (default 0.004)")
     parser.add_argument("--fake-token-delay", type=float, default=0.02, help="--fake: seconds per generated token (default 0.02)")
-    parser.add_argument("--fake-cache-blocks", type=int, default=400, help="--fake: prefix-cache blocks of 16 words per instance (default 400)")
+    parser.add_argument("--fake-cache-blocks", type=int, default=None, help="--fake: prefix-cache blocks of 16 words per "
+                        "instance (default: 95 %% of the shared workload's prefixes, as the real run's KV cache)")
     parser.add_argument("--max-model-len", type=int, default=2048, help="vLLM --max-model-len (the bench model has 2048 positions)")
     parser.add_argument("--upstream", action="append", default=[], metavar="URL",
                         help="an OpenAI-compatible server already running (repeat): no vLLM is started")
@@ -555,6 +575,8 @@ def parse_args(argv: list[str] | None):
         parser.error(f"--policies: a comma-separated list of distinct policies from {', '.join(POLICIES)}")
     if args.fake and args.upstream:
         parser.error("--fake starts its own fake instances: leave out --upstream")
+    if args.fake_cache_blocks is None:
+        args.fake_cache_blocks = max(1, int(0.95 * args.sessions * args.prefix_tokens / 16))
     for name in ("instances", "sessions", "questions", "prefix_tokens", "distinct_tokens", "concurrency", "max_tokens", "rounds", "few_sessions"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
