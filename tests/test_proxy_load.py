@@ -75,6 +75,9 @@ def test_requests_sent_and_finished_since_the_sample_count_on_top_of_it():
 def test_one_missing_figure_puts_every_candidate_on_in_flight_counts():
     fresh = {"a": Sample(10.0, 6.0, 0.0, 0), "b": Sample(10.0, 1.0, 0.0, 0)}
     assert load.loads(["a", "b"], fresh, {}, 10.5, 3.0) == ({"a": 6.0, "b": 1.0}, True)
+    for flights in ({"a": 2}, {"a": 0, "b": 5}):  # loads() inlines estimate(): the same figures
+        values, _ = load.loads(["a", "b"], fresh, flights, 10.5, 3.0)
+        assert values == {n: load.estimate(fresh[n], flights.get(n, 0), 10.5, 3.0) for n in "ab"}
     # b's scrape failed: b is not "idle", and a is not judged by figures b lacks
     assert load.loads(["a", "b"], {"a": fresh["a"]}, {"a": 1, "b": 2}, 10.5, 3.0) == ({"a": 1.0, "b": 2.0}, False)
     assert load.loads(["a", "b"], fresh, {"b": 2}, 20.0, 3.0) == ({"a": 0.0, "b": 2.0}, False)  # both stale

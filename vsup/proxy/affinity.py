@@ -215,6 +215,8 @@ class PrefixAffinity(LeastLoaded):
         weights = self._weights
         seeds = self._seeds
         candidates: list[tuple[float, Backend]] = []
+        top: Backend | None = None
+        top_score = 0.0
         for backend in ready:
             name = backend.name
             if name in tried:
@@ -228,22 +230,28 @@ class PrefixAffinity(LeastLoaded):
             if weights:  # -weight / ln(u); with all weights 1 it orders the instances as u does
                 score = -weights.get(name, 1) / math.log(score)
             candidates.append((score, backend))
-        if not candidates:
+            if top is None or score > top_score:
+                top, top_score = backend, score
+        if top is None:
             return None
         if len(candidates) == 1:
             self._count(key.kind)
-            return candidates[0][1]
+            return top
         values, _ = self.loads([b.name for _, b in candidates], in_flight)
         # the bound counts whole requests: the KV term (a fraction, a tie-break for least_loaded)
         # counts as one request only when the cache is full
-        values = {name: math.floor(value) for name, value in values.items()}
-        total = sum(values.values())
+        total = 0
+        for name, value in values.items():
+            values[name] = whole = math.floor(value)
+            total += whole
         weight = self.weight
         weights_sum = float(sum(weight(b.name) for _, b in candidates)) if weights else float(len(candidates))
-        top = max(candidates, key=lambda c: c[0])[1]
+        factor = self.load_factor
+        if within_bound(values[top.name], total, weight(top.name), weights_sum, factor):  # the common case
+            self._count(key.kind)
+            return top
         best: Backend | None = None
         best_score = 0.0
-        factor = self.load_factor
         for score, backend in candidates:
             if (best is None or score > best_score) and within_bound(values[backend.name], total, weight(backend.name), weights_sum, factor):
                 best, best_score = backend, score
