@@ -5,7 +5,8 @@ instances, in one run.
     .venv/bin/python bench/affinity_bench.py                 # 2 instances, 8 sessions x 4 questions, 1,000-token prefixes
     .venv/bin/python bench/affinity_bench.py --quick         # a smoke run: 4 sessions x 3 questions
     .venv/bin/python bench/affinity_bench.py --fake          # the fake vLLM (tests/fakevllm, its prefix cache and
-                                                             # prefill delay) instead of vLLM: minutes, not hours
+                                                             # prefill delay) instead of vLLM: minutes, not hours;
+                                                             # --fake-step-time 0.02: decode slows with the batch
     .venv/bin/python bench/affinity_bench.py --upstream http://127.0.0.1:8100 --upstream http://127.0.0.1:8101
                                                              # servers already running: none started here
 
@@ -356,7 +357,9 @@ def start_fakes(args, layout: Layout) -> list[str]:
     for port in range(base, base + args.instances):
         env = {**os.environ, "PYTHONPATH": str(root), "FAKE_VLLM_PREFILL_DELAY": str(args.fake_prefill_delay),
                "FAKE_VLLM_TOKEN_DELAY": str(args.fake_token_delay), "FAKE_VLLM_PREFIX_CACHE_BLOCKS": str(args.fake_cache_blocks),
-               "FAKE_VLLM_CHILD": "0", "FAKE_VLLM_SHM": "0", "FAKE_VLLM_ACCESS_LOG": "0"}
+               "FAKE_VLLM_CHILD": "0", "FAKE_VLLM_SHM": "0", "FAKE_VLLM_ACCESS_LOG": "0",
+               **({"FAKE_VLLM_STEP_TIME": str(args.fake_step_time), "FAKE_VLLM_SEQ_COST": str(args.fake_seq_cost),
+                   "OMP_NUM_THREADS": "1"} if args.fake_step_time else {})}
         layout.spawn([sys.executable, "-m", "tests.fakevllm", "serve", SERVED_NAME, "--port", str(port),
                       "--max-num-seqs", str(max(args.concurrency, 8))], f"fake-{port}", env=env)
         urls.append(f"http://127.0.0.1:{port}")
@@ -550,6 +553,9 @@ def parse_args(argv: list[str] | None):
                         "prefill delay) instead of vLLM; see --fake-prefill-delay")
     parser.add_argument("--fake-prefill-delay", type=float, default=0.004, help="--fake: seconds per uncached prompt word (default 0.004)")
     parser.add_argument("--fake-token-delay", type=float, default=0.02, help="--fake: seconds per generated token (default 0.02)")
+    parser.add_argument("--fake-step-time", type=float, default=None, help="--fake: batched decode steps of this many "
+                        "seconds (FAKE_VLLM_STEP_TIME), growing with the batch by --fake-seq-cost; default: a fixed delay per token")
+    parser.add_argument("--fake-seq-cost", type=float, default=0.3, help="--fake: a step's growth per extra sequence (default 0.3)")
     parser.add_argument("--fake-cache-blocks", type=int, default=None, help="--fake: prefix-cache blocks of 16 words per "
                         "instance (default: 95 %% of the shared workload's prefixes, as the real run's KV cache)")
     parser.add_argument("--max-model-len", type=int, default=2048, help="vLLM --max-model-len (the bench model has 2048 positions)")
