@@ -240,14 +240,19 @@ def scrape(link: str) -> str:
 def policy_cost(link: str) -> str:
     data = with_file("proxy_bench-pin-policy.json")
     f = data["figures"]
-    rr, pa = _row(data, "vsup round_robin"), _row(data, "vsup prefix_affinity")
-    ratio = f["ratios"]["vsup prefix_affinity / vsup round_robin"]["us_per_request"]
-    chunk = f["ratios"]["vsup prefix_affinity / vsup round_robin"]["us_per_chunk"]
-    runs = ratio["runs"]
+    rr = _row(data, "vsup round_robin")
+    parts = []
+    for policy in f["settings"]["policies"]:
+        if policy == "round_robin":
+            continue
+        row = _row(data, f"vsup {policy}")
+        ratios = f["ratios"][f"vsup {policy} / vsup round_robin"]
+        runs = ratios["us_per_request"]["runs"]
+        parts.append(f"{policy} {row['us_per_request']:.0f} µs, {ratios['us_per_request']['median']:.2f}× round_robin's (median "
+                     f"of the per-run ratios {min(runs):.2f}–{max(runs):.2f}; per chunk {ratios['us_per_chunk']['median']:.2f}×)")
     return (f"{conditions(data, link)} Every request carries a {f['settings']['system_chars']:,}-character system prompt "
-            f"(the longest key): round_robin {rr['us_per_request']:.0f} µs CPU per request, prefix_affinity "
-            f"{pa['us_per_request']:.0f} µs; prefix_affinity / round_robin {ratio['median']:.2f} (median of the per-run "
-            f"ratios {min(runs):.2f}–{max(runs):.2f}); per chunk {chunk['median']:.2f} (the policy runs once per request).")
+            f"(prefix_affinity's longest key): round_robin {rr['us_per_request']:.0f} µs CPU per request; "
+            + "; ".join(parts) + " (a policy runs once per request, not per chunk).")
 
 
 # ---- bench/fleet_bench.py -------------------------------------------------------------------------
@@ -283,12 +288,18 @@ def fleet(link: str) -> str:
 
 # ---- bench/affinity_bench.py ----------------------------------------------------------------------
 
-def affinity(link: str) -> str:
-    data = with_file("affinity_bench.json")
+def affinity_fake(link: str) -> str:
+    return affinity(link, "affinity_bench-fake.json")
+
+
+def affinity(link: str, name: str = "affinity_bench.json") -> str:
+    data = with_file(name)
     f, s = data["figures"], data["figures"]["settings"]
     lines = [conditions(data, link), "",
              f"{s['instances']} instances (KV cache {' / '.join(s['kv_cache'])}); {s['api']} API; shared: {s['sessions']} sessions × "
-             f"{s['questions']} questions, prefixes ≥ {s['prefix_tokens_min']:,} tokens, interleaved; distinct: "
+             f"{s['questions']} questions, prefixes ≥ {s['prefix_tokens_min']:,} tokens, interleaved; "
+             + (f"few: {s['few_sessions']} sessions, as many requests, split 3 : 1 by hashing; " if "few_sessions" in s else "")
+             + "distinct: "
              f"{s['sessions'] * s['questions']} prompts of {s['distinct_tokens']} tokens; {s['max_tokens']} tokens per answer; "
              f"concurrency {s['concurrency']}; {s['rounds']} round(s).", "",
              "| workload | policy | TTFT p50 | TTFT p90 | output tok/s | prefix-cache hit rate | per instance: requests, hit rate |",
@@ -301,13 +312,28 @@ def affinity(link: str) -> str:
         per = ", ".join(f"{name} {i['requests']} / {pct(i['hit_rate'])}" for name, i in r["instances"].items())
         lines.append(f"| {r['workload']} | {r['policy']} | {fmt_s(r['ttft_p50_s'])} | {fmt_s(r['ttft_p90_s'])} | "
                      f"{r['tokens_per_s']:.1f} | {pct(r['hit_rate'])} | {per} |")
-    if "ratios" in f:
+    if isinstance(f.get("ratios"), list):  # issue 22: each policy against round_robin
+        lines += ["", "The bar, each policy against round_robin in this run: " + "; ".join(
+            f"{q['workload']} {q['policy']}, {q['what']} **{q['value']:.2f}** ({q['bar']})" for q in f["ratios"]
+            if q["value"] is not None) + "."]
+    elif "ratios" in f:
         q = f["ratios"]
         lines += ["", f"Ratios of this run: shared, TTFT p50 round_robin / prefix_affinity "
                   f"**{q['shared_ttft_p50_rr_over_pa']:.2f}** (bar ≥ 1.5), output tok/s prefix_affinity / round_robin "
                   f"{q['shared_tokens_per_s_pa_over_rr']:.2f} (bar ≥ 1.0); distinct, output tok/s prefix_affinity / "
                   f"round_robin {q['distinct_tokens_per_s_pa_over_rr']:.2f} (bar ≥ 0.95)."]
     return "\n".join(lines)
+
+
+def load_probe(link: str) -> str:
+    data = with_file("load_probe_bench.json")
+    f = data["figures"]
+    return (f"{conditions(data, link)} One sample of a {f['body_bytes'] / 1024:.0f} KiB vLLM-shaped /metrics costs the proxy "
+            f"{f['proxy_cpu_ms_per_sample']:.2f} ms CPU (the GET and the byte scan; the scan alone {f['scan_ms']:.2f} ms, where a "
+            f"Prometheus parse of the same text, the collector's, takes {f['prometheus_parse_ms']:.1f} ms) and the instance "
+            f"{f['instance_cpu_ms_per_sample']:.1f} ms CPU to render it: at proxy.load_interval 1 s, "
+            f"{f['proxy_cpu_percent_per_instance_at_1s']:.2f} % of one core in the proxy per instance and "
+            f"{f['instance_cpu_percent_at_1s']:.2f} % in each instance's API server.")
 
 
 # ---- the others ---------------------------------------------------------------------------------
@@ -489,6 +515,8 @@ RENDERERS: dict[str, Callable[[str], str]] = {
     "proxy-policy-cost": policy_cost,
     "affinity": affinity,
     "fleet": fleet,
+    "affinity-fake": affinity_fake,
+    "load-probe": load_probe,
     "plan": plan,
     "warmup": warmup,
     "systemd-exposure": systemd,

@@ -100,7 +100,8 @@ def test_options():
     assert (quick.sessions, quick.questions, quick.concurrency, quick.max_tokens) == (4, 3, 2, 16)
     full = bench.parse_args(["--sessions", "3"])
     assert (full.sessions, full.questions, full.concurrency, full.max_tokens) == (3, 4, 4, 32)
-    assert full.policies == ["round_robin", "least_outstanding", "prefix_affinity"] and full.seed
+    assert full.policies == ["round_robin", "least_outstanding", "prefix_affinity", "least_loaded"] and full.seed
+    assert full.few_sessions == 4 and quick.few_sessions == 2 and full.affinity_load_factor == 0.25
     for bad in (["--prefix-tokens", "2000"], ["--policies", "round_robin,random"], ["--questions", "0"]):
         result = subprocess.run([sys.executable, str(BENCH), *bad], capture_output=True, text=True, timeout=60)
         assert result.returncode == 2 and "error:" in result.stderr and "Traceback" not in result.stderr
@@ -119,9 +120,14 @@ def test_a_whole_run_against_fakes_shows_prefix_affinity_hitting_the_cache(fakes
     )
     assert result.returncode == 0, result.stderr[-3000:]
     phases = json.loads(out.read_text())
+    policies = ("round_robin", "least_outstanding", "prefix_affinity", "least_loaded")  # every policy of the schema
     assert Counter((p["workload"], p["policy"]) for p in phases) == {
-        (w, p): 1 for w in ("shared", "distinct") for p in ("round_robin", "least_outstanding", "prefix_affinity")}
+        (w, p): 1 for w in ("shared", "few", "distinct") for p in policies}
     assert all(p["requests"] == 9 and p["errors"] == 0 and p["tokens"] == 27 for p in phases)
+    # the proxy's own decisions are recorded per phase: prefix_affinity's keyed ones, least_loaded's by the engines' figures
+    decisions = {(p["workload"], p["policy"]): p["decisions"] for p in phases}
+    assert sum(decisions[("shared", "prefix_affinity")].get(k, 0) for k in ("affinity", "escaped")) == 9
+    assert sum(decisions[("shared", "least_loaded")].values()) == 9 and decisions[("shared", "round_robin")] == {}
 
     def hits(workload: str, policy: str) -> float:
         phase = next(p for p in phases if p["workload"] == workload and p["policy"] == policy)
@@ -130,7 +136,28 @@ def test_a_whole_run_against_fakes_shows_prefix_affinity_hitting_the_cache(fakes
     # prefix_affinity: one miss per session (2 of 3 questions hit); the others: more misses
     assert hits("shared", "prefix_affinity") > hits("shared", "round_robin")
     assert hits("shared", "prefix_affinity") > hits("shared", "least_outstanding")
-    assert all(hits("distinct", policy) == 0 for policy in ("round_robin", "least_outstanding", "prefix_affinity"))
+    assert all(hits("distinct", policy) == 0 for policy in policies)
     table = result.stdout
     assert "| shared | prefix_affinity | 9 | 0 |" in table and "The issue's bar" in table
-    assert "shared: TTFT p50 round_robin / prefix_affinity" in table and "i0 " in table and "i1 " in table
+    assert "few: TTFT p90 policy / round_robin (prefix_affinity)" in table and "i0 " in table and "i1 " in table
+
+
+def test_the_few_workload_splits_its_sessions_3_to_1_by_hashing(fakes):
+    """The 6 : 2 split made deliberate: the sessions' prefixes are drawn so that the proxy's own
+    hashing (unloaded) puts 3 of 4 on the first instance."""
+    from vsup.proxy.affinity import PrefixAffinity, routing_key
+    from vsup.proxy.backends import Backend
+
+    tokens = bench.Tokens(fakes[0].url, "fake-model")
+    args = type("Args", (), {"affinity_prefix_chars": 256, "api": "chat", "max_tokens": 2, "model_name": "fake-model"})()
+    urls = [fakes[0].url, fakes[1].url]
+    order, shortest = bench.few_workload(tokens, "salt", 4, 10, 80, urls, args)
+    assert len(order) == 10 and shortest >= 80 and {r.session for r in order} == {0, 1, 2, 3}
+    hasher = PrefixAffinity(256)
+    upstreams = tuple(Backend(u, u) for u in urls)
+    winners = Counter()
+    for session in range(4):
+        request = next(r for r in order if r.session == session)
+        _, body = bench.payload("chat", request, 2, "fake-model")
+        winners[hasher.choose(upstreams, {}, (), routing_key(body, {}, 256)).name] += 1
+    assert winners == {urls[0]: 3, urls[1]: 1}

@@ -164,15 +164,15 @@ def test_an_instance_out_of_the_rotation_is_forgotten(tmp_path):
 
 def test_the_choice_weighs_cached_blocks_against_load():
     events = KvEvents()
-    policy = KvAware(max_imbalance=2, events=events)
+    policy = KvAware(load_factor=0.5, events=events)  # at most ceil(1.5 x the mean), this request counted
     ready = (Backend("a", "http://a"), Backend("b", "http://b"))
     for name in ("a", "b"):
         events.indexes[name] = InstanceIndex()
     events.indexes["b"].apply(0, [stored([1, 2], A + B)])
     tokens = Tokens(A + B + C, [])
     assert policy.choose(ready, {}, (), tokens).name == "b"
-    assert policy.choose(ready, {"b": 2}, (), tokens).name == "b"  # within the imbalance
-    assert policy.choose(ready, {"b": 3}, (), tokens).name == "a"  # beyond it: the least loaded
+    assert policy.choose(ready, {"b": 2}, (), tokens).name == "b"  # 3 <= ceil(1.5 x 3/2): within the bound
+    assert policy.choose(ready, {"b": 3}, (), tokens).name == "a"  # 4 > ceil(1.5 x 4/2): the least loaded
     assert policy.choose(ready, {}, ("b",), tokens).name == "a"  # a retry goes elsewhere
     assert policy.choose(ready, {"a": 1}, (), Tokens(C, [])).name == "b"  # held nowhere: the least loaded
     assert policy.choose(ready, {"b": 1}, (), None).name == "a"  # no tokens: the least loaded

@@ -202,12 +202,15 @@ def test_a_retry_goes_to_the_keys_next_choice():
     assert balancer.choose((), {}, (), key({"prompt": "x"})) is None
 
 
-def test_the_load_escape():
-    balancer = PrefixAffinity(max_imbalance=2)
+def test_the_load_bound():
+    balancer = PrefixAffinity(load_factor=0.25)
     ready = backends(*"abc")
     text = next(t for t in TEXTS if winner(balancer, ready, t) == "a")
-    assert winner(balancer, ready, text, {"a": 5, "b": 3, "c": 4}) == "a"  # 2 more than the least: stays
-    assert winner(balancer, ready, text, {"a": 6, "b": 3, "c": 4}) == "b"  # 3 more: the least loaded
+    second = winner(balancer, backends("b", "c"), text)
+    # 12 in flight + this one: at most ceil(1.25 * 13 / 3) = 6 each; a with 5 + 1 stays within
+    assert winner(balancer, ready, text, {"a": 5, "b": 3, "c": 4}) == "a"
+    # 13 + 1: at most ceil(1.25 * 14 / 3) = 6; a with 6 + 1 is over: the key's next instance
+    assert winner(balancer, ready, text, {"a": 6, "b": 3, "c": 4}) == second
     # among equally least loaded instances, the key's higher-scored one
     tied = winner(balancer, ready, text, {"a": 9})
     assert tied == winner(balancer, backends("b", "c"), text)
@@ -215,24 +218,28 @@ def test_the_load_escape():
     balancer.set_weight("a", 4)
     heavy = next(t for t in TEXTS if winner(balancer, ready, t) == "a")
     assert winner(balancer, ready, heavy, {"a": 8, "b": 2, "c": 2}) == "a"
-    assert winner(balancer, ready, heavy, {"a": 20, "b": 2, "c": 2}) != "a"
+    # a's share of 35 (34 + 1) is 4/6: at most ceil(1.25 * 35 * 4 / 6) = 30, and 30 + 1 is over
+    assert winner(balancer, ready, heavy, {"a": 29, "b": 3, "c": 2}) == "a"
+    assert winner(balancer, ready, heavy, {"a": 30, "b": 2, "c": 2}) != "a"
 
 
 def test_decisions_are_counted_and_requests_without_a_key_go_to_the_least_loaded():
-    balancer = make_balancer("prefix_affinity", ProxyConfig(affinity_max_imbalance=0, affinity_prefix_chars=64))
-    assert isinstance(balancer, PrefixAffinity) and balancer.prefix_chars == 64 and balancer.max_imbalance == 0
+    balancer = make_balancer("prefix_affinity", ProxyConfig(affinity_load_factor=0, affinity_prefix_chars=64))
+    assert isinstance(balancer, PrefixAffinity) and balancer.prefix_chars == 64 and balancer.load_factor == 0
     ready = backends("a", "b")
     assert balancer.choose(ready, {"a": 1}, (), None).name == "b"
     assert {balancer.choose(ready, {}, (), None).name for _ in range(4)} == {"a", "b"}  # ties rotate
     text_key = key({"prompt": "hello"})
     chosen = balancer.choose(ready, {}, (), text_key).name
-    balancer.choose(ready, {chosen: 1}, (), text_key)  # max_imbalance 0: escapes
+    balancer.choose(ready, {chosen: 1}, (), text_key)  # load factor 0: at most ceil(2 / 2) = 1 each, escapes
     balancer.choose(ready, {}, (), key(None, {"X-Session-ID": "s"}))
     assert balancer.decisions == {"no_prefix": 5, "affinity": 1, "escaped": 1, "session": 1}
 
 
 @pytest.mark.parametrize("setting, message", [
-    ("affinity_max_imbalance: -1", "proxy.affinity_max_imbalance"),
+    ("affinity_load_factor: -1", "proxy.affinity_load_factor"),
+    # the key it replaced: refused, naming the new one, not run with a meaning it did not ask for
+    ("affinity_max_imbalance: 4", "proxy.affinity_max_imbalance: replaced by proxy.affinity_load_factor"),
     ("affinity_prefix_chars: 8", "proxy.affinity_prefix_chars"),
     ("affinity_prefix_chars: 2048.5", "proxy.affinity_prefix_chars"),
 ])
@@ -319,12 +326,12 @@ async def test_instances_leaving_and_returning_move_only_their_sessions(fakes):
 
 
 async def test_a_busy_instance_sheds_its_key_to_the_least_loaded(fakes):
-    async with running_proxy(ready_pool(fakes), policy="prefix_affinity", affinity_max_imbalance=1) as proxy:
+    async with running_proxy(ready_pool(fakes), policy="prefix_affinity", affinity_load_factor=0.75) as proxy:
         c = client(proxy)
         messages = [{"role": "system", "content": LONG_SYSTEM}, {"role": "user", "content": "hold on"}]
         slow = {"fake": {"token_delay": 0.2}}
         streams, names = [], []
-        for _ in range(2):  # 0 then 1 in flight on the chosen one: not more than 1 beyond the others
+        for _ in range(2):  # 0 then 1 on the chosen one: within ceil(1.75 * 1 / 3) = 1, then ceil(1.75 * 2 / 3) = 2
             raw = await c.chat.completions.with_raw_response.create(
                 model="fake-model", messages=messages, max_tokens=20, stream=True, extra_body=slow)
             names.append(raw.headers["x-fake-instance"])
@@ -333,7 +340,7 @@ async def test_a_busy_instance_sheds_its_key_to_the_least_loaded(fakes):
             streams.append(stream)
         assert names[0] == names[1]
         raw = await c.chat.completions.with_raw_response.create(model="fake-model", messages=messages, max_tokens=1)
-        assert raw.headers["x-fake-instance"] != names[0]  # 2 in flight there, 0 elsewhere: escaped
+        assert raw.headers["x-fake-instance"] != names[0]  # 2 there, 0 elsewhere: over ceil(1.75 * 3 / 3) = 2, escaped
         for stream in streams:
             await stream.close()
         text = await metrics_text(proxy)
@@ -445,8 +452,8 @@ def test_reconfigure_applies_affinity_settings_and_policy():
 
     proxy = ProxyServer(ProxyConfig(policy="prefix_affinity"), BackendPool())
     before = proxy._balancer
-    proxy.reconfigure(ProxyConfig(policy="prefix_affinity", affinity_prefix_chars=512, affinity_max_imbalance=9), None)
-    assert proxy._balancer is before and (before.prefix_chars, before.max_imbalance) == (512, 9)
+    proxy.reconfigure(ProxyConfig(policy="prefix_affinity", affinity_prefix_chars=512, affinity_load_factor=0.5), None)
+    assert proxy._balancer is before and (before.prefix_chars, before.load_factor) == (512, 0.5)
     proxy = ProxyServer(ProxyConfig(policy="round_robin"), BackendPool())
     proxy.reconfigure(ProxyConfig(policy="prefix_affinity", affinity_prefix_chars=300), None)
     assert proxy._balancer.prefix_chars == 300 and proxy.metrics.policy == "prefix_affinity"

@@ -156,7 +156,7 @@ def test_a_model_the_pool_names_before_the_config_gets_default_settings():
 def test_configure_keeps_a_models_balancer_when_its_policy_stays():
     pool, router = fleet(models={"chat": ProxyConfig(policy="prefix_affinity"), "embed": ProxyConfig()})
     chat, embed = router.balancer("chat"), router.balancer("embed")
-    router.configure(ProxyConfig(), {"chat": ProxyConfig(policy="prefix_affinity", affinity_max_imbalance=9),
+    router.configure(ProxyConfig(), {"chat": ProxyConfig(policy="prefix_affinity", affinity_load_factor=0.5),
                                      "embed": ProxyConfig(policy="least_outstanding")})
-    assert router.balancer("chat") is chat and chat.max_imbalance == 9
+    assert router.balancer("chat") is chat and chat.load_factor == 0.5
     assert router.balancer("embed") is not embed and isinstance(router.balancer("embed"), LeastOutstanding)

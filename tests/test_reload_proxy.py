@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(60)
 
 # what these tests cover; test_reload_classes.py checks it is every live proxy key but drain_timeout
 COVERED = {"proxy.connect_timeout", "proxy.first_byte_timeout", "proxy.idle_timeout", "proxy.retries", "proxy.policy",
-           "proxy.affinity_prefix_chars", "proxy.affinity_max_imbalance", "proxy.api_key", "proxy.admin_routes",
+           "proxy.affinity_prefix_chars", "proxy.affinity_load_factor", "proxy.load_interval", "proxy.api_key", "proxy.admin_routes",
            "proxy.max_header_bytes", "proxy.header_timeout", "proxy.body_timeout", "proxy.max_connections_per_client",
            *RELOAD_COVERED}  # the admission keys: tests/test_proxy_admission.py
 
@@ -226,13 +226,13 @@ async def test_affinity_settings_apply_to_the_running_balancer():
 
             winner = next(u for u in upstreams if u.hits)
             other = next(u for u in upstreams if u is not winner)
-            reconfigure(proxy, policy="prefix_affinity", affinity_prefix_chars=16, affinity_max_imbalance=0)
+            reconfigure(proxy, policy="prefix_affinity", affinity_prefix_chars=16, affinity_load_factor=0)
             held = asyncio.ensure_future(complete(proxy, session, "a shared beginning: hold"))
             while len(winner.hits) < 25:
                 await asyncio.sleep(0.01)
-            await complete(proxy, session, prompts[0])  # one in flight is beyond an imbalance of 0
+            await complete(proxy, session, prompts[0])  # one in flight is over ceil((1 + 0) x 2 / 2)
             assert len(other.hits) == 1
-            reconfigure(proxy, policy="prefix_affinity", affinity_prefix_chars=16, affinity_max_imbalance=4)
+            reconfigure(proxy, policy="prefix_affinity", affinity_prefix_chars=16, affinity_load_factor=1.0)
             await complete(proxy, session, prompts[0])
             assert len(other.hits) == 1 and len(winner.hits) == 26
             winner.release.set()

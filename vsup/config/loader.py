@@ -175,6 +175,12 @@ def _clip(text: str, limit: int = 80) -> str:
     return text if len(text) <= limit else f"{text[:limit - 3]}..."
 
 
+# Keys that were replaced, with what to write instead: refused with that line, not as unknown (an
+# old config must not run with a meaning it did not ask for).
+REPLACED = {
+    "affinity_max_imbalance": "replaced by proxy.affinity_load_factor (bounded-load hashing: no instance above ceil((1 + ε) x the mean"
+                              " load), default 0.25; docs/proxy.md): remove this key, and set that one if the default does not fit",
+}
 _UNION_MEMBERS = {"int", "float", "str"}  # what pydantic names the members of `int | float | str` unions
 
 
@@ -188,7 +194,9 @@ def describe(exc: ValidationError, root: Any, origin: str) -> str:
         key = _clip("".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or "(top level)")
         line = _line_of(root, loc)
         where = f"{origin}:{line}" if line else origin
-        if error["type"] == "extra_forbidden":
+        if error["type"] == "extra_forbidden" and loc and loc[-1] in REPLACED:
+            problems.setdefault(key, (f"{where}: {key}: {REPLACED[str(loc[-1])]}", []))
+        elif error["type"] == "extra_forbidden":
             problems.setdefault(key, (f"{where}: {key}: unknown key (check the spelling; `vsup config --example` lists every key)", []))
         elif error["type"] == "missing":
             problems.setdefault(key, (f"{where}: {key}: required key is missing", []))

@@ -9,15 +9,23 @@ requests that share a system prompt, a document or a conversation's opening meet
             otherwise the request's prefix (`prefix_text`): for chat, the leading messages up to
             and including the first user message, for completions the prompt, at most
             `prefix_chars` characters, with the model name. No key (not a JSON object, no
-            messages or prompt): the least loaded instance, as least_outstanding.
+            messages or prompt): the least loaded instance, as least_loaded.
   instance  rendezvous (highest random weight) hashing over the ready instances not yet tried:
             each scores a hash of (key, instance name) and the highest wins, so an instance that
             leaves moves only its own keys and one that joins takes only the keys it now wins. With
             weights (a front proxy over vsups) the score is -weight / ln(u), u the hash mapped to
             (0, 1): each upstream wins keys in proportion to its weight, still moving only its own.
-  escape    when the winner has more than `max_imbalance` requests in flight (per unit of weight)
-            beyond the least loaded candidate, that one gets the request instead (the highest
-            scored among equally loaded ones, so a hot key's overflow keeps going the same way).
+  bound     bounded-load consistent hashing (Mirrokni, Thorup & Zadimoghaddam 2018): an instance
+            takes the request only while its load after it stays within
+            ceil((1 + load_factor) * mean load) (the mean with this request counted; per unit of
+            weight: its share of the total), the load being least_loaded's (load.py: the engines'
+            running + waiting with this proxy's in-flight counts on top, or the in-flight counts
+            alone when a figure is missing) in whole requests (a full KV cache counts one more).
+            Otherwise the key's next instance in its own
+            rendezvous order takes it, so a hot key's overflow keeps going to the same second
+            instance (whose cache then holds it too) and different keys overflow to different
+            instances, not all onto one neighbour. Some instance is always within its bound (were
+            every one over, the loads would sum to more than they do).
 
 Why a bounded prefix of characters, not tokens or a radix tree (docs/proxy.md compares vllm-router
 and SGLang): the proxy has no tokenizer, and it keeps no per-prompt state. Requests that agree on
@@ -41,7 +49,7 @@ from hashlib import blake2b
 from typing import NamedTuple
 
 from vsup.proxy.backends import Backend
-from vsup.proxy.balancer import LeastOutstanding
+from vsup.proxy.balancer import LeastLoaded
 
 SESSION_HEADER = "X-Session-ID"
 # A token id stands for about four characters of text (the key of a prompt given as token ids).
@@ -169,24 +177,29 @@ def routing_key(document: object, headers: Mapping[str, str] | None, prefix_char
     return Key(_digest((model if isinstance(model, str) else "") + "\x00" + text), "affinity")
 
 
-class PrefixAffinity(LeastOutstanding):
-    """Rendezvous hashing of the request's prefix or session over the ready instances, with an
-    escape to the least loaded one when the chosen instance is clearly busier; no key: the least
-    loaded (LeastOutstanding, whose weights and rotation this shares)."""
+def within_bound(load: float, total: float, weight: float, weights: float, factor: float) -> bool:
+    """Whether an instance of `load` may take one more request: its load after it stays within
+    ceil((1 + factor) * (total + 1) * weight / weights), total being every candidate's load and
+    weights their weights' sum (all 1: the mean load with this request counted)."""
+    bound = math.ceil((1.0 + factor) * (total + 1.0) * weight / weights - 1e-9)  # 1e-9: 2.5000000001 is 2.5
+    return load + 1.0 <= bound + 1e-9
+
+
+class PrefixAffinity(LeastLoaded):
+    """Rendezvous hashing of the request's prefix or session over the ready instances, each within
+    its bounded load (the key's best-scored instance that is within it); no key: the least loaded
+    (LeastLoaded, whose weights, rotation and load source this shares)."""
 
     name = "prefix_affinity"
 
-    def __init__(self, prefix_chars: int = 2048, max_imbalance: int = 4) -> None:
+    def __init__(self, prefix_chars: int = 2048, load_factor: float = 0.25) -> None:
         super().__init__()
         self.prefix_chars = prefix_chars
-        self.max_imbalance = max_imbalance
+        self.load_factor = load_factor
         self._seeds: dict[str, int] = {}  # instance name -> its 64-bit hash (names are few and stable)
 
     def key(self, document: dict | None, headers: Mapping[str, str] | None) -> Key | None:
         return routing_key(document, headers, self.prefix_chars)
-
-    def _count(self, decision: str) -> None:
-        self.decisions[decision] = self.decisions.get(decision, 0) + 1
 
     def _seed(self, name: str) -> int:
         seed = self._seeds[name] = _digest("instance\x00" + name)
@@ -194,17 +207,16 @@ class PrefixAffinity(LeastOutstanding):
 
     def choose(self, ready: tuple[Backend, ...], in_flight: Mapping[str, int], tried: Collection[str] = (), key: Key | None = None) -> Backend | None:
         if key is None:
-            backend = super().choose(ready, in_flight, tried)
+            backend, _ = self._least(ready, in_flight, tried)
             if backend is not None:
                 self._count("no_prefix")
             return backend
         digest = key.digest
         weights = self._weights
         seeds = self._seeds
-        best: Backend | None = None
-        best_score = best_load = 0.0
-        least: Backend | None = None
-        least_score = least_load = 0.0
+        candidates: list[tuple[float, Backend]] = []
+        top: Backend | None = None
+        top_score = 0.0
         for backend in ready:
             name = backend.name
             if name in tried:
@@ -216,19 +228,34 @@ class PrefixAffinity(LeastOutstanding):
             x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
             score = (((x ^ (x >> 31)) >> 11) + 0.5) / 9007199254740992.0
             if weights:  # -weight / ln(u); with all weights 1 it orders the instances as u does
-                weight = weights.get(name, 1)
-                score = -weight / math.log(score)
-                load = in_flight.get(name, 0) / weight
-            else:
-                load = in_flight.get(name, 0)
-            if best is None or score > best_score:
-                best, best_score, best_load = backend, score, load
-            if least is None or load < least_load or (load == least_load and score > least_score):
-                least, least_score, least_load = backend, score, load
-        if best is None:
+                score = -weights.get(name, 1) / math.log(score)
+            candidates.append((score, backend))
+            if top is None or score > top_score:
+                top, top_score = backend, score
+        if top is None:
             return None
-        if best_load - least_load > self.max_imbalance:
-            self._count("escaped")
-            return least
-        self._count(key.kind)
+        if len(candidates) == 1:
+            self._count(key.kind)
+            return top
+        values, _ = self.loads([b.name for _, b in candidates], in_flight)
+        # the bound counts whole requests: the KV term (a fraction, a tie-break for least_loaded)
+        # counts as one request only when the cache is full
+        total = 0
+        for name, value in values.items():
+            values[name] = whole = math.floor(value)
+            total += whole
+        weight = self.weight
+        weights_sum = float(sum(weight(b.name) for _, b in candidates)) if weights else float(len(candidates))
+        factor = self.load_factor
+        if within_bound(values[top.name], total, weight(top.name), weights_sum, factor):  # the common case
+            self._count(key.kind)
+            return top
+        best: Backend | None = None
+        best_score = 0.0
+        for score, backend in candidates:
+            if (best is None or score > best_score) and within_bound(values[backend.name], total, weight(backend.name), weights_sum, factor):
+                best, best_score = backend, score
+        if best is None:  # only by rounding: the least loaded, as the bound's own argument would pick
+            best = min((b for _, b in candidates), key=lambda b: values[b.name] / weight(b.name))
+        self._count(key.kind if best is top else "escaped")
         return best

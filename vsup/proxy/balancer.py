@@ -5,6 +5,9 @@ set of instances already tried for this request (retries go to *another* instanc
 request's routing key (`key()`: None here; prefix_affinity, in affinity.py, reads the request's
 prefix or session); they return None when nothing is left.
 
+least_loaded scores each candidate by the engines' own queue and KV figures with the proxy's own
+in-flight counts on top (load.py); prefix_affinity uses that same score as its load term.
+
 Weights (`set_weight`, 1 by default) give an upstream a larger share: standalone `vsup proxy` in
 front of other vsups weights each by the instances ready behind it (healthcheck.py), so a host
 with 4 ready instances gets twice the requests of one with 2.
@@ -12,10 +15,12 @@ with 4 ready instances gets twice the requests of one with 2.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Collection, Iterator, Mapping
 from typing import Any, ClassVar, get_args
 
 from vsup.config.schema import ProxyConfig
+from vsup.proxy import load
 from vsup.proxy.backends import Backend
 
 
@@ -23,6 +28,7 @@ class _Rotation:
     """The ready instances not yet tried, starting one further along at each request."""
 
     name: ClassVar[str]  # the policy's proxy.policy value, set by each policy class
+    uses_load: ClassVar[bool] = False  # True: the server hands it a load.LoadProbe (`probe`)
 
     def __init__(self) -> None:
         self._counter = 0
@@ -97,6 +103,45 @@ class LeastOutstanding(_Rotation):
         return min(self._candidates(ready, tried), key=lambda b: in_flight.get(b.name, 0) / self.weight(b.name), default=None)
 
 
+class LeastLoaded(_Rotation):
+    """The instance with the lowest load (load.py: vLLM's running + waiting + KV usage, corrected by
+    the requests this proxy sent or saw finish since the sample; per unit of weight). Without fresh
+    figures for every candidate (no probe, a failed or stale scrape), their in-flight counts, as
+    least_outstanding. Ties rotate."""
+
+    name = "least_loaded"
+    uses_load = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.probe: load.LoadProbe | None = None
+
+    def _count(self, decision: str) -> None:
+        self.decisions[decision] = self.decisions.get(decision, 0) + 1
+
+    def loads(self, names: list[str], in_flight: Mapping[str, int]) -> tuple[dict[str, float], bool]:
+        """Each named instance's load (not per weight), and whether from the engines' figures."""
+        probe = self.probe
+        if probe is None:
+            return {n: float(in_flight.get(n, 0)) for n in names}, False
+        return load.loads(names, probe.samples, in_flight, time.monotonic(), probe.max_age)
+
+    def _least(self, ready: tuple[Backend, ...], in_flight: Mapping[str, int], tried: Collection[str]) -> tuple[Backend | None, bool]:
+        candidates = list(self._candidates(ready, tried))
+        if not candidates:
+            return None, False
+        values, engine = self.loads([b.name for b in candidates], in_flight)
+        weight = self.weight
+        # min keeps the first of equals: the rotation's, so equal loads still spread
+        return min(candidates, key=lambda b: values[b.name] / weight(b.name)), engine
+
+    def choose(self, ready: tuple[Backend, ...], in_flight: Mapping[str, int], tried: Collection[str] = (), key: Any = None) -> Backend | None:
+        backend, engine = self._least(ready, in_flight, tried)
+        if backend is not None:
+            self._count("engine_load" if engine else "in_flight")
+        return backend
+
+
 POLICIES: tuple[str, ...] = get_args(ProxyConfig.model_fields["policy"].annotation)  # config.py lists them
 
 
@@ -108,16 +153,18 @@ def make_balancer(policy: str, config: ProxyConfig | None = None, pool: Any = No
         return RoundRobin()
     if policy == LeastOutstanding.name:
         return LeastOutstanding()
+    if policy == LeastLoaded.name:
+        return LeastLoaded()
     if policy == "prefix_affinity":
-        from vsup.proxy.affinity import PrefixAffinity  # builds on LeastOutstanding
+        from vsup.proxy.affinity import PrefixAffinity  # builds on LeastLoaded
 
         config = config or ProxyConfig()
-        return PrefixAffinity(config.affinity_prefix_chars, config.affinity_max_imbalance)
+        return PrefixAffinity(config.affinity_prefix_chars, config.affinity_load_factor)
     if policy == "kv_aware":
         from vsup.proxy.kv_aware import KvAware  # pyzmq, and a thread, only when chosen
 
         config = config or ProxyConfig()
-        balancer = KvAware(config.affinity_max_imbalance)
+        balancer = KvAware(config.affinity_load_factor)
         if pool is not None:
             balancer.attach(pool, model)
         return balancer

@@ -13,8 +13,9 @@ tokens (a /tokenize that fails or is slow, an image in the messages, a batch of 
 routed by load alone, as least_outstanding.
 
 Against hot spots and "death spirals" (cache-aware routing piling misses onto a loaded worker):
-only instances whose load is within `affinity_max_imbalance` of the least loaded one are
-candidates; among them the longest cached prefix wins, ties go to the less loaded. A miss
+only instances whose load after the request stays within the bound of prefix_affinity's
+bounded-load hashing, ceil((1 + `affinity_load_factor`) x the mean load), are candidates (the
+least loaded always is); among them the longest cached prefix wins, ties go to the less loaded. A miss
 everywhere is placed by load alone. The load of an instance is `load(name, in_flight)`: the
 proxy's requests in flight by default — the seam for a score from the engines' metrics.
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
@@ -95,9 +97,9 @@ def tokenize_body(document: dict | None) -> dict | list[int] | None:
 class KvAware(LeastOutstanding):
     name = "kv_aware"
 
-    def __init__(self, max_imbalance: int = 4, events: KvEvents | None = None) -> None:
+    def __init__(self, load_factor: float = 0.25, events: KvEvents | None = None) -> None:
         super().__init__()
-        self.max_imbalance = max_imbalance
+        self.load_factor = load_factor
         self.events = events or KvEvents()
         self.load: Callable[[str, Mapping[str, int]], float] = in_flight_load
         self.decisions = {"hit": 0, "miss": 0, "escaped": 0, "no_tokens": 0}
@@ -192,8 +194,9 @@ class KvAware(LeastOutstanding):
         for b in candidates:
             size = events.block_size(b.name)
             held[b.name] = events.matched(b.name, key.keys(size)) if size else 0
-        floor = load[least.name]
-        eligible = [b for b in candidates if load[b.name] <= floor + self.max_imbalance]
+        # the bounded-load rule (affinity.py): no instance above ceil((1 + ε) x the mean), this request counted
+        cap = math.ceil((1 + self.load_factor) * (sum(load.values()) + 1) / len(candidates))
+        eligible = [b for b in candidates if load[b.name] + 1 <= cap] or [least]
         best = max(eligible, key=lambda b: (held[b.name], -load[b.name]))  # max keeps the first of equals
         top = max(held.values())
         if top > held[best.name]:

@@ -30,7 +30,7 @@ from vsup.config.schema import ProxyConfig
 from vsup.proxy import errors
 from vsup.proxy.affinity import PrefixAffinity
 from vsup.proxy.backends import Backend, BackendPool
-from vsup.proxy.balancer import make_balancer
+from vsup.proxy.balancer import LeastLoaded, make_balancer
 
 # Longest client-given model name quoted back in an error (it is client data).
 SHOWN_CHARS = 100
@@ -62,7 +62,8 @@ class ModelRouter:
         self.pool = pool
         self.default = default  # the balancer settings of a model the pool names but `models` does not
         self.configs: dict[str, ProxyConfig] = dict(models)
-        self.balancers = {name: make_balancer(config.policy, config, pool, name) for name, config in self.configs.items()}
+        self.probe: Any = None  # the server's load.LoadProbe, handed to each balancer that scores by load
+        self.balancers = {name: self._make(config, name) for name, config in self.configs.items()}
         self.learned: dict[str, frozenset[str]] = {}  # backend name -> the ids its /v1/models listed
         self.learning: dict[str, asyncio.Task] = {}  # backend name -> its fetch in progress (server.py)
         self.refused: dict[tuple[str, str], int] = {}  # (model, reason) -> requests refused (/metrics)
@@ -78,12 +79,12 @@ class ModelRouter:
         for name, config in models.items():
             balancer = self.balancers.get(name)
             if balancer is None or balancer.name != config.policy:
-                balancer = make_balancer(config.policy, config, self.pool, name)
+                balancer = self._make(config, name)
             elif isinstance(balancer, PrefixAffinity):  # the same policy: its counts kept
                 balancer.prefix_chars = config.affinity_prefix_chars
-                balancer.max_imbalance = config.affinity_max_imbalance
+                balancer.load_factor = config.affinity_load_factor
             elif balancer.name == "kv_aware":  # its index kept (kv_aware.py: imported only when chosen)
-                balancer.max_imbalance = config.affinity_max_imbalance  # type: ignore[attr-defined]
+                balancer.load_factor = config.affinity_load_factor
             balancers[name] = balancer
         kept = {id(b) for b in balancers.values()}
         for old in self.balancers.values():  # kv_aware's subscriber thread stops with its balancer
@@ -91,6 +92,12 @@ class ModelRouter:
                 old.close()
         self.default, self.configs, self.balancers = default, dict(models), balancers
         self._version = -1
+
+    def _make(self, config: ProxyConfig, model: str | None = None) -> Any:
+        balancer = make_balancer(config.policy, config, self.pool, model)
+        if isinstance(balancer, LeastLoaded):
+            balancer.probe = self.probe
+        return balancer
 
     def learn(self, backend: str, ids: Iterable[str]) -> None:
         """What `backend`'s /v1/models listed (its base names and adapters)."""
@@ -182,7 +189,7 @@ class ModelRouter:
         balancer_of = dict(self.balancers)
         for backend in backends:  # a model the pool names before a reload told us its settings
             if backend.model and backend.model not in balancer_of:
-                balancer_of[backend.model] = self.balancers[backend.model] = make_balancer(self.default.policy, self.default, pool, backend.model)
+                balancer_of[backend.model] = self.balancers[backend.model] = self._make(self.default, backend.model)
         table: dict[str, list[Backend]] = {name: [] for name in balancer_of}
         for backend in backends:  # a learned name uses the balancer of the model it runs on
             own = balancer_of.get(backend.model)

@@ -32,6 +32,7 @@ from vsup.proxy.errors import RETRY_AFTER_SECONDS
 from vsup.proxy.forward import Forwarder
 from vsup.proxy.gate import Gate, refit
 from vsup.proxy.health import PROXY_HEADER
+from vsup.proxy.load import LoadProbe
 from vsup.proxy.metrics import CONTENT_TYPE, ProxyMetrics
 from vsup.proxy.models import merged_models, models_of
 from vsup.proxy.routing import ModelRouter
@@ -84,6 +85,8 @@ class ProxyServer:
         self._router: ModelRouter | None = None
         self._model_configs = models
         self._gate: Gate | None = None  # priorities, rate limits, admission: built in start() when configured
+        self._probe: LoadProbe | None = None  # the engines' load figures (load.py), while a policy uses them
+        self._probe_task: asyncio.Task[None] | None = None
         self._set_models(config, models)
         self._own: dict[str, Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]] = {
             "/health": self._health, "/ready": self._ready, "/metrics": self._metrics,
@@ -118,6 +121,8 @@ class ProxyServer:
         )
         self._forwarder.router = self._router
         self._set_gate(config, self._model_configs)
+        self._probe = LoadProbe(self.pool.ready, self._forwarder.in_flight, self._session, config.load_interval)
+        self._wire_load()
         if self._router is not None:
             for backend in self.pool.ready():
                 self._learn(backend)
@@ -192,6 +197,26 @@ class ProxyServer:
     def queues(self) -> dict[str, dict]:
         """The admission queues by model (vsup status): waiting by priority, the oldest wait, waits so far."""
         return self._gate.status() if self._gate is not None else {}
+    def _balancers(self) -> list:
+        return [self._balancer, *(self._router.balancers.values() if self._router is not None else ())]
+
+    def _wire_load(self) -> None:
+        """Hand the load probe to every balancer that scores by load, and sample only while one does."""
+        probe = self._probe
+        if probe is None:  # not started yet: start() wires it
+            return
+        probe.interval = self.config.load_interval
+        users = [b for b in self._balancers() if b.uses_load]
+        for balancer in users:
+            balancer.probe = probe
+        if self._router is not None:
+            self._router.probe = probe
+        if users and self._probe_task is None:
+            self._probe_task = asyncio.get_running_loop().create_task(probe.run(), name="proxy-load")
+        elif not users and self._probe_task is not None:
+            self._probe_task.cancel()
+            self._probe_task = None
+            probe.samples.clear()
 
     def _learn(self, backend: Backend) -> None:
         """Fetch what `backend` serves (its /v1/models: base names and adapters) for routing; a
@@ -247,13 +272,14 @@ class ProxyServer:
             self.metrics.policy, self.metrics.policy_decisions = self._balancer.name, self._balancer.decisions
         elif isinstance(self._balancer, PrefixAffinity):  # same policy, its counts kept
             self._balancer.prefix_chars = config.affinity_prefix_chars
-            self._balancer.max_imbalance = config.affinity_max_imbalance
+            self._balancer.load_factor = config.affinity_load_factor
         if models is not None:
             self._set_models(config, models)
             self._model_configs = models
         elif self._router is not None:
             self._router.default = config
         self._set_gate(config, self._model_configs)
+        self._wire_load()
         if self._client is not None:
             self._client.set_connect_timeout(config.connect_timeout)
         if self._clients is not None:
@@ -323,6 +349,10 @@ class ProxyServer:
         await self.drain_and_stop(0)
 
     async def _close(self) -> None:
+        if self._probe_task is not None:
+            self._probe_task.cancel()
+            await asyncio.gather(self._probe_task, return_exceptions=True)
+            self._probe_task = None
         if self._router is not None:
             for task in list(self._router.learning.values()):
                 task.cancel()
