@@ -78,12 +78,14 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 from result import Recorder  # noqa: E402  (bench/result.py: docs/bench/<name>.json)
 from vllm_bench import VSUP, Layout, add_model_options, free_port, free_ports, resolve_model, stream_once  # noqa: E402
 
-# Every policy the schema lists, in its order (a later one, e.g. kv_aware, joins by itself).
+# Every policy the schema lists, in its order, but kv_aware (below).
 from vsup.config.schema import ProxyConfig  # noqa: E402
 from vsup.proxy.affinity import PrefixAffinity, routing_key  # noqa: E402
 from vsup.proxy.backends import Backend  # noqa: E402
 
-POLICIES: tuple[str, ...] = tuple(get_args(ProxyConfig.model_fields["policy"].annotation))
+# kv_aware needs each instance's KV-events socket, which only `vsup run`'s own proxy subscribes to,
+# not the standalone proxy each policy gets here: bench/kv_bench.py measures it (against an oracle).
+POLICIES: tuple[str, ...] = tuple(p for p in get_args(ProxyConfig.model_fields["policy"].annotation) if p != "kv_aware")
 # What a policy needs besides proxy.policy: {"proxy": {key: value}, "vllm_args": [...]}; kv_aware's
 # owner fills its entry (the events publisher on each instance, the proxy's subscription).
 POLICY_HOOKS: dict[str, dict] = {}

@@ -153,8 +153,8 @@ def test_the_cli_writes_the_fleet_and_the_front_config_loads(tmp_path):
 def test_a_model_whose_instances_span_nodes_is_named_by_its_key(tmp_path):
     root = build_sysfs(tmp_path / "m", nodes=(8, 8, 8, 8), smt=2, packages=2, node_memory=64 * GIB)
     path = tmp_path / "fleet.yaml"
-    # chat: 1 instance over the 2 nodes it is given
-    path.write_text(FLEET.replace("instances: 2", "instances: 1", 1))
+    # chat: 1 instance of 12 cores, more than a node of 8 holds: it spans the 2 nodes it is given
+    path.write_text(FLEET.replace("instances: 2", "instances: 1", 1).replace("nodes: [0, 1]}", "nodes: [0, 1], cores_per_instance: 12}", 1))
     result = vsup("export", "kubernetes", "--config", str(path), "--fsroot", str(root))
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert result.stderr.startswith("vsup: error: models[0].instances: instance 0 spans NUMA nodes 0,1"), result.stderr
