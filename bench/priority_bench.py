@@ -212,7 +212,8 @@ def main() -> None:
     parser.add_argument("--seq-cost", type=float, default=0.1, help="fake: FAKE_VLLM_SEQ_COST")
     parser.add_argument("--prefill-delay", type=float, default=0.002, help="fake: FAKE_VLLM_PREFILL_DELAY")
     parser.add_argument("--quick", action="store_true", help="12 s per scenario")
-    parser.add_argument("--out", type=Path, default=None, help="folder for the result file [docs/bench]")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="the result file (a name ending in .json) or its folder [docs/bench/priority_bench.json]")
     args = parser.parse_args()
     if args.quick:
         args.duration = 12.0
@@ -242,7 +243,10 @@ def main() -> None:
     if not args.upstream:
         figures["settings"].pop("model")
     print(json.dumps(figures, indent=2))
-    recorder.write(figures, args.out)
+    if args.out is not None and args.out.suffix == ".json":  # a file of its own, e.g. a real-vLLM run beside the fake's
+        recorder.write(figures, args.out.parent, args.out.name)
+    else:
+        recorder.write(figures, args.out)
 
 
 if __name__ == "__main__":

@@ -445,11 +445,11 @@ def flood(link: str) -> str:
     return f"{table}\n\n{conditions(data, link)}"
 
 
-def priority(link: str) -> str:
+def priority(link: str, file: str = "priority_bench.json") -> str:
     def ms(seconds: float) -> str:
         return f"{seconds * 1000:.0f} ms" if seconds < 1 else fmt_s(seconds)
 
-    data = with_file("priority_bench.json")
+    data = with_file(file)
     f = data["figures"]
     sc, ratio, st = f["scenarios"], f["ttft_p50_ratio_to_unloaded"], f["settings"]
     names = {"unloaded": "unloaded (the chat alone)", "none": "batch, no admission",
@@ -459,9 +459,10 @@ def priority(link: str) -> str:
         f"| {names[name]} | {ms(r['ttft_p50_s'])} | {ms(r['ttft_p90_s'])} | "
         f"{'-' if name == 'unloaded' else format(ratio[name], '.2f') + 'x'} | {r['batch_completions_per_s']:.2f} | "
         f"{r['batch_tokens_per_s']:.0f} |" for name, r in sc.items())
-    backend = "fake vLLM instances (tests/fakevllm: its batched engine model)" if f["backend"] == "fake" else "vLLM"
+    backend = (f"{st['instances']} fake vLLM instances (tests/fakevllm: its batched engine model)" if f["backend"] == "fake"
+               else f"{st['instances']} real vLLM CPU instances of {st['model']}")
     goal = f["goal"]
-    return (f"{st['instances'] if f['backend'] == 'fake' else 'The'} {backend}, --max-num-seqs {st['max_num_seqs']}; one "
+    return (f"{backend}, --max-num-seqs {st['max_num_seqs']}; one "
             f"interactive chat client ({st['chat_tokens']} tokens, streamed) behind {st['batch']} batch clients "
             f"(summarization: {st['batch_words']}-word prompts, {st['batch_tokens']} tokens), {st['duration']:g} s per row:\n\n"
             "| scenario | chat TTFT p50 | p90 | p50 / unloaded | batch done/s | batch tok/s |\n|---|---|---|---|---|---|\n"
@@ -524,6 +525,7 @@ RENDERERS: dict[str, Callable[[str], str]] = {
     "metrics-cap": metrics_cap,
     "flood": flood,
     "priority": priority,
+    "priority-vllm": lambda link: priority(link, "priority_bench-vllm.json"),
 }
 
 
