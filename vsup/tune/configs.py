@@ -10,6 +10,7 @@ from typing import Any
 
 import yaml
 
+from vsup.config.admission import flag_int
 from vsup.tune.candidates import KV_MAX, PRELOAD_SETS, Candidate
 
 FLAGS = {"max_num_seqs": "--max-num-seqs", "max_num_batched_tokens": "--max-num-batched-tokens"}
@@ -17,16 +18,7 @@ FLAGS = {"max_num_seqs": "--max-num-seqs", "max_num_batched_tokens": "--max-num-
 
 def flag_value(args: Sequence[str], flag: str) -> int | None:
     """The value of `--flag N` or `--flag=N` in vLLM's args (the last one wins, as in argparse)."""
-    value = None
-    for i, arg in enumerate(args):
-        if arg == flag and i + 1 < len(args):
-            value = args[i + 1]
-        elif arg.startswith(flag + "="):
-            value = arg.split("=", 1)[1]
-    try:
-        return int(value) if value is not None else None
-    except ValueError:
-        return None
+    return flag_int(args, flag)
 
 
 def _without_flag(args: Sequence[str], flag: str) -> list[str]:
