@@ -90,14 +90,13 @@ def plan_fleet(machine: Machine, models: Sequence[FleetModel], keep: Mapping[str
     model added, removed or resized beside them never moves them. When what is left cannot hold
     the others, the kept models sized by what others leave (no share, no cores_per_instance) are
     planned anew (a reload replaces them one instance at a time), then every model."""
-    if not keep:
-        return _plan_fleet(machine, models, {})
+    keep = dict(keep or {})
     fixed = {name: kept for name, kept in keep.items()
              if any(m.name == name and (m.share is not None or m.settings.cores_per_instance) for m in models)}
-    tries = [dict(keep), fixed] if fixed != keep else [dict(keep)]
-    for kept in tries:
+    tries = [held for i, held in enumerate((keep, fixed)) if held and held not in (keep, fixed)[:i]]
+    for held in tries:  # each distinct non-empty keep once; the plan from scratch last, its error the answer
         try:
-            return _plan_fleet(machine, models, kept)
+            return _plan_fleet(machine, models, held)
         except (ModelPlanError, ModelSettingError):
             continue
     return _plan_fleet(machine, models, {})
