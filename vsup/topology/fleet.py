@@ -33,6 +33,7 @@ from vsup.topology.fleet_memory import ModelPlanError, ModelSettingError, plan_m
 from vsup.topology.model import Core, Machine
 from vsup.topology.plan_model import (
     FleetModel,
+    GiB,
     InstancePlan,
     Kept,
     ModelShare,
@@ -46,7 +47,6 @@ from vsup.topology.planner import _check_settings, plan
 
 __all__ = ["Kept", "ModelPlanError", "ModelSettingError", "kept_of", "merge", "plan_fleet", "renumber", "restricted"]
 
-GiB = 1024**3
 
 # The reserve probe's instances: tiny, so that only cores decide where the reserve goes.
 _PROBE = PlanSettings(model_size_bytes=1, kvcache_gib=1 / 1024, overhead_bytes=0, memory_reserve_bytes=0, launcher="none")
