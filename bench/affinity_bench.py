@@ -550,7 +550,7 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--affinity-prefix-chars", type=int, default=2048)
     parser.add_argument("--affinity-load-factor", type=float, default=0.25, help="proxy.affinity_load_factor (default 0.25)")
     parser.add_argument("--load-interval", type=float, default=1.0, help="proxy.load_interval (default 1.0)")
-    parser.add_argument("--few-sessions", type=int, default=None, help="sessions of the few workload (default 4; --quick 2)")
+    parser.add_argument("--few-sessions", type=int, default=None, help="sessions of the few workload (default 8, split 6 : 2 as in issue 22; --quick 2)")
     parser.add_argument("--fake", action="store_true", help="start --instances fake vLLMs (tests/fakevllm: prefix cache, "
                         "prefill delay) instead of vLLM; see --fake-prefill-delay")
     parser.add_argument("--fake-prefill-delay", type=float, default=0.004, help="--fake: seconds per uncached prompt word (default 0.004)")
@@ -574,7 +574,7 @@ def parse_args(argv: list[str] | None):
     args = parser.parse_args(argv)
     args.seed = args.seed or random.Random().randbytes(4).hex()
     quick = {"sessions": 4, "questions": 3, "concurrency": 2, "max_tokens": 16, "few_sessions": 2}
-    full = {"sessions": 8, "questions": 4, "concurrency": 4, "max_tokens": 32, "few_sessions": 4}
+    full = {"sessions": 8, "questions": 4, "concurrency": 4, "max_tokens": 32, "few_sessions": 8}
     for key, value in (quick if args.quick else full).items():
         if getattr(args, key) is None:
             setattr(args, key, value)

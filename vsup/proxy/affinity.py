@@ -10,25 +10,30 @@ requests that share a system prompt, a document or a conversation's opening meet
             and including the first user message, for completions the prompt, at most
             `prefix_chars` characters, with the model name. No key (not a JSON object, no
             messages or prompt): the least loaded instance, as least_loaded.
-  instance  rendezvous (highest random weight) hashing over the ready instances not yet tried:
-            each scores a hash of (key, instance name) and the highest wins, so an instance that
-            leaves moves only its own keys and one that joins takes only the keys it now wins. With
-            weights (a front proxy over vsups) the score is -weight / ln(u), u the hash mapped to
-            (0, 1): each upstream wins keys in proportion to its weight, still moving only its own.
+  instance  a key the proxy has placed goes back to the instance it placed it on: that
+            instance's cache holds its prefix. A key new to the proxy (or one whose instance left
+            the ready set, or failed this request) is cached nowhere, so any instance costs the
+            same prefill: the least loaded takes it and keeps it (placed, an LRU of PLACED_MAX
+            keys). Ties go to the key's best rendezvous (highest random weight) score: each
+            instance scores a hash of (key, instance name), so at rest, and for proxies that
+            restart or run side by side, placement is rendezvous hashing. An instance that leaves
+            moves only its own keys (placed again by load); one that joins takes new keys only,
+            nothing that is cached elsewhere. With weights (a front proxy over vsups) the score is
+            -weight / ln(u), u the hash mapped to (0, 1), and the load is per unit of weight.
   bound     bounded-load consistent hashing (Mirrokni, Thorup & Zadimoghaddam 2018): an instance
             takes the request only while its load after it stays within
             ceil((1 + load_factor) * mean load) (the mean with this request counted; per unit of
             weight: its share of the total), the load being least_loaded's (load.py: the engines'
             running + waiting with this proxy's in-flight counts on top, or the in-flight counts
             alone when a figure is missing) in whole requests (a full KV cache counts one more).
-            Otherwise the key's next instance in its own
-            rendezvous order takes it, so a hot key's overflow keeps going to the same second
+            Otherwise the key's best-scored instance within its bound takes it (the key stays
+            placed where it was), so a hot key's overflow keeps going to the same second
             instance (whose cache then holds it too) and different keys overflow to different
             instances, not all onto one neighbour. Some instance is always within its bound (were
             every one over, the loads would sum to more than they do).
 
 Why a bounded prefix of characters, not tokens or a radix tree (docs/proxy.md compares vllm-router
-and SGLang): the proxy has no tokenizer, and it keeps no per-prompt state. Requests that agree on
+and SGLang): the proxy has no tokenizer, and it keeps one small entry per key, not a tree of texts. Requests that agree on
 their first `prefix_chars` characters (2048 by default, roughly 400-600 tokens: 3-4 of the CPU
 backend's 128-token blocks) share an instance; a prefix shared for less than that (a one-line
 system prompt) saves little prefill (nothing under one block) and must not pull every
@@ -37,13 +42,13 @@ same for every later turn of that conversation, whose whole history is then cach
 
 Cheap on purpose: the forwarder has parsed the body already (it validates every JSON body), so
 the key costs a few dict lookups, a bounded string join and one 8-byte BLAKE2b (stable across
-processes and restarts, unlike hash(): two front proxies, or a restarted one, route alike); each
-candidate then costs one 64-bit mix.
+processes and restarts, unlike hash(): two front proxies, or a restarted one, route alike at rest), one lookup in the placement table; each candidate then costs one 64-bit mix.
 """
 
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Collection, Mapping
 from hashlib import blake2b
 from typing import NamedTuple
@@ -54,6 +59,11 @@ from vsup.proxy.balancer import LeastLoaded
 SESSION_HEADER = "X-Session-ID"
 # A token id stands for about four characters of text (the key of a prompt given as token ids).
 CHARS_PER_TOKEN = 4
+
+# Keys the proxy remembers the instance of (per balancer: per model), least recently used out first:
+# about 125 bytes each, so at most ~4 MB; far more prefixes than CPU instances cache (a few dozen
+# long prompts each). A key that falls out is placed again as if new: one extra prefill at most.
+PLACED_MAX = 32768
 
 _MASK = (1 << 64) - 1
 _SEPARATOR = "\x1e"  # between messages; role and text are joined by \x1f, content parts by \x1d
@@ -186,24 +196,39 @@ def within_bound(load: float, total: float, weight: float, weights: float, facto
 
 
 class PrefixAffinity(LeastLoaded):
-    """Rendezvous hashing of the request's prefix or session over the ready instances, each within
-    its bounded load (the key's best-scored instance that is within it); no key: the least loaded
-    (LeastLoaded, whose weights, rotation and load source this shares)."""
+    """A key the proxy has placed goes back to its instance while that one is within its bounded
+    load (else to the key's best-scored instance within it); a key new to the proxy, or whose
+    instance is gone, goes to the least loaded instance (ties: the key's best-scored) and is
+    remembered there; no key: the least loaded (LeastLoaded, whose weights, rotation and load
+    source this shares)."""
 
     name = "prefix_affinity"
 
-    def __init__(self, prefix_chars: int = 2048, load_factor: float = 0.25) -> None:
+    def __init__(self, prefix_chars: int = 2048, load_factor: float = 0.25, placed_max: int = PLACED_MAX) -> None:
         super().__init__()
         self.prefix_chars = prefix_chars
         self.load_factor = load_factor
         self._seeds: dict[str, int] = {}  # instance name -> its 64-bit hash (names are few and stable)
+        self._placed: OrderedDict[int, str] = OrderedDict()  # key digest -> instance, least recent first
+        self._placed_max = placed_max
 
     def key(self, document: dict | None, headers: Mapping[str, str] | None) -> Key | None:
         return routing_key(document, headers, self.prefix_chars)
 
+    def placed(self, key: Key) -> str | None:
+        """The instance `key` was placed on, if the proxy still remembers it."""
+        return self._placed.get(key.digest)
+
     def _seed(self, name: str) -> int:
         seed = self._seeds[name] = _digest("instance\x00" + name)
         return seed
+
+    def _place(self, digest: int, name: str) -> None:
+        placed = self._placed
+        placed[digest] = name
+        placed.move_to_end(digest)
+        if len(placed) > self._placed_max:
+            placed.popitem(last=False)
 
     def choose(self, ready: tuple[Backend, ...], in_flight: Mapping[str, int], tried: Collection[str] = (), key: Key | None = None) -> Backend | None:
         if key is None:
@@ -214,6 +239,8 @@ class PrefixAffinity(LeastLoaded):
         digest = key.digest
         weights = self._weights
         seeds = self._seeds
+        home_name = self._placed.get(digest)
+        home: Backend | None = None
         candidates: list[tuple[float, Backend]] = []
         top: Backend | None = None
         top_score = 0.0
@@ -232,10 +259,17 @@ class PrefixAffinity(LeastLoaded):
             candidates.append((score, backend))
             if top is None or score > top_score:
                 top, top_score = backend, score
+            if name == home_name:
+                home = backend
         if top is None:
             return None
         if len(candidates) == 1:
-            self._count(key.kind)
+            if home is None:
+                self._place(digest, top.name)
+                self._count("placed")
+            else:
+                self._placed.move_to_end(digest)
+                self._count(key.kind)
             return top
         values, _ = self.loads([b.name for _, b in candidates], in_flight)
         # the bound counts whole requests: the KV term (a fraction, a tie-break for least_loaded)
@@ -245,17 +279,29 @@ class PrefixAffinity(LeastLoaded):
             values[name] = whole = math.floor(value)
             total += whole
         weight = self.weight
+        if home is None:
+            # Nowhere cached yet (or its instance left, or failed this request): any instance
+            # costs the same prefill, so the least loaded takes it, and keeps it. Placing new keys
+            # by their hash instead lets chance pile them up (8 keys on 2 instances hash 6 : 2 one
+            # time in 4); equal loads fall back to the hash, so at rest this is rendezvous hashing.
+            best = min(candidates, key=lambda c: (values[c[1].name] / weight(c[1].name), -c[0]))[1]
+            self._place(digest, best.name)
+            self._count("placed")
+            return best
         weights_sum = float(sum(weight(b.name) for _, b in candidates)) if weights else float(len(candidates))
         factor = self.load_factor
-        if within_bound(values[top.name], total, weight(top.name), weights_sum, factor):  # the common case
+        if within_bound(values[home.name], total, weight(home.name), weights_sum, factor):  # the common case
+            self._placed.move_to_end(digest)
             self._count(key.kind)
-            return top
-        best: Backend | None = None
+            return home
+        # Over its bound: the key's best-scored instance within it takes this request, and the key
+        # stays placed where its cache is.
+        best = None
         best_score = 0.0
         for score, backend in candidates:
             if (best is None or score > best_score) and within_bound(values[backend.name], total, weight(backend.name), weights_sum, factor):
                 best, best_score = backend, score
         if best is None:  # only by rounding: the least loaded, as the bound's own argument would pick
             best = min((b for _, b in candidates), key=lambda b: values[b.name] / weight(b.name))
-        self._count(key.kind if best is top else "escaped")
+        self._count("escaped")
         return best
