@@ -21,9 +21,9 @@ Workloads, measured per policy, the policies in turn (--rounds repeats the seque
             sessions in a seeded shuffled order (a fixed order would let round robin's alternation
             line up with the sessions and look like affinity). Chat: the prefix is the system
             prompt (--api completions: the prompt's start).
-  few       the same number of requests from fewer sessions (--few-sessions, default 4), chosen so
-            that plain rendezvous hashing puts 3 of 4 of them on one instance: the 6 : 2 split of
-            issue 22 made deliberate (the bench computes each prefix's unloaded winner with the
+  few       the same number of requests from --few-sessions sessions (default 8, as many as shared),
+            chosen so that plain rendezvous hashing puts 3 of 4 of them on one instance: the 6 : 2
+            split of issue 22 made deliberate (the bench computes each prefix's unloaded winner with the
             proxy's own hashing over the upstreams' names), where a load escape must act.
   distinct  S x Q requests, each its own prompt of --distinct-tokens tokens: nothing to share, so
             prefix_affinity can only lose (its hashing spreads worse than a rotation).
@@ -336,7 +336,7 @@ def start_instances(args, layout: Layout, workdir: Path) -> list[str]:
         "vllm": {"venv": str(args.venv), "listen": "tcp", "base_port": base, "env": {"HF_HUB_OFFLINE": "1"},
                  "args": ["--dtype", "float32", "--enforce-eager", "--max-model-len", str(args.max_model_len),
                           "--max-num-seqs", str(max(args.concurrency, 8)), "--enable-prefix-caching",
-                          *[a for p in args.policies for a in POLICY_HOOKS.get(p, {}).get("vllm_args", [])]]},
+                          *[a for p in args.policies for a in POLICY_HOOKS.get(split_policy(p, 0)[0], {}).get("vllm_args", [])]]},
         "proxy": {"port": port},
         "health": {"startup_timeout": args.startup_timeout},
         "start": {"mode": "parallel"},
@@ -378,21 +378,29 @@ def start_fakes(args, layout: Layout) -> list[str]:
     return urls
 
 
+def split_policy(entry: str, default_factor: float) -> tuple[str, float]:
+    """A --policies entry: POLICY, or POLICY@EPSILON (that policy with its own
+    proxy.affinity_load_factor, e.g. prefix_affinity@1 beside prefix_affinity in the same run)."""
+    policy, _, factor = entry.partition("@")
+    return policy, float(factor) if factor else default_factor
+
+
 def start_proxies(args, layout: Layout, workdir: Path, instances: list[str]) -> dict[str, str]:
-    """One `vsup proxy --policy P` per policy, in front of the same instances."""
+    """One `vsup proxy --policy P` per --policies entry, in front of the same instances."""
     urls = {}
-    for policy in args.policies:
+    for n, entry in enumerate(args.policies):
+        policy, factor = split_policy(entry, args.affinity_load_factor)
         port = free_port()
-        config = workdir / f"proxy-{policy}.yaml"
+        config = workdir / f"proxy-{n}-{policy}.yaml"
         config.write_text(yaml.safe_dump({
-            "proxy": {"affinity_prefix_chars": args.affinity_prefix_chars, "affinity_load_factor": args.affinity_load_factor,
+            "proxy": {"affinity_prefix_chars": args.affinity_prefix_chars, "affinity_load_factor": factor,
                       "load_interval": args.load_interval, "first_byte_timeout": 900.0, "idle_timeout": 900.0,
                       **POLICY_HOOKS.get(policy, {}).get("proxy", {})},
             "health": {"interval": 1.0, "timeout": 5.0},
         }))
         layout.spawn([VSUP, "proxy", "--port", str(port), "--policy", policy, "--config", str(config),
-                      *[a for url in instances for a in ("--upstream", url)]], f"proxy-{policy}")
-        urls[policy] = f"http://127.0.0.1:{port}"
+                      *[a for url in instances for a in ("--upstream", url)]], f"proxy-{n}-{policy}")
+        urls[entry] = f"http://127.0.0.1:{port}"
     for url in urls.values():
         layout.wait_ready(url, len(instances), 60)
     return urls
@@ -546,7 +554,8 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--max-tokens", type=int, default=None, help="tokens per answer (default 32; --quick 16)")
     parser.add_argument("--rounds", type=int, default=1, help="repeat all phases, policies in turn each round")
     parser.add_argument("--api", choices=("chat", "completions"), default="chat")
-    parser.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated, in this order (default: all: {','.join(POLICIES)})")
+    parser.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated, in this order (default: all: "
+                        f"{','.join(POLICIES)}); prefix_affinity@1: prefix_affinity with affinity_load_factor 1, beside the others")
     parser.add_argument("--affinity-prefix-chars", type=int, default=2048)
     parser.add_argument("--affinity-load-factor", type=float, default=0.25, help="proxy.affinity_load_factor (default 0.25)")
     parser.add_argument("--load-interval", type=float, default=1.0, help="proxy.load_interval (default 1.0)")
@@ -579,8 +588,19 @@ def parse_args(argv: list[str] | None):
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    if not args.policies or any(p not in POLICIES for p in args.policies) or len(set(args.policies)) != len(args.policies):
-        parser.error(f"--policies: a comma-separated list of distinct policies from {', '.join(POLICIES)}")
+
+    def known(entry: str) -> bool:
+        policy, _, factor = entry.partition("@")
+        if policy not in POLICIES or (factor and policy not in ("prefix_affinity", "kv_aware")):
+            return False
+        try:
+            return not factor or 0 <= float(factor) <= 10
+        except ValueError:
+            return False
+
+    if not args.policies or not all(known(p) for p in args.policies) or len(set(args.policies)) != len(args.policies):
+        parser.error(f"--policies: a comma-separated list of distinct policies from {', '.join(POLICIES)}; "
+                     "prefix_affinity@EPSILON: prefix_affinity with that proxy.affinity_load_factor (0 to 10)")
     if args.fake and args.upstream:
         parser.error("--fake starts its own fake instances: leave out --upstream")
     if args.fake_cache_blocks is None:
@@ -635,7 +655,7 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"  round {round_no}: {workload} / {policy}: {len(requests)} requests", file=sys.stderr)
                         phases.append(measure(Phase(workload, policy, round_no), proxies[policy], instances, requests, args))
             args.prefix_tokens_seen, args.prefix_chars_seen = min(seen), min(chars)
-            if "prefix_affinity" in args.policies and args.prefix_chars_seen < args.affinity_prefix_chars:
+            if any(p.startswith("prefix_affinity") for p in args.policies) and args.prefix_chars_seen < args.affinity_prefix_chars:
                 print(f"warning: prefixes of {args.prefix_chars_seen} characters, shorter than --affinity-prefix-chars "
                       f"{args.affinity_prefix_chars}: prefix_affinity keys them with their questions, which spreads them",
                       file=sys.stderr)

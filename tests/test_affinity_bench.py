@@ -101,8 +101,12 @@ def test_options():
     full = bench.parse_args(["--sessions", "3"])
     assert (full.sessions, full.questions, full.concurrency, full.max_tokens) == (3, 4, 4, 32)
     assert full.policies == ["round_robin", "least_outstanding", "prefix_affinity", "least_loaded"] and full.seed
-    assert full.few_sessions == 4 and quick.few_sessions == 2 and full.affinity_load_factor == 0.25
-    for bad in (["--prefix-tokens", "2000"], ["--policies", "round_robin,random"], ["--questions", "0"]):
+    assert full.few_sessions == 8 and quick.few_sessions == 2 and full.affinity_load_factor == 0.25
+    variants = bench.parse_args(["--policies", "round_robin,prefix_affinity,prefix_affinity@1"])
+    assert variants.policies == ["round_robin", "prefix_affinity", "prefix_affinity@1"]
+    assert [bench.split_policy(p, 0.25) for p in variants.policies] == [("round_robin", 0.25), ("prefix_affinity", 0.25), ("prefix_affinity", 1.0)]
+    for bad in (["--prefix-tokens", "2000"], ["--policies", "round_robin,random"], ["--questions", "0"],
+                ["--policies", "round_robin@1"], ["--policies", "prefix_affinity@x"], ["--policies", "prefix_affinity@11"]):
         result = subprocess.run([sys.executable, str(BENCH), *bad], capture_output=True, text=True, timeout=60)
         assert result.returncode == 2 and "error:" in result.stderr and "Traceback" not in result.stderr
 
@@ -126,7 +130,7 @@ def test_a_whole_run_against_fakes_shows_prefix_affinity_hitting_the_cache(fakes
     assert all(p["requests"] == 9 and p["errors"] == 0 and p["tokens"] == 27 for p in phases)
     # the proxy's own decisions are recorded per phase: prefix_affinity's keyed ones, least_loaded's by the engines' figures
     decisions = {(p["workload"], p["policy"]): p["decisions"] for p in phases}
-    assert sum(decisions[("shared", "prefix_affinity")].get(k, 0) for k in ("affinity", "escaped")) == 9
+    assert sum(decisions[("shared", "prefix_affinity")].get(k, 0) for k in ("placed", "affinity", "escaped")) == 9
     assert sum(decisions[("shared", "least_loaded")].values()) == 9 and decisions[("shared", "round_robin")] == {}
 
     def hits(workload: str, policy: str) -> float:

@@ -166,17 +166,24 @@ def test_an_instance_leaving_moves_only_its_own_keys():
     assert abs(len(moved) / len(TEXTS) - 0.2) < 0.02
     # c's keys are shared out among the others, not dumped on one
     assert all(abs(count / len(moved) - 0.25) < 0.05 for count in Counter(after[t] for t in moved).values())
+    # c back: its old keys stay where they went (their prefixes are cached there now)
+    assert assignment(balancer, backends(*"abcde")) == after
 
 
-def test_an_instance_joining_takes_only_the_keys_it_wins():
+def test_an_instance_joining_takes_new_keys_and_moves_none_that_are_placed():
     balancer = PrefixAffinity()
     before = assignment(balancer, backends(*"abcd"))
-    after = assignment(balancer, backends(*"abcdef"))  # e and f join
-    moved = [text for text in TEXTS if before[text] != after[text]]
-    assert {after[text] for text in moved} == {"e", "f"}
+    # placed keys stay where their prefixes are cached: e and f take none of them
+    assert assignment(balancer, backends(*"abcdef")) == before
+    # new keys spread over all six, e and f included
+    fresh = Counter(winner(balancer, backends(*"abcdef"), f"new {i}") for i in range(6000))
+    assert len(fresh) == 6 and all(abs(count / 6000 - 1 / 6) < 0.02 for count in fresh.values()), fresh
+    # at rest placement is rendezvous hashing: a proxy that never saw the keys (restarted, or a
+    # second one) gives e and f exactly the keys they win, and moves nothing else
+    rest = assignment(PrefixAffinity(), backends(*"abcdef"))
+    moved = [text for text in TEXTS if before[text] != rest[text]]
+    assert {rest[text] for text in moved} == {"e", "f"}
     assert abs(len(moved) / len(TEXTS) - 2 / 6) < 0.02
-    # and leaving again restores the old assignment exactly
-    assert assignment(balancer, backends(*"abcd")) == before
 
 
 def test_weights_give_proportional_shares_and_move_only_the_reweighted_keys():
@@ -184,10 +191,16 @@ def test_weights_give_proportional_shares_and_move_only_the_reweighted_keys():
     balancer.set_weight("a", 3)
     before = assignment(balancer, backends("a", "b"))
     assert abs(Counter(before.values())["a"] / len(TEXTS) - 0.75) < 0.02
-    balancer.set_weight("a", 1)  # a host's ready instances drop: it loses keys, b gains none back
-    after = assignment(balancer, backends("a", "b"))
+    # at rest (a proxy that placed nothing yet) the weight 1 gives a half, moving keys only off a
+    after = assignment(PrefixAffinity(), backends("a", "b"))
     assert abs(Counter(after.values())["a"] / len(TEXTS) - 0.5) < 0.02
     assert all(before[t] == "a" and after[t] == "b" for t in TEXTS if before[t] != after[t])
+    # a host's ready instances drop: its placed keys stay where they are cached (the bound, per
+    # unit of weight, sheds its load), and new keys follow the new weights
+    balancer.set_weight("a", 1)
+    assert assignment(balancer, backends("a", "b")) == before
+    fresh = Counter(winner(balancer, backends("a", "b"), f"new {i}") for i in range(4000))
+    assert abs(fresh["a"] / 4000 - 0.5) < 0.03
 
 
 def test_a_retry_goes_to_the_keys_next_choice():
@@ -203,17 +216,22 @@ def test_a_retry_goes_to_the_keys_next_choice():
 
 
 def test_the_load_bound():
-    balancer = PrefixAffinity(load_factor=0.25)
     ready = backends(*"abc")
-    text = next(t for t in TEXTS if winner(balancer, ready, t) == "a")
-    second = winner(balancer, backends("b", "c"), text)
+    text = next(t for t in TEXTS if winner(PrefixAffinity(), ready, t) == "a")
+    second = winner(PrefixAffinity(), backends("b", "c"), text)  # the key's next choice
+    balancer = PrefixAffinity(load_factor=0.25)
+    assert winner(balancer, ready, text) == "a"  # placed on a, its best score (nothing in flight)
     # 12 in flight + this one: at most ceil(1.25 * 13 / 3) = 6 each; a with 5 + 1 stays within
     assert winner(balancer, ready, text, {"a": 5, "b": 3, "c": 4}) == "a"
     # 13 + 1: at most ceil(1.25 * 14 / 3) = 6; a with 6 + 1 is over: the key's next instance
     assert winner(balancer, ready, text, {"a": 6, "b": 3, "c": 4}) == second
-    # among equally least loaded instances, the key's higher-scored one
-    tied = winner(balancer, ready, text, {"a": 9})
-    assert tied == winner(balancer, backends("b", "c"), text)
+    assert balancer.placed(key({"prompt": text})) == "a"  # an escape leaves the key where its cache is
+    assert balancer.decisions == {"placed": 1, "affinity": 1, "escaped": 1}
+    # a new key: the least loaded instance, whatever its score; among equally least loaded
+    # instances, the key's higher-scored one
+    assert winner(PrefixAffinity(), ready, text, {"a": 1, "b": 2}) == "c"
+    tied = winner(PrefixAffinity(), ready, text, {"a": 9})
+    assert tied == second
     # per unit of weight: a with weight 4 and 8 in flight is as loaded as b with 2
     balancer.set_weight("a", 4)
     heavy = next(t for t in TEXTS if winner(balancer, ready, t) == "a")
@@ -230,10 +248,12 @@ def test_decisions_are_counted_and_requests_without_a_key_go_to_the_least_loaded
     assert balancer.choose(ready, {"a": 1}, (), None).name == "b"
     assert {balancer.choose(ready, {}, (), None).name for _ in range(4)} == {"a", "b"}  # ties rotate
     text_key = key({"prompt": "hello"})
-    chosen = balancer.choose(ready, {}, (), text_key).name
+    chosen = balancer.choose(ready, {}, (), text_key).name  # new: placed
     balancer.choose(ready, {chosen: 1}, (), text_key)  # load factor 0: at most ceil(2 / 2) = 1 each, escapes
-    balancer.choose(ready, {}, (), key(None, {"X-Session-ID": "s"}))
-    assert balancer.decisions == {"no_prefix": 5, "affinity": 1, "escaped": 1, "session": 1}
+    assert balancer.choose(ready, {}, (), text_key).name == chosen  # back to its instance
+    for _ in range(2):
+        balancer.choose(ready, {}, (), key(None, {"X-Session-ID": "s"}))  # placed, then the session's
+    assert balancer.decisions == {"no_prefix": 5, "placed": 2, "affinity": 1, "escaped": 1, "session": 1}
 
 
 @pytest.mark.parametrize("setting, message", [
@@ -292,7 +312,9 @@ async def test_openai_client_conversations_stick_to_one_instance(fakes):
             names.add(raw.headers["x-fake-instance"])
         assert len(names) == 1
         text = await metrics_text(proxy)
-        assert metric_value(text, "vsup_proxy_policy_decisions_total", policy="prefix_affinity", decision="affinity") == 40
+        # 13 keys placed (12 sessions, 1 document), each later request sent back to its instance
+        assert metric_value(text, "vsup_proxy_policy_decisions_total", policy="prefix_affinity", decision="placed") == 13
+        assert metric_value(text, "vsup_proxy_policy_decisions_total", policy="prefix_affinity", decision="affinity") == 27
         # the instances' own prefix caches saw the repeats (the fake counts like vLLM)
         hits = 0
         async with aiohttp.ClientSession() as session:
@@ -302,7 +324,7 @@ async def test_openai_client_conversations_stick_to_one_instance(fakes):
         assert hits > 0
 
 
-async def test_instances_leaving_and_returning_move_only_their_sessions(fakes):
+async def test_an_instance_leaving_moves_only_its_sessions_which_stay_where_they_went(fakes):
     pool = ready_pool(fakes)
     async with running_proxy(pool, policy="prefix_affinity") as proxy:
         c = client(proxy)
@@ -322,7 +344,14 @@ async def test_instances_leaving_and_returning_move_only_their_sessions(fakes):
         assert {s for s in before if before[s] != during[s]} == {s for s in before if before[s] == gone}
         assert gone not in during.values()
         pool.set_state(gone, "ready", True)
-        assert await where() == before
+        assert await where() == during  # back: the moved sessions' prefixes are cached where they went
+        # and it takes new sessions again
+        new = []
+        for session in range(24):
+            raw = await c.chat.completions.with_raw_response.create(
+                model="fake-model", max_tokens=1, messages=[{"role": "user", "content": f"new session {session} opens"}])
+            new.append(raw.headers["x-fake-instance"])
+        assert gone in new
 
 
 async def test_a_busy_instance_sheds_its_key_to_the_least_loaded(fakes):
@@ -345,7 +374,8 @@ async def test_a_busy_instance_sheds_its_key_to_the_least_loaded(fakes):
             await stream.close()
         text = await metrics_text(proxy)
         assert metric_value(text, "vsup_proxy_policy_decisions_total", policy="prefix_affinity", decision="escaped") == 1
-        assert metric_value(text, "vsup_proxy_policy_decisions_total", policy="prefix_affinity", decision="affinity") == 2
+        assert metric_value(text, "vsup_proxy_policy_decisions_total", policy="prefix_affinity", decision="placed") == 1
+        assert metric_value(text, "vsup_proxy_policy_decisions_total", policy="prefix_affinity", decision="affinity") == 1
 
 
 async def test_session_header_and_user_field_pin_a_conversation(fakes):
@@ -366,7 +396,8 @@ async def test_session_header_and_user_field_pin_a_conversation(fakes):
             names.add(raw.headers["x-fake-instance"])
         assert len(names) == 1
         text = await metrics_text(proxy)
-        assert metric_value(text, "vsup_proxy_policy_decisions_total", policy="prefix_affinity", decision="session") == 16
+        assert metric_value(text, "vsup_proxy_policy_decisions_total", policy="prefix_affinity", decision="placed") == 4
+        assert metric_value(text, "vsup_proxy_policy_decisions_total", policy="prefix_affinity", decision="session") == 12
 
 
 async def test_requests_without_a_prefix_are_spread_like_least_outstanding(fakes):
@@ -438,7 +469,7 @@ def test_vsup_run_with_prefix_affinity_and_the_instances_cache_hits_in_its_metri
         # every session's second and third question found its system prompt cached: 2 of 3 hit
         assert sum(hits.values()) / sum(queries.values()) > 0.6
         decisions = {s.labels["decision"]: s.value for s in found["vsup_proxy_policy_decisions"].samples}
-        assert decisions == {"affinity": 3 * sessions}
+        assert decisions == {"placed": sessions, "affinity": 2 * sessions}
     finally:
         run.close()
 

@@ -151,7 +151,7 @@ def test_prefix_affinity_uses_the_engines_load_in_its_bound():
     balancer.probe = Probe({first: Sample(now, 1.0, 0.5, 0), other: Sample(now, 0.0, 0.0, 0)})
     # 1 + 1 is within ceil(1.25 * 2 / 2) = 2 (the KV fraction is no request)
     assert balancer.choose(ready, {}, (), key).name == first
-    assert balancer.decisions == {"affinity": 2, "escaped": 1}
+    assert balancer.decisions == {"placed": 1, "affinity": 1, "escaped": 1}
 
 
 # ---------------------------------------------------------------------------------- bounded-load hashing (hypothesis)
@@ -217,6 +217,60 @@ def test_only_a_leaving_or_joining_instances_keys_move(n, leaving, factor, diges
             assert after != gone
         # the other way round, the same pair: the newcomer takes keys, nothing moves elsewhere
         assert before in (after, gone)
+
+
+@settings(max_examples=200, deadline=None)
+@given(factor=st.sampled_from([0.0, 0.25, 1.0]),
+       events=st.lists(st.tuples(st.sampled_from(["arrive", "arrive", "end", "toggle"]), st.integers(0, 11)),
+                       min_size=1, max_size=150))
+def test_new_keys_go_to_the_least_loaded_and_placed_keys_stay(factor, events):
+    """A random timeline over 4 instances of arrivals (12 keys, so they repeat), completions and
+    instances leaving or coming back: a key new to the proxy, or whose instance is not ready, goes
+    to a least loaded instance and is placed there; a placed key goes back to its instance whenever
+    that is within its bound, and elsewhere (within the bound) only when it is not. Nothing else
+    moves a key: not another instance leaving or joining, not an escape."""
+    balancer = PrefixAffinity(load_factor=factor)
+    names = NAMES[:4]
+    up = set(names)
+    in_flight: dict[str, int] = {}
+    placed: dict[int, str] = {}
+    for kind, value in events:
+        if kind == "toggle":
+            name = names[value % 4]
+            if name in up and len(up) > 1:
+                up.discard(name)
+            else:
+                up.add(name)
+            continue
+        if kind == "end":
+            busy = sorted(n for n, count in in_flight.items() if count)
+            if busy:
+                in_flight[busy[value % len(busy)]] -= 1
+            continue
+        ready = backends(*[n for n in names if n in up])
+        loads = {b.name: in_flight.get(b.name, 0) for b in ready}
+        total = sum(loads.values())
+        chosen = balancer.choose(ready, in_flight, (), Key(value, "affinity")).name
+        home = placed.get(value)
+        if home not in up:
+            assert loads[chosen] == min(loads.values())  # new, or its instance gone: the least loaded
+            placed[value] = chosen
+        elif within_bound(loads[home], total, 1, len(ready), factor):
+            assert chosen == home
+        else:
+            assert chosen != home and within_bound(loads[chosen], total, 1, len(ready), factor)
+        assert balancer.placed(Key(value, "affinity")) == placed[value]
+        in_flight[chosen] = in_flight.get(chosen, 0) + 1
+
+
+def test_the_placement_table_is_bounded_least_recently_used_out():
+    balancer = PrefixAffinity(placed_max=3)
+    ready = backends("a", "b")
+    for digest in (1, 2, 3):
+        balancer.choose(ready, {}, (), Key(digest, "affinity"))
+    balancer.choose(ready, {}, (), Key(1, "affinity"))  # used again: the most recent
+    balancer.choose(ready, {}, (), Key(4, "affinity"))  # a fourth: 2, the least recent, goes
+    assert [balancer.placed(Key(d, "affinity")) is not None for d in (1, 2, 3, 4)] == [True, False, True, True]
 
 
 def test_within_bound_is_the_paper_s_capacity():

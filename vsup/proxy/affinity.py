@@ -282,8 +282,8 @@ class PrefixAffinity(LeastLoaded):
         if home is None:
             # Nowhere cached yet (or its instance left, or failed this request): any instance
             # costs the same prefill, so the least loaded takes it, and keeps it. Placing new keys
-            # by their hash instead lets chance pile them up (8 keys on 2 instances hash 6 : 2 one
-            # time in 4); equal loads fall back to the hash, so at rest this is rendezvous hashing.
+            # by their hash instead lets chance pile them up (8 keys on 2 instances hash 6 : 2 or
+            # worse 29 % of the time); equal loads fall back to the hash, so at rest this is rendezvous hashing.
             best = min(candidates, key=lambda c: (values[c[1].name] / weight(c[1].name), -c[0]))[1]
             self._place(digest, best.name)
             self._count("placed")
