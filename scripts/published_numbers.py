@@ -302,8 +302,8 @@ def affinity(link: str, name: str = "affinity_bench.json") -> str:
              + "distinct: "
              f"{s['sessions'] * s['questions']} prompts of {s['distinct_tokens']} tokens; {s['max_tokens']} tokens per answer; "
              f"concurrency {s['concurrency']}; {s['rounds']} round(s).", "",
-             "| workload | policy | TTFT p50 | TTFT p90 | output tok/s | prefix-cache hit rate | per instance: requests, hit rate |",
-             "|---|---|---|---|---|---|---|"]
+             "| workload | policy | TTFT p50 | TTFT p90 | output tok/s | prefix-cache hit rate | per instance: requests, hit rate | the proxy's decisions |",
+             "|---|---|---|---|---|---|---|---|"]
 
     def pct(rate: float | None) -> str:
         return "n/a" if rate is None else f"{rate * 100:.0f} %"
@@ -311,7 +311,8 @@ def affinity(link: str, name: str = "affinity_bench.json") -> str:
     for r in f["rows"]:
         per = ", ".join(f"{name} {i['requests']} / {pct(i['hit_rate'])}" for name, i in r["instances"].items())
         lines.append(f"| {r['workload']} | {r['policy']} | {fmt_s(r['ttft_p50_s'])} | {fmt_s(r['ttft_p90_s'])} | "
-                     f"{r['tokens_per_s']:.1f} | {pct(r['hit_rate'])} | {per} |")
+                     f"{r['tokens_per_s']:.1f} | {pct(r['hit_rate'])} | {per} | "
+                     f"{', '.join(f'{k} {v}' for k, v in sorted(r.get('decisions', {}).items())) or '-'} |")
     if isinstance(f.get("ratios"), list):  # issue 22: each policy against round_robin
         lines += ["", "The bar, each policy against round_robin in this run: " + "; ".join(
             f"{q['workload']} {q['policy']}, {q['what']} **{q['value']:.2f}** ({q['bar']})" for q in f["ratios"]
