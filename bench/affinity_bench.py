@@ -28,7 +28,8 @@ Workloads, measured per policy, the policies in turn (--rounds repeats the seque
   distinct  S x Q requests, each its own prompt of --distinct-tokens tokens: nothing to share, so
             prefix_affinity can only lose (its hashing spreads worse than a rotation).
 Each phase uses fresh text (a salt per workload, policy and round): no policy meets a cache that
-another filled. --concurrency requests are in flight at a time (closed loop), each streamed, with
+another filled; and it starts once the instances are idle and every proxy's load probe has seen
+them so (`settle`): no policy inherits the load figures of the phase before. --concurrency requests are in flight at a time (closed loop), each streamed, with
 --max-tokens tokens (ignore_eos).
 
 Reported per workload and policy: TTFT p50/p90 (client side, through the proxy, first streamed
@@ -80,6 +81,7 @@ from vllm_bench import VSUP, Layout, add_model_options, free_port, free_ports, r
 
 # Every policy the schema lists, in its order, but kv_aware (below).
 from vsup.config.schema import ProxyConfig  # noqa: E402
+from vsup.proxy import load  # noqa: E402
 from vsup.proxy.affinity import PrefixAffinity, routing_key  # noqa: E402
 from vsup.proxy.backends import Backend  # noqa: E402
 
@@ -309,7 +311,24 @@ def decisions(proxy_url: str) -> dict[str, float]:
     return out
 
 
+def settle(instances: list[str], args) -> None:
+    """Wait until every instance's engine is idle (running + waiting 0), then for the proxies'
+    load probes to sample that: a sample from the phase before (another proxy's requests, ended
+    since) would otherwise count as load from elsewhere for up to proxy.load_interval and steer the
+    next phase's first requests, a handicap only the policies that read the engines' figures pay."""
+    deadline = time.monotonic() + 60
+    for url in instances:
+        while time.monotonic() < deadline:
+            with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
+                figures = load.parse(response.read())
+            if figures is None or figures[0] == 0:
+                break
+            time.sleep(0.1)
+    time.sleep(1.5 * args.load_interval + 0.2)
+
+
 def measure(phase: Phase, proxy_url: str, instances: list[str], requests: list[Request], args) -> Phase:
+    settle(instances, args)
     before = {url: scrape(url)[0] for url in instances}
     chosen = decisions(proxy_url)
     asyncio.run(run_phase(phase, proxy_url, requests, args))

@@ -292,6 +292,10 @@ def affinity_fake(link: str) -> str:
     return affinity(link, "affinity_bench-fake.json")
 
 
+def affinity_fake_hot(link: str) -> str:
+    return affinity(link, "affinity_bench-fake-hot.json")
+
+
 def affinity(link: str, name: str = "affinity_bench.json") -> str:
     data = with_file(name)
     f, s = data["figures"], data["figures"]["settings"]
@@ -301,7 +305,9 @@ def affinity(link: str, name: str = "affinity_bench.json") -> str:
              + (f"few: {s['few_sessions']} sessions, as many requests, split 3 : 1 by hashing; " if "few_sessions" in s else "")
              + "distinct: "
              f"{s['sessions'] * s['questions']} prompts of {s['distinct_tokens']} tokens; {s['max_tokens']} tokens per answer; "
-             f"concurrency {s['concurrency']}; {s['rounds']} round(s).", "",
+             f"concurrency {s['concurrency']}; {s['rounds']} round(s)"
+             + (f"; prefix_affinity with its proxy.affinity_load_factor ε = {s['affinity_load_factor']:g}, prefix_affinity@E "
+                f"with ε = E" if "affinity_load_factor" in s else "") + ".", "",
              "| workload | policy | TTFT p50 | TTFT p90 | output tok/s | prefix-cache hit rate | per instance: requests, hit rate | the proxy's decisions |",
              "|---|---|---|---|---|---|---|---|"]
 
@@ -314,9 +320,25 @@ def affinity(link: str, name: str = "affinity_bench.json") -> str:
                      f"{r['tokens_per_s']:.1f} | {pct(r['hit_rate'])} | {per} | "
                      f"{', '.join(f'{k} {v}' for k, v in sorted(r.get('decisions', {}).items())) or '-'} |")
     if isinstance(f.get("ratios"), list):  # issue 22: each policy against round_robin
-        lines += ["", "The bar, each policy against round_robin in this run: " + "; ".join(
-            f"{q['workload']} {q['policy']}, {q['what']} **{q['value']:.2f}** ({q['bar']})" for q in f["ratios"]
-            if q["value"] is not None) + "."]
+        lines += ["", "Issue 22's bar, each policy against round_robin in this run (**bold**: met):", "",
+                  "| policy | shared: TTFT p50 round_robin / policy (≥ 3) | shared: TTFT p90 policy / round_robin (≤ 1) | "
+                  "few: TTFT p50 (≥ 3) | few: TTFT p90 (≤ 1) | distinct: output tok/s policy / round_robin (≥ 0.95) | all met |",
+                  "|---|---|---|---|---|---|---|"]
+        order = [("shared", "TTFT p50"), ("shared", "TTFT p90"), ("few", "TTFT p50"), ("few", "TTFT p90"), ("distinct", "tok/s")]
+        for policy in dict.fromkeys(q["policy"] for q in f["ratios"]):
+            mine = {(q["workload"], next(w for _, w in order if w in q["what"])): q for q in f["ratios"] if q["policy"] == policy}
+            cells, met_all = [], True
+            for spot in order:
+                q = mine.get(spot)
+                if q is None or q["value"] is None:
+                    cells.append("n/a")
+                    met_all = False
+                    continue
+                direction, bar = q["bar"].split()
+                met = q["value"] >= float(bar) if direction == ">=" else q["value"] <= float(bar)
+                met_all = met_all and met
+                cells.append(f"**{q['value']:.2f}**" if met else f"{q['value']:.2f}")
+            lines.append(f"| {policy} | {' | '.join(cells)} | {'yes' if met_all else 'no'} |")
     elif "ratios" in f:
         q = f["ratios"]
         lines += ["", f"Ratios of this run: shared, TTFT p50 round_robin / prefix_affinity "
@@ -518,6 +540,7 @@ RENDERERS: dict[str, Callable[[str], str]] = {
     "affinity": affinity,
     "fleet": fleet,
     "affinity-fake": affinity_fake,
+    "affinity-fake-hot": affinity_fake_hot,
     "load-probe": load_probe,
     "plan": plan,
     "warmup": warmup,
