@@ -8,6 +8,8 @@ import importlib.util
 import json
 import subprocess
 import sys
+import time
+import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -79,13 +81,27 @@ def test_scrape_reads_the_prefix_cache_counters(fakes):
     assert set(before) == {"queries", "hits", "requests"} and capacity == "?"
     tokens = bench.Tokens(fake.url, "fake-model")
     document = tokens.text(bench.random.Random("doc"), 64)[0]
-    args = type("Args", (), {"concurrency": 1, "api": "completions", "max_tokens": 2, "model_name": "fake-model"})()
+    args = type("Args", (), {"concurrency": 1, "api": "completions", "max_tokens": 2, "model_name": "fake-model",
+                             "load_interval": 0.05})()
     phase = bench.measure(bench.Phase("shared", "direct", 1), fake.url, [fake.url],
                           [bench.Request(0, document, "one?"), bench.Request(0, document, "two?")], args)
     assert phase.requests == 2 and phase.errors == 0 and phase.tokens == 4 and len(phase.ttfts) == 2
     changes = phase.instances[fake.url]
     assert changes["requests"] == 2 and changes["hits"] == 64  # the second prompt's 4 full blocks
     assert phase.hit_rate() == changes["hits"] / changes["queries"]
+
+
+def test_settle_waits_for_an_idle_engine_and_one_probe_interval(fakes):
+    """Between phases: the engines idle (the fake reports vLLM's scheduler gauges), then 1.5
+    load intervals for every proxy's probe to see it."""
+    from vsup.proxy import load
+
+    with urllib.request.urlopen(f"{fakes[0].url}/metrics", timeout=10) as response:
+        assert load.parse(response.read()) is not None  # the gauges settle() reads
+    args = type("Args", (), {"load_interval": 0.4})()
+    began = time.monotonic()
+    bench.settle([fake.url for fake in fakes], args)
+    assert 0.8 <= time.monotonic() - began < 10
 
 
 def test_percentile_and_ratios():

@@ -283,11 +283,11 @@ class PrefixAffinity(LeastLoaded):
             # Nowhere cached yet (or its instance left, or failed this request): any instance
             # costs the same prefill, so the least loaded takes it, and keeps it. Placing new keys
             # by their hash instead lets chance pile them up (8 keys on 2 instances hash 6 : 2 or
-            # worse 29 % of the time); equal loads fall back to the hash, so at rest this is rendezvous hashing.
-            best = min(candidates, key=lambda c: (values[c[1].name] / weight(c[1].name), -c[0]))[1]
-            self._place(digest, best.name)
+            # worse 29 % of the time); equal loads go by the hash, so at rest this is rendezvous hashing.
+            least = min(candidates, key=lambda c: (values[c[1].name] / weight(c[1].name), -c[0]))[1]
+            self._place(digest, least.name)
             self._count("placed")
-            return best
+            return least
         weights_sum = float(sum(weight(b.name) for _, b in candidates)) if weights else float(len(candidates))
         factor = self.load_factor
         if within_bound(values[home.name], total, weight(home.name), weights_sum, factor):  # the common case
@@ -296,7 +296,7 @@ class PrefixAffinity(LeastLoaded):
             return home
         # Over its bound: the key's best-scored instance within it takes this request, and the key
         # stays placed where its cache is.
-        best = None
+        best: Backend | None = None
         best_score = 0.0
         for score, backend in candidates:
             if (best is None or score > best_score) and within_bound(values[backend.name], total, weight(backend.name), weights_sum, factor):
