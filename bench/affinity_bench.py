@@ -609,17 +609,18 @@ def parse_args(argv: list[str] | None):
     args.policies = [p.strip() for p in args.policies.split(",") if p.strip()]
 
     def known(entry: str) -> bool:
-        policy, _, factor = entry.partition("@")
-        if policy not in POLICIES or (factor and policy not in ("prefix_affinity", "kv_aware")):
+        if "@" in entry and not entry.startswith("prefix_affinity@"):
             return False
-        try:
-            return not factor or 0 <= float(factor) <= 10
+        try:  # the schema's own bounds for the load factor (pydantic's ValidationError is a ValueError)
+            policy, factor = split_policy(entry, args.affinity_load_factor)
+            ProxyConfig(affinity_load_factor=factor)
         except ValueError:
             return False
+        return policy in POLICIES
 
     if not args.policies or not all(known(p) for p in args.policies) or len(set(args.policies)) != len(args.policies):
         parser.error(f"--policies: a comma-separated list of distinct policies from {', '.join(POLICIES)}; "
-                     "prefix_affinity@EPSILON: prefix_affinity with that proxy.affinity_load_factor (0 to 10)")
+                     "prefix_affinity@EPSILON: prefix_affinity with that proxy.affinity_load_factor")
     if args.fake and args.upstream:
         parser.error("--fake starts its own fake instances: leave out --upstream")
     if args.fake_cache_blocks is None:

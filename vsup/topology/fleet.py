@@ -93,8 +93,8 @@ def plan_fleet(machine: Machine, models: Sequence[FleetModel], keep: Mapping[str
     keep = dict(keep or {})
     fixed = {name: kept for name, kept in keep.items()
              if any(m.name == name and (m.share is not None or m.settings.cores_per_instance) for m in models)}
-    tries = [held for i, held in enumerate((keep, fixed)) if held and held not in (keep, fixed)[:i]]
-    for held in tries:  # each distinct non-empty keep once; the plan from scratch last, its error the answer
+    tries = [keep, fixed] if fixed != keep else [keep]
+    for held in (t for t in tries if t):  # each distinct non-empty keep once; the plan from scratch last, its error the answer
         try:
             return _plan_fleet(machine, models, held)
         except (ModelPlanError, ModelSettingError):
