@@ -179,7 +179,7 @@ async def test_health_and_ready_are_answered_with_every_slot_taken(fake, monkeyp
 
 
 async def test_a_refused_connection_that_says_nothing_gets_its_refusal(fake, monkeypatch):
-    monkeypatch.setattr("vsup.proxy.aiohttp_internals.PROBE_TIMEOUT", 0.2)
+    monkeypatch.setattr("vsup.proxy.client_conn.PROBE_TIMEOUT", 0.2)
     async with running_proxy(ready_pool([fake]), max_connections_per_client=1) as proxy:
         _, held = await connect(proxy.port)
         await wait_for(lambda: proxy.metrics.client_connections() == 1, what="the slot taken")

@@ -249,7 +249,7 @@ async def test_ready_is_503_and_new_requests_refused_while_draining(fake):
 
 @pytest.mark.parametrize("version", [b"1.1", b"1.0"])
 async def test_an_event_stream_s_head_is_the_instance_s_with_the_proxy_s_caching_headers(version):
-    # HTTP/1.1: the head the forwarder writes itself (RawStream); 1.0: aiohttp's StreamResponse
+    # HTTP/1.1: chunked; 1.0: delimited by the close (messages.StreamAnswer)
     async def instance(reader, writer):
         await read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: private\r\n"

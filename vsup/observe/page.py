@@ -15,10 +15,9 @@ from importlib import resources
 from string import Template
 from typing import Any
 
-from aiohttp import web
-
 from vsup.observe import by_model, fmt
 from vsup.observe.fmt import duration
+from vsup.proxy.messages import Request, Response
 from vsup.safetext import printable
 from vsup.topology.cpulist import format_list
 
@@ -149,11 +148,11 @@ def status_page(status: Callable[[], Mapping[str, Any]], interval: float):
     """The proxy's handler for GET /status (ProxyServer.add_page)."""
     refresh = refresh_seconds(interval)
 
-    async def handler(request: web.BaseRequest, auth) -> web.Response:
+    async def handler(request: Request, auth) -> Response:
         if not auth.allows_browser(request):
-            return web.Response(status=401, text="401: this vsup's /status needs the API key (as the password)\n",
+            return Response(status=401, text="401: this vsup's /status needs the API key (as the password)\n",
                                 headers={"WWW-Authenticate": 'Basic realm="vsup", charset="UTF-8"'})
         body = render_page(status(), refresh)
-        return web.Response(text=body, content_type="text/html", charset="utf-8", headers={"Cache-Control": "no-store"})
+        return Response(text=body, content_type="text/html", charset="utf-8", headers={"Cache-Control": "no-store"})
 
     return handler

@@ -19,10 +19,9 @@ import hmac
 import os
 from collections.abc import Mapping, Sequence
 
-from aiohttp import web
-
 from vsup.config.schema import ProxyConfig
 from vsup.errors import VsupError
+from vsup.proxy.messages import Request
 
 # identify()'s answer for a request without a valid key (a key's name is a str, "" the api_key's).
 REFUSED = None
@@ -56,10 +55,10 @@ class BearerAuth:
     def enabled(self) -> bool:
         return self._key is not None or bool(self._digests)
 
-    def allows(self, request: web.BaseRequest) -> bool:
+    def allows(self, request: Request) -> bool:
         return self.identify(request) is not REFUSED
 
-    def identify(self, request: web.BaseRequest) -> str | None:
+    def identify(self, request: Request) -> str | None:
         """The name of the key the request sent ("" for proxy.api_key, or with no auth), or REFUSED."""
         if not self.enabled:
             return ""
@@ -75,7 +74,7 @@ class BearerAuth:
                 found = name
         return found
 
-    def allows_browser(self, request: web.BaseRequest) -> bool:
+    def allows_browser(self, request: Request) -> bool:
         """Bearer KEY, or Basic auth whose password is KEY (the browser's login prompt; proxy.api_key only)."""
         if not self.enabled or self.allows(request):
             return True

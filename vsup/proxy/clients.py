@@ -5,7 +5,7 @@ error and one rate-limited warning line, never a traceback per request (a bad cl
 flood the log). A connection over a limit is refused, but /health and /ready are still answered
 on a few reserve connections (probe_slot), from their request line alone.
 
-aiohttp_internals.make_server wires this policy into aiohttp's connection handling; the request
+client_conn.py applies this policy to each client connection; the request
 body's deadline is enforced by the forwarder (body_timeout). The settings are proxy.* keys,
 applied at once by `configure` (a reload): to the connections and requests that start after it.
 """
@@ -18,11 +18,9 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from aiohttp import web
-from aiohttp.http_exceptions import BadHttpMessage
-
 from vsup.config.schema import ProxyConfig
 from vsup.proxy import errors
+from vsup.proxy.messages import HeadTooLarge, Response
 from vsup.proxy.metrics import ProxyMetrics
 
 log = logging.getLogger("vsup.proxy")
@@ -77,12 +75,12 @@ class RateLimitedWarning:
 
 
 def _quote(text: str) -> str:
-    text = " ".join(text.split())  # aiohttp's messages span lines (with a caret under the byte)
+    text = " ".join(text.split())  # a parser's message may span lines
     return text if len(text) <= QUOTE_LIMIT else text[:QUOTE_LIMIT] + "..."
 
 
 class ProbeHolder(Protocol):
-    """A refused connection holding a probe slot (aiohttp_internals' connection handler)."""
+    """A refused connection holding a probe slot (client_conn.ClientConnection)."""
 
     def probe_evicted(self) -> None:
         """Refuse now: the slot is wanted by a newer connection."""
@@ -193,7 +191,7 @@ class ClientPolicy:
         self._warn_timeout.warn("client %s sent no complete request headers within %g s (proxy.header_timeout): closed",
                                 peer, self.header_timeout)
 
-    def body_too_slow(self, peer) -> web.Response:
+    def body_too_slow(self, peer) -> Response:
         self.metrics.client_timeout("body")
         self._warn_timeout.warn("client %s did not send its whole request body within %g s (proxy.body_timeout): answered 408",
                                 peer, self.body_timeout)
@@ -202,17 +200,12 @@ class ClientPolicy:
             "invalid_request_error", "request_timeout",
         )
 
-    def head_error(self, size: int) -> BadHttpMessage:
-        """What a request whose line and headers are over max_header_bytes is refused with: given
-        to `malformed`, it gets 431 (before any auth)."""
-        return HeadTooLarge(f"the request line and headers are {size} bytes or more, over proxy.max_header_bytes")
-
     # -- requests that never reached a handler, or broke one
-    def malformed(self, status: int, exc: BaseException | None, peer) -> web.Response:
-        """aiohttp could not parse the request (status is its 400): an OpenAI-shaped answer,
-        431 for header lines or counts over the limits."""
+    def malformed(self, status: int, exc: BaseException | None, peer) -> Response:
+        """The request could not be parsed (status 400): an OpenAI-shaped answer, 431 for header
+        lines or counts over the limits."""
         detail = _quote(getattr(exc, "message", None) or str(exc) or type(exc).__name__)
-        if _headers_too_large(exc):
+        if status == 431 or isinstance(exc, HeadTooLarge):
             status = 431
             message = (f"request header fields too large: {detail} (at most 8190 bytes per line, 128 headers "
                        f"and {self.max_header_bytes} bytes in all)")
@@ -223,27 +216,13 @@ class ClientPolicy:
         code = "request_header_fields_too_large" if status == 431 else "invalid_request"
         return errors.error_response(status, message, "invalid_request_error", code)
 
-    def crashed(self, status: int, exc: BaseException | None, peer) -> web.Response:
+    def crashed(self, status: int, exc: BaseException | None, peer) -> Response:
         """A handler raised (a bug in the proxy): the traceback is logged, rate-limited."""
         if self._warn_crash.warn("request from %s failed inside the proxy: %r", peer, exc):
             log.error("the traceback of that failure", exc_info=exc)
         return errors.error_response(status, "internal error in the proxy (logged)", "server_error", "internal_error")
 
 
-class HeadTooLarge(BadHttpMessage):
-    """A request's line and headers together over proxy.max_header_bytes."""
-
-
-def _headers_too_large(exc: BaseException | None) -> bool:
-    from aiohttp.http_exceptions import LineTooLong
-
-    return isinstance(exc, (LineTooLong, HeadTooLarge)) or (isinstance(exc, BadHttpMessage) and "Too many headers" in str(exc))
-
-
-def raw_response(response: web.Response) -> bytes:
+def raw_response(response: Response) -> bytes:
     """A complete HTTP/1.1 answer as bytes, for a connection the proxy will not parse requests on."""
-    body = response.body
-    assert isinstance(body, bytes)
-    head = [f"HTTP/1.1 {response.status} {response.reason}", f"Content-Length: {len(body)}", "Connection: close"]
-    head += [f"{name}: {value}" for name, value in response.headers.items() if name.lower() != "content-length"]
-    return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
+    return response.encode(keep_alive=False)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from aiohttp import web
+from vsup.proxy.messages import Response
 
 _JSON = "application/json"
 RETRY_AFTER_SECONDS = 1
@@ -27,8 +27,8 @@ def error_response(
     *,
     param: str | None = None,
     headers: dict[str, str] | None = None,
-) -> web.Response:
-    return web.Response(status=status, body=error_body(message, type_, code, param), content_type=_JSON, headers=headers)
+) -> Response:
+    return Response(status=status, body=error_body(message, type_, code, param), content_type=_JSON, headers=headers)
 
 
 def sse_error_event(message: str, type_: str, code: str | None = None) -> bytes:
@@ -37,11 +37,11 @@ def sse_error_event(message: str, type_: str, code: str | None = None) -> bytes:
 
 
 # The ones the proxy sends itself, named so handlers and tests agree on type/code.
-def bad_request(message: str, param: str | None = None) -> web.Response:
+def bad_request(message: str, param: str | None = None) -> Response:
     return error_response(400, message, "invalid_request_error", "invalid_request", param=param)
 
 
-def unauthorized() -> web.Response:
+def unauthorized() -> Response:
     return error_response(
         401,
         "invalid API key: send it as `Authorization: Bearer <key>`",
@@ -51,7 +51,7 @@ def unauthorized() -> web.Response:
     )
 
 
-def not_found(path: str) -> web.Response:
+def not_found(path: str) -> Response:
     return error_response(
         404,
         f"no route for {path}: the proxy serves vLLM's OpenAI API routes (/v1/chat/completions, /v1/completions,"
@@ -62,7 +62,7 @@ def not_found(path: str) -> web.Response:
     )
 
 
-def too_large(size: int | None, limit: int) -> web.Response:
+def too_large(size: int | None, limit: int) -> Response:
     got = f"{size} bytes" if size is not None else "the request body"
     return error_response(
         413,
@@ -72,15 +72,15 @@ def too_large(size: int | None, limit: int) -> web.Response:
     )
 
 
-def unavailable(message: str, retry_after: int) -> web.Response:
+def unavailable(message: str, retry_after: int) -> Response:
     return error_response(503, message, "service_unavailable", "no_ready_instance", headers={"Retry-After": str(retry_after)})
 
 
-def no_ready_instance() -> web.Response:
+def no_ready_instance() -> Response:
     return unavailable("no ready instance: all instances are starting, restarting or unhealthy", RETRY_AFTER_SECONDS)
 
 
-def no_reachable_instance(failures: list[str]) -> web.Response:
+def no_reachable_instance(failures: list[str]) -> Response:
     return unavailable(
         "no instance could be reached (" + "; ".join(failures) + "); they are out of the rotation until their next good"
         " health check: retry shortly",
@@ -88,9 +88,9 @@ def no_reachable_instance(failures: list[str]) -> web.Response:
     )
 
 
-def bad_gateway(message: str) -> web.Response:
+def bad_gateway(message: str) -> Response:
     return error_response(502, message, "upstream_error", "upstream_error")
 
 
-def gateway_timeout(message: str) -> web.Response:
+def gateway_timeout(message: str) -> Response:
     return error_response(504, message, "upstream_error", "upstream_timeout")

@@ -21,7 +21,7 @@ The life of a request, and what can end it:
   streaming    SSE relayed chunk by chunk as it arrives; idle_timeout between chunks, no overall
                cap; the instance dying                                       -> error event, clean end
   response     a non-streaming body (Content-Length) read whole, then sent   -> 502 if it breaks
-A client disconnect in any phase cancels the handler (aiohttp's handler_cancellation) and closing
+A client disconnect in any phase cancels the handler (client_conn.py) and closing
 the upstream response closes its connection, so vLLM sees the disconnect and frees the slot.
 """
 
@@ -32,17 +32,17 @@ import logging
 import math
 import time
 
-from aiohttp import web
-
 from vsup.config.schema import ProxyConfig
 from vsup.proxy import codec, errors
-from vsup.proxy.aiohttp_internals import HTTP_11, BadRequest, BodySink, RawResponse, RawStream, send_and_close
 from vsup.proxy.backends import Backend, BackendPool
+from vsup.proxy.bodyparse import BodyParser, NotAnObject
+from vsup.proxy.budget import BodyBudget
 from vsup.proxy.clients import ClientPolicy
-from vsup.proxy.codec import header_lines, is_json, parse_json, request_headers, response_head, response_headers, str_headers
+from vsup.proxy.codec import header_lines, is_json, parse_json, request_headers, response_head, response_headers
 from vsup.proxy.errors import RETRY_AFTER_SECONDS
 from vsup.proxy.exchange import Exchange
 from vsup.proxy.gate import Gate
+from vsup.proxy.messages import HTTP_11, Answer, BadRequest, RawResponse, Request, Response, StreamAnswer
 from vsup.proxy.metrics import ProxyMetrics, route_label
 from vsup.proxy.routing import WAIT, ModelRouter, Route
 from vsup.proxy.upstream import UpstreamClient
@@ -65,6 +65,7 @@ _UNREACHABLE = frozenset({"connect", "gone"})
 # Longest period of the timeout watchdog (shorter when a configured timeout is very short).
 WATCHDOG_TICK = 0.1
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+MiB = 1024 * 1024
 # What a relayed event stream always carries, whatever the instance said about it: nobody between
 # us and the client may buffer or compress the events.
 SSE_HEADERS = b"X-Accel-Buffering: no\r\nCache-Control: no-cache\r\n"
@@ -94,6 +95,8 @@ class Forwarder:
         self.drop_authorization = drop_authorization
         self.router: ModelRouter | None = None  # routing by model (a fleet); None: one balancer over every instance
         self.gate: Gate | None = None  # priorities, rate limits, admission (server.py builds it when configured)
+        self.budget: BodyBudget | None = None  # proxy.max_body_buffer: the bodies held at once, proxy-wide
+        self.parser: BodyParser | None = None  # big JSON bodies parsed off the event loop
         self.in_flight: dict[str, int] = {}
         self.active: set[Exchange] = set()
         self.draining = False
@@ -116,7 +119,7 @@ class Forwarder:
             gate.admission.expire(now)  # waits past proxy.queue_timeout end with a 503
         self._watchdog = self.loop.call_at(now + self.tick, self._sweep) if self.active else None
 
-    async def handle(self, request: web.BaseRequest, client: str = "") -> web.StreamResponse:
+    async def handle(self, request: Request, client: str = "") -> Answer:
         route = route_label(request.path)
         if self.draining:
             refused = errors.unavailable("the proxy is shutting down; retry on another replica or shortly", RETRY_AFTER_SECONDS)
@@ -136,80 +139,141 @@ class Forwarder:
             raise
         finally:
             self.active.discard(exchange)
+            if exchange.held:
+                self.budget.release(exchange.held)  # type: ignore[union-attr]
+                exchange.held = 0
         if backend is None:
             self.metrics.request(route, response.status, "")
         else:
             self.metrics.request(route, response.status, backend.name, backend.model)
         return response
 
-    async def _handle(self, request: web.BaseRequest, exchange: Exchange, client: str) -> tuple[web.StreamResponse, Backend | None]:
-        limit = self.config.max_body_bytes
-        body = b""
-        document = None
-        if request.body_exists:
-            declared = request.content_length
-            if declared is not None and declared > limit:
-                return errors.too_large(declared, limit), None
-            payload = request.content
-            if payload.is_eof():
-                # The whole body came with the headers (any small JSON request): take it as is,
-                # without a copy loop.
-                body = payload.read_nowait()
-                if len(body) > limit:
-                    return errors.too_large(None, limit), None
-            else:
-                read = await self._read_body(request, exchange, limit)
-                if not isinstance(read, bytes):  # the answer instead of a body
-                    return read, None
-                body = read
-            if body and is_json(request.headers.get("Content-Type", "")):
-                try:
-                    document = parse_json(body)
-                except (ValueError, UnicodeDecodeError) as exc:
-                    return errors.bad_request(f"the request body is not valid JSON: {exc}"), None
-                except RecursionError:
-                    return errors.bad_request("the request body is not valid JSON: it is nested too deeply to parse"), None
-                if not isinstance(document, dict):
-                    return errors.bad_request(f"the request body must be a JSON object, got {type(document).__name__}"), None
-                exchange.stream = document.get("stream") is True
-        router = self.router
-        route: Route | None = None
-        balancer = self.balancer
-        if router is not None:
-            asked = document.get("model") if document is not None else None
-            if asked is None and body and document is None:  # an upload (audio): its form's model field
-                asked = codec.form_field(body, request.headers.get("Content-Type", ""), "model")
-            if asked is None:  # no body, or one without a model: the query parameter, if any
-                asked = request.query.get("model")
-            picked = router.pick(asked, False)
-            if picked is WAIT:  # an adapter's name maybe, from an instance whose model list is on its way
-                await router.settle(self.config.connect_timeout + 5.0)
-                picked = router.pick(asked, True)
-            if isinstance(picked, Route):
-                route = picked
-                balancer = route.balancer
-            elif picked is not None:  # refused (None: no backend has a model, route as before)
-                return picked, None
+    async def _handle(self, request: Request, exchange: Exchange, client: str) -> tuple[Answer, Backend | None]:
+        """The stages of a request: read its body, route it to its model, gate it (priority, rate
+        limit, admission), prepare the policy's key, then send it to an instance (retrying on
+        another before the first byte) and relay the answer."""
+        read = await self._read(request, exchange)
+        if not isinstance(read, tuple):
+            return read, None
+        body, document = read
+        routed = await self._route(request, body, document)
+        if not isinstance(routed, tuple):
+            return routed, None
+        route, balancer = routed
         key = balancer.key(document, request.headers)  # prefix_affinity: its prefix or session; else None
         admitted: tuple[Backend, ...] | None = None  # the instances with room (admission), else None
         extra: list[tuple[bytes, bytes]] | None = None  # headers for the answer (x-ratelimit-*)
         gate = self.gate
         if gate is not None:
             passed = await self._gate(request, exchange, gate, route, client, document, len(body))
-            if isinstance(passed, web.StreamResponse):
+            if not isinstance(passed, tuple):
                 return passed, None
             admitted, extra = passed
         prepare = getattr(balancer, "prepare", None)
         if prepare is not None and key is not None:  # kv_aware: the prompt's tokens, from the instance's /tokenize
             key = await prepare(key, route.ready if route is not None else self.pool.ready(), self.in_flight)
+        return await self._send(request, exchange, route, balancer, key, admitted, extra, body)
 
+    async def _read(self, request: Request, exchange: Exchange) -> tuple[bytes, dict | None] | Answer:
+        """The body (bounded by proxy.max_body_bytes, proxy.body_timeout and the proxy-wide
+        budget of bodies held) and, for JSON, the parsed document; or the answer instead."""
+        if not request.body_exists:
+            return b"", None
+        limit = self.config.max_body_bytes
+        declared = request.content_length
+        if declared is not None and declared > limit:
+            return errors.too_large(declared, limit)
+        if declared is not None and not self._hold(exchange, declared):
+            return self._over_budget(request)
+        payload = request.content
+        if payload.is_eof() and payload.error is None:
+            # The whole body came with the headers (any small JSON request): take it as is.
+            body = payload.read_nowait()
+            if len(body) > limit:
+                return errors.too_large(None, limit)
+            if declared is None and not self._hold(exchange, len(body)):
+                return self._over_budget(request)
+        else:
+            read = await self._read_body(request, exchange, limit, declared is None)
+            if not isinstance(read, bytes):  # the answer instead of a body
+                return read
+            body = read
+        document = None
+        if body and is_json(request.headers.get("Content-Type", "")):
+            parsed = await self._parse(body)
+            if not isinstance(parsed, dict):
+                return parsed
+            document = parsed
+            exchange.stream = document.get("stream") is True
+        return body, document
+
+    async def _parse(self, body: bytes) -> dict | Answer:
+        try:
+            document = await self.parser.parse(body) if self.parser is not None else parse_json(body)
+        except NotAnObject as exc:
+            return errors.bad_request(f"the request body must be a JSON object, got {exc.kind}")
+        except (ValueError, UnicodeDecodeError) as exc:
+            return errors.bad_request(f"the request body is not valid JSON: {exc}")
+        except RecursionError:
+            return errors.bad_request("the request body is not valid JSON: it is nested too deeply to parse")
+        if not isinstance(document, dict):
+            return errors.bad_request(f"the request body must be a JSON object, got {type(document).__name__}")
+        return document
+
+    def _hold(self, exchange: Exchange, size: int) -> bool:
+        """Count `size` more bytes of this request's body against proxy.max_body_buffer."""
+        budget = self.budget
+        if budget is None or size <= 0:
+            return True
+        if not budget.reserve(size):
+            return False
+        exchange.held += size
+        return True
+
+    def _over_budget(self, request: Request) -> Response:
+        budget = self.budget
+        assert budget is not None
+        self.metrics.body_budget_refusal()
+        refused = errors.unavailable(
+            f"the proxy holds {budget.held // MiB} MiB of request bodies, its limit (proxy.max_body_buffer):"
+            " retry shortly", RETRY_AFTER_SECONDS)
+        refused.force_close()  # the rest of the body is not read
+        return refused
+
+    async def _route(self, request: Request, body: bytes, document: dict | None):
+        """In a fleet, the model's route and balancer (by the body's model, an upload's form field,
+        or ?model=); else (None, the one balancer). Or the refusal."""
+        router = self.router
+        if router is None:
+            return None, self.balancer
+        asked = document.get("model") if document is not None else None
+        if asked is None and body and document is None:  # an upload (audio): its form's model field
+            asked = codec.form_field(body, request.headers.get("Content-Type", ""), "model")
+        if asked is None:  # no body, or one without a model: the query parameter, if any
+            asked = request.query.get("model")
+        picked = router.pick(asked, False)
+        if picked is WAIT:  # an adapter's name maybe, from an instance whose model list is on its way
+            await router.settle(self.config.connect_timeout + 5.0)
+            picked = router.pick(asked, True)
+        if isinstance(picked, Route):
+            return picked, picked.balancer
+        if picked is not None:  # refused
+            return picked
+        return None, self.balancer  # no backend has a model: route as before
+
+    async def _send(self, request: Request, exchange: Exchange, route: Route | None, balancer, key,
+                    admitted: tuple[Backend, ...] | None, extra: list[tuple[bytes, bytes]] | None,
+                    body: bytes) -> tuple[Answer, Backend | None]:
+        """Attempts on the instances the balancer picks, until one answers or none is left."""
+        router = self.router
+        gate = self.gate
         headers = request_headers(request.raw_headers, self.drop_authorization)
         # The request target exactly as the client sent it (path and query, still percent-encoded);
         # an absolute-form one (`POST http://host/v1/...`, as to a forward proxy) in origin-form.
         raw_path = request.raw_path
         target = (raw_path if raw_path[:1] == "/" else codec.origin_form(raw_path)).encode("utf-8", "surrogateescape")
         tried: list[str] = []
-        fallback: web.Response | None = None  # what to answer if every attempt fails
+        fallback: Answer | None = None  # what to answer if every attempt fails
         reason: str | None = None
         unreachable: list[str] = []  # why each ejected instance could not be reached
         backend: Backend | None = None
@@ -261,16 +325,16 @@ class Forwarder:
                 return fallback, backend
             self.metrics.retry(reason)
 
-    async def _gate(self, request: web.BaseRequest, exchange: Exchange, gate: Gate, route: Route | None, client: str,
+    async def _gate(self, request: Request, exchange: Exchange, gate: Gate, route: Route | None, client: str,
                     document: dict | None, size: int):
         """Priority, rate limit, admission: (the instances with room or None, the answer's extra
         headers), or the refusal. A wait ends with the client gone (the handler is cancelled: it
         leaves the queue), the drain (503) or proxy.queue_timeout (gate's 503)."""
         priority = gate.priority(client, request.headers)
-        if not isinstance(priority, int):
+        if isinstance(priority, Response):
             return priority
         extra = gate.rate(client, request.path, document, size)
-        if not isinstance(extra, list):
+        if isinstance(extra, Response):
             return extra
         router = self.router
         if route is not None and router is not None:
@@ -287,15 +351,17 @@ class Forwarder:
                 raise  # the client went away: it has left the queue
             asyncio.current_task().uncancel()  # type: ignore[union-attr]
             return errors.unavailable("the proxy is shutting down; send the request again", RETRY_AFTER_SECONDS)
-        if isinstance(admitted, web.StreamResponse):
+        if isinstance(admitted, Response):
             return admitted
         return admitted, extra or None
 
-    async def _read_body(self, request: web.BaseRequest, exchange: Exchange, limit: int) -> bytes | web.StreamResponse:
+    async def _read_body(self, request: Request, exchange: Exchange, limit: int, counted: bool) -> bytes | Answer:
         """A body that did not come whole with the headers, read as it arrives: at most `limit`
         bytes, all within proxy.body_timeout (a client that trickles it must not hold its
         connection and an in-flight slot for long, nor delay a drain, which aborts requests
-        still in this phase). The answer to send instead when it fails."""
+        still in this phase); `counted`: each piece is counted against the budget as it comes (a
+        chunked body; a declared length was counted whole). The answer to send instead when it
+        fails; the rest of the body is then not read (the connection ends after the answer)."""
         exchange.phase = "body"
         loop = self.loop
         # One deadline for the whole body: the watchdog's `last` is not moved on by each piece.
@@ -309,14 +375,23 @@ class Forwarder:
         payload = request.content
         parts: list[bytes] = []
         size = 0
+        response: Response
         try:
             while piece := await payload.readany():
                 size += len(piece)
                 if size > limit:
-                    return errors.too_large(None, limit)
+                    response = errors.too_large(None, limit)
+                    break
+                if counted and not self._hold(exchange, len(piece)):
+                    response = self._over_budget(request)
+                    break
                 parts.append(piece)
+            else:
+                return b"".join(parts)
         except BadRequest as exc:  # the parser rejected the body (bad chunk size, ...)
             response = self.clients.malformed(400, exc, request.remote)
+        except ConnectionResetError:
+            raise asyncio.CancelledError from None  # the client went away: as a disconnect
         except asyncio.CancelledError:
             if exchange.reason is None:
                 raise  # the client went away
@@ -325,9 +400,8 @@ class Forwarder:
                 response = self.clients.body_too_slow(request.remote)
             else:
                 response = errors.unavailable("the proxy is shutting down; send the request again", RETRY_AFTER_SECONDS)
-        else:
-            return b"".join(parts)
-        return await send_and_close(request, response)  # the rest of the body will not be read
+        response.force_close()
+        return response
 
     async def _attempt(self, request, exchange: Exchange, backend: Backend, target: bytes, body: bytes, headers: bytes,
                        extra: list[tuple[bytes, bytes]] | None = None):
@@ -369,7 +443,7 @@ class Forwarder:
                 except UpstreamBroken:
                     content = b""
                 self.metrics.upstream_error(backend.name, "503", backend.model)
-                relayed = web.Response(status=503, body=content, headers=response_headers(upstream.raw_headers))
+                relayed = Response(status=503, body=content, headers=response_headers(upstream.raw_headers))
                 relayed.headers.setdefault("Retry-After", str(RETRY_AFTER_SECONDS))
                 return relayed, "503", "503 from the instance"
 
@@ -377,8 +451,6 @@ class Forwarder:
             if extra:
                 kept += extra
             sse = content_type.startswith(b"text/event-stream")
-            if sse and not has_length and RawResponse.fits(request, upstream.status):  # every ordinary stream
-                return await self._relay_stream(request, exchange, backend, upstream, kept, started, sse, raw=True)
             if sse or not has_length:
                 return await self._relay_stream(request, exchange, backend, upstream, kept, started, sse)
             whole = upstream.complete_body()
@@ -386,7 +458,7 @@ class Forwarder:
                 elapsed = time.monotonic() - started
                 self.metrics.ttfb(False, elapsed)
                 self.metrics.duration(False, elapsed)
-                return self._answer(request, upstream.status, kept, whole)
+                return RawResponse(upstream.status, header_lines(kept), whole)
             return await self._relay_body(request, exchange, backend, upstream, kept, started)
         except asyncio.CancelledError:
             if exchange.reason is None:
@@ -431,7 +503,7 @@ class Forwarder:
         else:
             log.warning("instance %s: %s", backend.name, why)
 
-    def _proxy_abort_response(self, exchange: Exchange, backend: Backend) -> web.StreamResponse:
+    def _proxy_abort_response(self, exchange: Exchange, backend: Backend) -> Answer:
         if exchange.reason == "timeout":
             return errors.gateway_timeout(self._abort_message(exchange, backend))
         return errors.unavailable("the proxy is shutting down and the drain deadline passed", RETRY_AFTER_SECONDS)
@@ -446,33 +518,17 @@ class Forwarder:
             self.metrics.upstream_error(backend.name, "broken", backend.model)
             return errors.bad_gateway(f"instance {backend.name} broke off its response: {exc}")
         self.metrics.duration(False, time.monotonic() - started)
-        return self._answer(request, upstream.status, headers, content)
+        return RawResponse(upstream.status, header_lines(headers), content)
 
-    @staticmethod
-    def _answer(request, status: int, headers: list[tuple[bytes, bytes]], content: bytes):
-        if RawResponse.fits(request, status):  # every ordinary answer: one write, no web.Response
-            return RawResponse(status, header_lines(headers), content, request.keep_alive)
-        return web.Response(status=status, body=content, headers=str_headers(headers))
-
-    async def _relay_stream(self, request, exchange: Exchange, backend: Backend, upstream: UpstreamResponse,
-                            kept: list[tuple[bytes, bytes]], started: float, sse: bool, raw: bool = False):
-        out: web.StreamResponse | RawStream
-        if raw:  # head written here, in one write (RawStream)
-            out = RawStream(upstream.status, request.keep_alive)
-            head = header_lines([pair for pair in kept if pair[0].lower() not in _SSE_OURS]) + SSE_HEADERS
-        else:
-            out = web.StreamResponse(status=upstream.status, headers=str_headers(kept))
-            if sse:  # as SSE_HEADERS
-                out.headers["X-Accel-Buffering"] = "no"
-                out.headers["Cache-Control"] = "no-cache"
+    async def _relay_stream(self, request: Request, exchange: Exchange, backend: Backend, upstream: UpstreamResponse,
+                            kept: list[tuple[bytes, bytes]], started: float, sse: bool) -> StreamAnswer:
+        out = StreamAnswer(request, upstream.status)
+        # an event stream always carries the proxy's caching headers (SSE_HEADERS), whatever the instance said
+        head = header_lines([pair for pair in kept if pair[0].lower() not in _SSE_OURS]) + SSE_HEADERS if sse else header_lines(kept)
         exchange.phase = "streaming"
         exchange.idle_limit = self.config.idle_timeout
         try:
-            if isinstance(out, RawStream):
-                sink = out.start(request, head)
-            else:
-                await out.prepare(request)
-                sink = BodySink.of(request)
+            sink = out.start(head)
             if sink is None:  # the client left before its headers went out
                 self.metrics.disconnect("streaming")
                 return out
@@ -501,13 +557,10 @@ class Forwarder:
             return f"instance {backend.name} sent nothing for {exchange.limit:g} s ({exchange.limit_key})"
         return "the proxy is shutting down and the drain deadline passed; the generation was aborted"
 
-    async def _end_stream(self, request, out: web.StreamResponse | RawStream, sse: bool, backend: Backend,
-                          message: str) -> web.StreamResponse | RawStream:
+    async def _end_stream(self, request: Request, out: StreamAnswer, sse: bool, backend: Backend, message: str) -> StreamAnswer:
         """After the first byte the status is gone: an SSE client gets an error event and a clean
         end; any other body can only be cut, so the client sees a broken transfer, not a short one."""
         try:
-            if not out.prepared:
-                await out.prepare(request)
             if sse:
                 await out.write(errors.sse_error_event(message, "upstream_error", "upstream_error"))
                 await out.write_eof()

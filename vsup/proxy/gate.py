@@ -20,13 +20,13 @@ import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from vsup.config.schema import ProxyConfig
 from vsup.proxy import errors
 from vsup.proxy.admission import EXPIRED, FULL, SHED, Admission, Limit
 from vsup.proxy.backends import Backend
+from vsup.proxy.messages import Response
 from vsup.proxy.ratelimit import KeyLimits, estimate_tokens
 
 # Seconds a request waited for a slot.
@@ -142,7 +142,7 @@ class Gate:
         return self._backend_limit(ready[0]) if ready else self.default  # an adapter's name: its instances' model
 
     # -- per request
-    def priority(self, client: str, headers: Mapping[str, str]) -> int | web.Response:
+    def priority(self, client: str, headers: Mapping[str, str]) -> int | Response:
         key = self.keys.get(client)
         own = key.priority if key is not None else 0
         if self.header is None:
@@ -157,7 +157,7 @@ class Gate:
                                       "(proxy.priority_header_values)", self.header)
         return min(asked, own) if key is not None else asked
 
-    def rate(self, client: str, path: str, document: Mapping[str, Any] | None, size: int) -> list[tuple[bytes, bytes]] | web.Response:
+    def rate(self, client: str, path: str, document: Mapping[str, Any] | None, size: int) -> list[tuple[bytes, bytes]] | Response:
         """The x-ratelimit-* headers for the answer, or the 429 of a key over its limit."""
         key = self.keys.get(client)
         if key is None or key.limits is None:
@@ -183,7 +183,7 @@ class Gate:
             429, f"rate limit of the key {client!r} reached on {per}; try again in {wait:.2f} s",
             kind, "rate_limit_exceeded", headers={**dict(headers), "Retry-After": str(retry)})
 
-    async def admit(self, queue: str, ready: Callable[[], tuple[Backend, ...]], priority: int) -> tuple[Backend, ...] | web.Response | None:
+    async def admit(self, queue: str, ready: Callable[[], tuple[Backend, ...]], priority: int) -> tuple[Backend, ...] | Response | None:
         """The instances with room (the forwarder picks among them), None (no queue for this model:
         route as without a gate; or nothing ready: the forwarder's own 503), or the refusal."""
         backends = ready()

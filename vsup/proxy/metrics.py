@@ -96,6 +96,9 @@ class ProxyMetrics:
         self.client_timeouts: dict[str, int] = {}
         self.malformed_requests: dict[int, int] = {}
         self.connections_refused = 0
+        self.body_budget_refusals = 0
+        # Set by the server: bytes of request bodies held now, and proxy.max_body_buffer
+        self.body_buffer: Callable[[], tuple[int, int]] = lambda: (0, 0)
         self.client_connections: Callable[[], int] = lambda: 0  # set by the server: open client connections
         # Set by the server: the balancer's policy and its own decision counts (it bumps them).
         self.policy = ""
@@ -134,6 +137,9 @@ class ProxyMetrics:
 
     def connection_refused(self) -> None:
         self.connections_refused += 1
+
+    def body_budget_refusal(self) -> None:
+        self.body_budget_refusals += 1
 
     def ejection(self, instance: str, model: str = "") -> None:
         key = (instance, model)
@@ -211,6 +217,11 @@ class ProxyMetrics:
         yield family
         yield CounterMetricFamily("vsup_proxy_client_connections_refused", "Client connections refused at the connection limit", value=self.connections_refused)
         yield GaugeMetricFamily("vsup_proxy_client_connections", "Client connections open", value=self.client_connections())
+        held, limit = self.body_buffer()
+        yield GaugeMetricFamily("vsup_proxy_body_buffer_bytes", "Bytes of request bodies the proxy holds now", value=held)
+        yield GaugeMetricFamily("vsup_proxy_body_buffer_limit_bytes", "proxy.max_body_buffer: the most it holds at once", value=limit)
+        yield CounterMetricFamily("vsup_proxy_body_buffer_refusals", "Requests answered 503 because proxy.max_body_buffer was full",
+                                  value=self.body_budget_refusals)
         for name, doc, histograms in (
             ("vsup_proxy_upstream_ttfb_seconds", "Request sent -> first body byte from the instance", self._ttfb),
             ("vsup_proxy_upstream_duration_seconds", "Request sent -> response complete", self._duration),

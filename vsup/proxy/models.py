@@ -14,11 +14,11 @@ import json
 from collections.abc import Callable, Iterable
 
 import aiohttp
-from aiohttp import web
 
 from vsup.proxy import errors
 from vsup.proxy.address import Sessions
 from vsup.proxy.backends import Backend
+from vsup.proxy.messages import Response
 
 
 async def models_of(sessions: Sessions, backend: Backend, timeout: float, connect_timeout: float) -> list[dict]:
@@ -38,7 +38,7 @@ async def models_of(sessions: Sessions, backend: Backend, timeout: float, connec
 
 
 async def merged_models(sessions: Sessions, ready: tuple[Backend, ...], timeout: float, connect_timeout: float,
-                        learn: Callable[[str, Iterable[str]], None] | None = None) -> web.Response:
+                        learn: Callable[[str, Iterable[str]], None] | None = None) -> Response:
     if not ready:
         return errors.no_ready_instance()
     results = await asyncio.gather(*(models_of(sessions, b, timeout, connect_timeout) for b in ready), return_exceptions=True)
@@ -58,4 +58,4 @@ async def merged_models(sessions: Sessions, ready: tuple[Backend, ...], timeout:
     if failures and not seen:
         return errors.bad_gateway("no ready instance answered /v1/models: " + "; ".join(failures))
     body = json.dumps({"object": "list", "data": list(seen.values())}).encode()
-    return web.Response(body=body, content_type="application/json")
+    return Response(body=body, content_type="application/json")

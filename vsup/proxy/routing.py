@@ -24,13 +24,12 @@ import asyncio
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from aiohttp import web
-
 from vsup.config.schema import ProxyConfig
 from vsup.proxy import errors
 from vsup.proxy.affinity import PrefixAffinity
 from vsup.proxy.backends import Backend, BackendPool
 from vsup.proxy.balancer import LeastLoaded, make_balancer
+from vsup.proxy.messages import Response
 
 # Longest client-given model name quoted back in an error (it is client data).
 SHOWN_CHARS = 100
@@ -164,7 +163,7 @@ class ModelRouter:
         if self.learning:
             await asyncio.wait(list(self.learning.values()), timeout=timeout)
 
-    def none_ready(self, model: str) -> web.Response:
+    def none_ready(self, model: str) -> Response:
         self._refuse(model, "no_ready_instance")
         return errors.unavailable(
             f"no ready instance of the model {model!r}: its instances are starting, restarting or unhealthy (the other"

@@ -16,29 +16,33 @@ import os
 from collections.abc import Awaitable, Callable, Mapping
 
 import aiohttp
-from aiohttp import web
+import psutil
 
 from vsup.config import proxy_routes
 from vsup.config.schema import ProxyConfig
 from vsup.errors import VsupError
-from vsup.proxy import aiohttp_internals, errors
+from vsup.proxy import errors
 from vsup.proxy.address import Sessions
 from vsup.proxy.affinity import PrefixAffinity
 from vsup.proxy.auth import REFUSED, BearerAuth, named_keys
 from vsup.proxy.backends import Backend, BackendPool
 from vsup.proxy.balancer import make_balancer
+from vsup.proxy.bodyparse import BodyParser
+from vsup.proxy.budget import BodyBudget, default_limit
+from vsup.proxy.client_conn import FrontServer
 from vsup.proxy.clients import ClientPolicy
 from vsup.proxy.errors import RETRY_AFTER_SECONDS
 from vsup.proxy.forward import Forwarder
 from vsup.proxy.gate import Gate, refit
 from vsup.proxy.health import PROXY_HEADER
 from vsup.proxy.load import LoadProbe
+from vsup.proxy.messages import Answer, Request, Response
 from vsup.proxy.metrics import CONTENT_TYPE, ProxyMetrics
 from vsup.proxy.models import merged_models, models_of
 from vsup.proxy.routing import ModelRouter
 from vsup.proxy.upstream import UpstreamClient
 
-PageHandler = Callable[[web.BaseRequest, BearerAuth], Awaitable[web.StreamResponse]]
+PageHandler = Callable[[Request, BearerAuth], Awaitable[Response]]
 
 log = logging.getLogger("vsup.proxy")
 
@@ -47,9 +51,15 @@ log = logging.getLogger("vsup.proxy")
 UPSTREAM_KEEPALIVE = 4.0
 # After the drain deadline, how long aborted streams get to write their error event.
 ABORT_GRACE = 2.0
+# When the proxy closes, how long a request still being answered gets before it is cut.
+SHUTDOWN_GRACE = 1.0
 HEALTHY = b'{"status": "ok"}'
 # Admin routes after which an instance serves other model names (routing.py learns them again).
 _ADAPTER_ROUTES = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
+
+
+def _total_memory() -> int:
+    return psutil.virtual_memory().total
 
 
 def _has_dot_segment(path: str) -> bool:
@@ -77,7 +87,7 @@ class ProxyServer:
         self._forwarder: Forwarder | None = None
         self._client: UpstreamClient | None = None
         self._session: Sessions | None = None  # for /v1/models only
-        self._runner: web.ServerRunner | None = None
+        self._front: FrontServer | None = None
         self._clients: ClientPolicy | None = None
         self._port: int | None = None
         self.metrics = ProxyMetrics(self.in_flight, pool.states, pool.is_ready, pool.models)
@@ -88,7 +98,7 @@ class ProxyServer:
         self._probe: LoadProbe | None = None  # the engines' load figures (load.py), while a policy uses them
         self._probe_task: asyncio.Task[None] | None = None
         self._set_models(config, models)
-        self._own: dict[str, Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]] = {
+        self._own: dict[str, Callable[[Request], Awaitable[Response]]] = {
             "/health": self._health, "/ready": self._ready, "/metrics": self._metrics,
         }
         # vsup run's collection of the instances' metrics (observe/): its cached text is appended to /metrics
@@ -99,7 +109,6 @@ class ProxyServer:
     # -- the contract --------------------------------------------------------------------------
 
     async def start(self) -> None:
-        aiohttp_internals.check()  # before anything listens or starts: one clear line, not a traceback later
         config = self.config
         self._client = UpstreamClient(limit=config.max_connections, connect_timeout=config.connect_timeout, keepalive=UPSTREAM_KEEPALIVE)
         self._session = Sessions(
@@ -126,25 +135,18 @@ class ProxyServer:
         if self._router is not None:
             for backend in self.pool.ready():
                 self._learn(backend)
-        # A low-level aiohttp Server with our own dispatch (below): the Application router and
-        # its middleware chain cost more per request than the routing they would do here.
-        # handler_cancellation: a client that disconnects cancels its handler, which drops the
-        # upstream connection (aiohttp >= 3.9 leaves it off by default). No access log: it costs
-        # more CPU than the forwarding itself; /metrics counts every request.
-        server = aiohttp_internals.make_server(
-            self._dispatch, policy=self._clients, max_body_bytes=config.max_body_bytes,
-            handler_cancellation=True, access_log=None,
-        )
-        self._runner = web.ServerRunner(server, handle_signals=False, shutdown_timeout=1.0)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, config.host, config.port, backlog=1024, reuse_address=True)
+        budget = self._forwarder.budget = BodyBudget(getattr(config, "max_body_buffer", None) or default_limit(_total_memory()))
+        self.metrics.body_buffer = lambda: (budget.held, budget.limit)
+        self._forwarder.parser = BodyParser()
+        # The client side of HTTP (client_conn.py): our own protocol on httptools, every limit of
+        # the ClientPolicy applied before a handler runs, our own dispatch (below).
+        self._front = FrontServer(self._dispatch, self._clients)
         try:
-            await site.start()
+            self._port = await self._front.listen(config.host, config.port)
         except OSError as exc:
             await self._close()
             why = "the port is already in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
             raise VsupError(f"proxy cannot listen on {config.host}:{config.port}: {why} (set proxy.port / --port)") from None
-        self._port = self._runner.addresses[0][1]
         log.info(
             "proxy listening on http://%s:%d (%s, %d instance(s) known, auth %s)",
             config.host, self._port, config.policy, len(self.pool.all()), "on" if self._auth.enabled else "off",
@@ -293,7 +295,7 @@ class ProxyServer:
         """Answer GET `path` here with `handler(request, auth)` (vsup run's /status page); the auth
         is the one in force when the request comes (a reload may change the key)."""
 
-        async def page(request: web.BaseRequest) -> web.StreamResponse:
+        async def page(request: Request) -> Response:
             return await handler(request, self._auth)
 
         self._own[path] = page
@@ -323,12 +325,11 @@ class ProxyServer:
     async def drain_and_stop(self, timeout: float) -> None:
         """Stop accepting, /ready -> 503, let in-flight requests finish for up to `timeout` seconds,
         then abort the rest upstream (streaming clients get an error event) and close."""
-        if self._runner is None or self._forwarder is None:
+        if self._front is None or self._forwarder is None:
             return
         forwarder = self._forwarder
         forwarder.draining = True
-        for site in list(self._runner.sites):
-            await site.stop()  # closes the listening socket; open connections stay
+        self._front.stop_listening()  # closes the listening socket; open connections stay
         for exchange in list(forwarder.active):
             if exchange.phase in ("body", "waiting"):
                 exchange.abort("draining")  # still sending its request: nothing started, 503 now
@@ -356,9 +357,12 @@ class ProxyServer:
         if self._router is not None:
             for task in list(self._router.learning.values()):
                 task.cancel()
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        if self._front is not None:
+            await self._front.close(SHUTDOWN_GRACE)
+            self._front = None
+        if self._forwarder is not None and self._forwarder.parser is not None:
+            await self._forwarder.parser.aclose()
+            self._forwarder.parser = None
         if self._client is not None:
             self._client.close()
             self._client = None
@@ -373,7 +377,7 @@ class ProxyServer:
 
     # -- handlers ------------------------------------------------------------------------------
 
-    async def _dispatch(self, request: web.BaseRequest) -> web.StreamResponse:
+    async def _dispatch(self, request: Request) -> Answer:
         path = request.path
         if "/." in path and _has_dot_segment(path):
             # The proxy routes (and checks auth) on the path as sent and forwards it as sent: a
@@ -410,7 +414,7 @@ class ProxyServer:
         response.headers[PROXY_HEADER] = self._pid
         return response
 
-    async def _models(self) -> web.StreamResponse:
+    async def _models(self) -> Response:
         if self.draining:
             return errors.unavailable("the proxy is shutting down", RETRY_AFTER_SECONDS)
         connect = self.config.connect_timeout
@@ -419,8 +423,8 @@ class ProxyServer:
         self.metrics.request("/v1/models", response.status, "")
         return response
 
-    async def _health(self, request: web.BaseRequest) -> web.Response:
-        return web.json_response({"status": "ok"})  # HEALTHY's bytes
+    async def _health(self, request: Request) -> Response:
+        return Response(body=HEALTHY, content_type="application/json")
 
     def _readiness(self) -> tuple[int, bytes]:
         ready = len(self.pool.ready())
@@ -430,17 +434,17 @@ class ProxyServer:
             body["models"] = {name: len(self._router.ready(name)) for name in self._router.configs}
         return 200 if ok else 503, json.dumps(body).encode()
 
-    async def _ready(self, request: web.BaseRequest) -> web.Response:
+    async def _ready(self, request: Request) -> Response:
         status, body = self._readiness()
-        return web.Response(status=status, body=body, content_type="application/json")
+        return Response(status=status, body=body, content_type="application/json")
 
-    async def _metrics(self, request: web.BaseRequest) -> web.Response:
+    async def _metrics(self, request: Request) -> Response:
         if not self._auth.allows(request):
             return errors.unauthorized()
         body = self.metrics.render()
         if self.extra_metrics is not None:
             body += self.extra_metrics()
-        response = web.Response(body=body)
+        response = Response(body=body)
         response.headers["Content-Type"] = CONTENT_TYPE
         return response
 

@@ -16,7 +16,7 @@ Failure kinds the forwarder acts on:
 
 One connection, its parsing of the instance's answers and the reading of one answer are
 vsup.proxy.upstream_conn; this module holds the pools and the client the forwarder calls.
-The relay's writes to the client go through a sink (aiohttp_internals.BodySink in the proxy):
+The relay's writes to the client go through a sink (messages.BodySink in the proxy):
 neither module knows anything of aiohttp.
 """
 

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 
 class Sink(Protocol):
-    """Where a relayed body goes (aiohttp_internals.BodySink in the proxy)."""
+    """Where a relayed body goes (messages.BodySink in the proxy)."""
 
     def write(self, data: bytes) -> bool: ...  # True: the client's buffer is full, drain() first
 
