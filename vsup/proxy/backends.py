@@ -16,6 +16,8 @@ import asyncio
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from vsup.proxy.clock import Clock, Handle
+
 
 @dataclass(frozen=True)
 class Backend:
@@ -38,7 +40,8 @@ class BackendPool:
         self._ready: dict[str, bool] = {}
         self._listeners: list[Listener] = []
         self._leaving: dict[str, list[asyncio.Future]] = {}  # wait_not_ready() callers
-        self._ejected: dict[str, asyncio.TimerHandle] = {}  # name -> the timer that ends its ejection
+        self._ejected: dict[str, Handle] = {}  # name -> the timer that ends its ejection
+        self.clock: Clock | None = None  # the ejections' timers (the proxy sets its clock; None: the loop)
         self._rotation: tuple[Backend, ...] = ()  # ready(), rebuilt when readiness changes, not per request
         # Bumped at each rebuild: what routing.py's per-model tables compare, one int per request.
         self.version = 0
@@ -78,7 +81,7 @@ class BackendPool:
         reports it ready again or `seconds` pass. False if it was not in the rotation."""
         if not self.is_ready(name):
             return False
-        self._ejected[name] = asyncio.get_running_loop().call_later(seconds, self._ejection_over, name)
+        self._ejected[name] = (self.clock or asyncio.get_running_loop()).call_later(seconds, self._ejection_over, name)
         self._rebuild_rotation()
         self._changed(name, True)
         return True

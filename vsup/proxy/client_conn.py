@@ -28,6 +28,7 @@ from collections.abc import Awaitable, Callable
 import httptools
 
 from vsup.proxy.clients import PROBE_BYTES, PROBE_TIMEOUT, ClientPolicy, raw_response
+from vsup.proxy.clock import Clock, Handle
 from vsup.proxy.messages import (
     EMPTY_BODY,
     BadRequest,
@@ -68,13 +69,14 @@ class ClientConnection(asyncio.Protocol):
         self.server = server
         self.policy = server.policy  # the same for the connection's life
         self.loop = server.loop
+        self.clock = server.clock  # the deadlines' timers
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
         self.address = ""
         self.peer: object = None
         self.counted = False  # holds one of the policy's connection counts
         self.closing = False
-        self.timer: asyncio.TimerHandle | None = None
+        self.timer: Handle | None = None
         self.idle = False  # the timer is the keep-alive idle limit (the next request's first byte re-arms it)
         # Not None: the bytes are not for the parser (a probe's request line, or a refused
         # connection's rest, read and dropped until it closes: see last_word).
@@ -109,11 +111,11 @@ class ClientConnection(asyncio.Protocol):
         self.refusal = refusal = policy.opened(self.address)
         if refusal is None:
             self.counted = True
-            self.timer = self.loop.call_later(policy.header_timeout, self._head_late)
+            self.timer = self.clock.call_later(policy.header_timeout, self._head_late)
         elif policy.probe_slot(self, self.address):
             self.probing = True
             self.probe = bytearray()
-            self.timer = self.loop.call_later(PROBE_TIMEOUT, self._probe_end, b"")
+            self.timer = self.clock.call_later(PROBE_TIMEOUT, self._probe_end, b"")
         else:
             transport.write(refusal)
             self._close()  # flushes the refusal, then closes
@@ -317,7 +319,7 @@ class ClientConnection(asyncio.Protocol):
 
     def _arm(self, delay: float, callback: Callable[[], None]) -> None:
         self._cancel_timer()
-        self.timer = self.loop.call_later(delay, callback)
+        self.timer = self.clock.call_later(delay, callback)
         self.idle = callback == self._idle_too_long
 
     def _cancel_timer(self) -> None:
@@ -391,7 +393,7 @@ class ClientConnection(asyncio.Protocol):
         if transport.can_write_eof():
             transport.write_eof()
             self._cancel_timer()
-            self.timer = self.loop.call_later(LINGER, self._linger_over)
+            self.timer = self.clock.call_later(LINGER, self._linger_over)
         else:
             transport.close()
 
@@ -462,10 +464,11 @@ def _parser_message(exc: Exception) -> str:
 class FrontServer:
     """The listening socket and its connections: `handler(request)` answers each request."""
 
-    def __init__(self, handler: Handler, policy: ClientPolicy) -> None:
+    def __init__(self, handler: Handler, policy: ClientPolicy, clock: Clock | None = None) -> None:
         self.handler = handler
         self.policy = policy
         self.loop = asyncio.get_running_loop()
+        self.clock: Clock = clock or self.loop
         self.connections: set[ClientConnection] = set()
         self.listener: asyncio.base_events.Server | None = None
 

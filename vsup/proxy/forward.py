@@ -38,6 +38,7 @@ from vsup.proxy.backends import Backend, BackendPool
 from vsup.proxy.bodyparse import BodyParser, NotAnObject
 from vsup.proxy.budget import BodyBudget
 from vsup.proxy.clients import ClientPolicy
+from vsup.proxy.clock import Clock, Handle
 from vsup.proxy.codec import header_lines, is_json, parse_json, request_headers, response_head, response_headers
 from vsup.proxy.errors import RETRY_AFTER_SECONDS
 from vsup.proxy.exchange import Exchange
@@ -85,6 +86,7 @@ class Forwarder:
         clients: ClientPolicy,
         *,
         drop_authorization: bool,
+        clock: Clock | None = None,
     ) -> None:
         self.config = config
         self.pool = pool
@@ -101,23 +103,24 @@ class Forwarder:
         self.active: set[Exchange] = set()
         self.draining = False
         self.loop = asyncio.get_running_loop()
+        self.clock: Clock = clock or self.loop  # every time limit below is read and armed through it
         # The watchdog's period: a limit is enforced within one tick of its deadline.
         self.tick = max(0.005, min(WATCHDOG_TICK, config.first_byte_timeout / 4, config.idle_timeout / 4, config.body_timeout / 4,
                                    config.queue_timeout / 4))
-        self._watchdog: asyncio.TimerHandle | None = None
+        self._watchdog: Handle | None = None
 
     def _sweep(self) -> None:
         """One timer for every request in flight (instead of arming and cancelling timers per
         request, which cost more than the rest of the bookkeeping): cancel the handlers whose
         instance has been silent past their phase's limit. Runs only while requests are active."""
-        now = self.loop.time()
+        now = self.clock.time()
         for exchange in self.active:
             if now - exchange.last >= exchange.limit:
                 exchange.abort("timeout")  # cancel() only schedules: `active` is unchanged here
         gate = self.gate
         if gate is not None and gate.admission.waiting:
             gate.admission.expire(now)  # waits past proxy.queue_timeout end with a 503
-        self._watchdog = self.loop.call_at(now + self.tick, self._sweep) if self.active else None
+        self._watchdog = self.clock.call_at(now + self.tick, self._sweep) if self.active else None
 
     async def handle(self, request: Request, client: str = "") -> Answer:
         route = route_label(request.path)
@@ -127,10 +130,10 @@ class Forwarder:
             self.metrics.request(route, 503, "")
             return refused
         loop = self.loop
-        exchange = Exchange(asyncio.current_task(loop), loop.time())  # type: ignore[arg-type]
+        exchange = Exchange(asyncio.current_task(loop), self.clock.time())  # type: ignore[arg-type]
         self.active.add(exchange)
         if self._watchdog is None:
-            self._watchdog = loop.call_at(loop.time() + self.tick, self._sweep)
+            self._watchdog = self.clock.call_at(self.clock.time() + self.tick, self._sweep)
         try:
             response, backend = await self._handle(request, exchange, client)
         except asyncio.CancelledError:
@@ -343,7 +346,7 @@ class Forwarder:
             queue, ready = "", self.pool.ready
         exchange.phase = "waiting"
         # no phase limit while it waits (proxy.body_timeout's is over): the deadline is the queue's (gate.py)
-        exchange.arm(math.inf, "proxy.queue_timeout", self.loop.time())
+        exchange.arm(math.inf, "proxy.queue_timeout", self.clock.time())
         try:
             admitted = await gate.admit(queue, ready, priority)
         except asyncio.CancelledError:
@@ -363,9 +366,8 @@ class Forwarder:
         chunked body; a declared length was counted whole). The answer to send instead when it
         fails; the rest of the body is then not read (the connection ends after the answer)."""
         exchange.phase = "body"
-        loop = self.loop
         # One deadline for the whole body: the watchdog's `last` is not moved on by each piece.
-        exchange.arm(self.clients.body_timeout, "proxy.body_timeout", loop.time())
+        exchange.arm(self.clients.body_timeout, "proxy.body_timeout", self.clock.time())
         expect = request.headers.get("Expect")
         if expect is not None and expect.lower() == "100-continue" and request.version == HTTP_11:
             # The client waits for this before sending its body: auth and the declared size passed.
@@ -408,15 +410,14 @@ class Forwarder:
         """One try on one instance: a response for the client, or (fallback, reason, why): what
         to answer if nothing better comes, why to retry (None: do not) and what went wrong."""
         exchange.phase = "queued"  # until a connection to the instance is ours
-        loop = self.loop
-        exchange.arm(self.config.first_byte_timeout, "proxy.first_byte_timeout", loop.time())
+        exchange.arm(self.config.first_byte_timeout, "proxy.first_byte_timeout", self.clock.time())
         exchange.first_data_at = None
         upstream: UpstreamResponse | None = None
         try:
             try:
                 conn = self.client.idle_connection(backend.url) or await self.client.connect(backend.url)
                 exchange.phase = "first_byte" if exchange.stream else "non_streaming"
-                exchange.sent_at = loop.time()
+                exchange.sent_at = self.clock.time()
                 started = time.monotonic()
                 upstream = await self.client.send(conn, request.method, target, headers, body)
             except ConnectFailed as exc:
@@ -511,7 +512,7 @@ class Forwarder:
     async def _relay_body(self, request, exchange: Exchange, backend: Backend, upstream: UpstreamResponse, headers, started: float):
         exchange.phase = "response"
         self.metrics.ttfb(False, time.monotonic() - started)
-        exchange.arm(self.config.idle_timeout, "proxy.idle_timeout", self.loop.time())
+        exchange.arm(self.config.idle_timeout, "proxy.idle_timeout", self.clock.time())
         try:
             content = await upstream.read()
         except UpstreamBroken as exc:

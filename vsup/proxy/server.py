@@ -31,6 +31,7 @@ from vsup.proxy.bodyparse import BodyParser
 from vsup.proxy.budget import BodyBudget, default_limit
 from vsup.proxy.client_conn import FrontServer
 from vsup.proxy.clients import ClientPolicy
+from vsup.proxy.clock import Clock
 from vsup.proxy.errors import RETRY_AFTER_SECONDS
 from vsup.proxy.forward import Forwarder
 from vsup.proxy.gate import Gate, refit
@@ -76,9 +77,13 @@ class ProxyServer:
     (routing.py). None or empty: one balancer over every ready instance."""
 
     def __init__(self, config: ProxyConfig, pool: BackendPool, *, api_key: str | None = None,
-                 models: Mapping[str, ProxyConfig] | None = None) -> None:
+                 models: Mapping[str, ProxyConfig] | None = None, clock: Clock | None = None) -> None:
         self.config = config
         self.pool = pool
+        # every time limit of the proxy runs on this clock (clock.py); None: the event loop's
+        self._clock = clock
+        if clock is not None:
+            pool.clock = clock
         self._auth = BearerAuth(api_key if api_key is not None else config.api_key, named_keys(config))
         proxy_routes.require_key(config.admin_routes, self._auth.enabled)
         self._routes = proxy_routes.table(config.admin_routes)
@@ -110,7 +115,8 @@ class ProxyServer:
 
     async def start(self) -> None:
         config = self.config
-        self._client = UpstreamClient(limit=config.max_connections, connect_timeout=config.connect_timeout, keepalive=UPSTREAM_KEEPALIVE)
+        self._client = UpstreamClient(limit=config.max_connections, connect_timeout=config.connect_timeout, keepalive=UPSTREAM_KEEPALIVE,
+                                      clock=self._clock)
         self._session = Sessions(
             connector={"limit": 0, "limit_per_host": 4, "keepalive_timeout": UPSTREAM_KEEPALIVE},
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout),
@@ -126,7 +132,7 @@ class ProxyServer:
         self.metrics.client_connections = lambda: self._clients.open if self._clients else 0
         self._forwarder = Forwarder(
             config, self.pool, self._balancer, self._client, self.metrics, self._clients,
-            drop_authorization=self._auth.enabled,
+            drop_authorization=self._auth.enabled, clock=self._clock,
         )
         self._forwarder.router = self._router
         self._set_gate(config, self._model_configs)
@@ -140,7 +146,7 @@ class ProxyServer:
         self._forwarder.parser = BodyParser()
         # The client side of HTTP (client_conn.py): our own protocol on httptools, every limit of
         # the ClientPolicy applied before a handler runs, our own dispatch (below).
-        self._front = FrontServer(self._dispatch, self._clients)
+        self._front = FrontServer(self._dispatch, self._clients, self._clock)
         try:
             self._port = await self._front.listen(config.host, config.port)
         except OSError as exc:
@@ -193,7 +199,7 @@ class ProxyServer:
     def _set_gate(self, config: ProxyConfig, models: Mapping[str, ProxyConfig] | None) -> None:
         if self._forwarder is not None:
             forwarder = self._forwarder
-            self._gate = forwarder.gate = refit(self._gate, config, models, forwarder.in_flight, forwarder.loop.time,
+            self._gate = forwarder.gate = refit(self._gate, config, models, forwarder.in_flight, forwarder.clock.time,
                                                 self.metrics.families)
 
     def queues(self) -> dict[str, dict]:

@@ -30,6 +30,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from vsup.proxy.address import host_port, label, socket_path
+from vsup.proxy.clock import Clock
 from vsup.proxy.upstream_conn import ConnectFailed, Connection, StaleConnection, UpstreamBroken, UpstreamResponse
 
 _P = TypeVar("_P", bound=asyncio.BaseProtocol)
@@ -39,7 +40,8 @@ class UpstreamPool:
     """Connections to one instance: idle keep-alive ones are reused (newest first), at most
     `limit` exist at once; beyond that, requests wait in line for one."""
 
-    def __init__(self, url: str, limit: int, connect_timeout: float, keepalive: float, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, url: str, limit: int, connect_timeout: float, keepalive: float, loop: asyncio.AbstractEventLoop,
+                 clock: Clock | None = None) -> None:
         self.path = socket_path(url)  # a Unix socket (vsup run's default), else TCP host:port
         self.host, self.port = ("localhost", 0) if self.path is not None else host_port(url)
         self.label = label(url)
@@ -47,7 +49,8 @@ class UpstreamPool:
         self.limit = limit
         self.connect_timeout = connect_timeout
         self.keepalive = keepalive
-        self.loop = loop
+        self.loop = loop  # keep-alive expiry: real time (the instance's own keep-alive timer is)
+        self.clock: Clock = clock or loop
         self.idle: list[tuple[Connection, float]] = []
         self.open = 0
         self.waiters: collections.deque[asyncio.Future] = collections.deque()
@@ -165,7 +168,8 @@ class UpstreamPool:
 class UpstreamClient:
     """One pool per instance URL."""
 
-    def __init__(self, *, limit: int, connect_timeout: float, keepalive: float) -> None:
+    def __init__(self, *, limit: int, connect_timeout: float, keepalive: float, clock: Clock | None = None) -> None:
+        self.clock = clock  # what the relay stamps a request's activity with (the forwarder's watchdog reads it); None: the loop
         self.limit = limit
         self.connect_timeout = connect_timeout
         self.keepalive = keepalive
@@ -174,7 +178,8 @@ class UpstreamClient:
     def pool(self, url: str) -> UpstreamPool:
         pool = self.pools.get(url)
         if pool is None:
-            pool = self.pools[url] = UpstreamPool(url, self.limit, self.connect_timeout, self.keepalive, asyncio.get_running_loop())
+            loop = asyncio.get_running_loop()
+            pool = self.pools[url] = UpstreamPool(url, self.limit, self.connect_timeout, self.keepalive, loop, self.clock or loop)
         return pool
 
     def set_connect_timeout(self, seconds: float) -> None:

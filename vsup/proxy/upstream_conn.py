@@ -76,7 +76,7 @@ class Connection(asyncio.Protocol):
         self.lost = False
         self.used = 0
         self.counted_out = False  # its slot in the pool's `open` count was given back
-        self.clock = pool.loop.time
+        self.clock = pool.clock.time
         # One parser for the connection's life: after a clean, complete answer llhttp is at the
         # start of the next one (a connection with any error is never reused).
         self.parser = httptools.HttpResponseParser(self)

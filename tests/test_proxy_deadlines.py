@@ -1,0 +1,149 @@
+"""The proxy's time limits at their default values, on a virtual clock (tests/virtual_clock.py):
+each is checked just before and just after it passes — first byte (300 s), between chunks
+(120 s), the admission queue (60 s), a request's headers (30 s) and body (60 s), passive ejection
+(10 s). Real sockets and a real fake-vLLM process; only the proxy's timers are virtual."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+
+import aiohttp
+import pytest
+
+from tests.fakevllm.fixtures import start_fake
+from tests.proxy_support import LEAN, MESSAGES, metric_value, metrics_text, url, wait_for
+from tests.virtual_clock import ProxyClock
+from vsup.config.schema import ProxyConfig
+from vsup.proxy import ProxyServer
+from vsup.proxy.backends import Backend, BackendPool
+from vsup.proxy.forward import EJECT_SECONDS
+
+JUST = 0.5  # how far before and after a limit each check is made (virtual seconds)
+
+
+@pytest.fixture(scope="module")
+def fake():
+    started = start_fake(name="d", env=LEAN)
+    started.wait_ready()
+    yield started
+    started.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def proxy_on(clock: ProxyClock, backends: list[Backend], models: dict | None = None, **config):
+    pool = BackendPool()
+    for backend in backends:
+        pool.add(backend)
+        pool.set_state(backend.name, "ready", True)
+    proxy = ProxyServer(ProxyConfig(port=0, **config), pool, models=models, clock=clock)
+    await proxy.start()
+    try:
+        yield proxy
+    finally:
+        await proxy.drain_and_stop(0)
+
+
+def chat(**fake) -> bytes:
+    return json.dumps({"model": "fake-model", "messages": MESSAGES, "max_tokens": 2, "fake": fake}).encode()
+
+
+async def post(session: aiohttp.ClientSession, proxy, body: bytes):
+    async with session.post(url(proxy, "/v1/chat/completions"), data=body, headers={"Content-Type": "application/json"}) as r:
+        return r.status, await r.read()
+
+
+async def test_first_byte_timeout_cuts_at_300_s_not_before(fake):
+    clock = ProxyClock()
+    async with proxy_on(clock, [Backend("d", fake.url)]) as proxy, aiohttp.ClientSession() as session:
+        before = len(fake.events("request"))
+        sent = asyncio.create_task(post(session, proxy, chat(first_token_delay=3600)))
+        await wait_for(lambda: len(fake.events("request")) > before, what="the request to reach the instance")
+        await clock.advance(300 - JUST)
+        assert not sent.done()
+        await clock.advance(2 * JUST)
+        status, body = await asyncio.wait_for(sent, 10)
+        assert status == 504 and "proxy.first_byte_timeout" in json.loads(body)["error"]["message"]
+        await asyncio.to_thread(fake.wait_event, "cancelled", 10.0)  # the instance saw the request go
+
+
+async def test_idle_timeout_cuts_a_silent_stream_at_120_s(fake):
+    clock = ProxyClock()
+    async with proxy_on(clock, [Backend("d", fake.url)]) as proxy, aiohttp.ClientSession() as session:
+        body = json.dumps({"model": "fake-model", "messages": MESSAGES, "max_tokens": 3, "stream": True,
+                           "fake": {"first_token_delay": 0, "token_delay": 3600}}).encode()
+        async with session.post(url(proxy, "/v1/chat/completions"), data=body, headers={"Content-Type": "application/json"}) as r:
+            assert r.status == 200
+            first = await asyncio.wait_for(r.content.readline(), 10)  # the first event came
+            assert first.startswith(b"data: ")
+            reading = asyncio.create_task(r.read())
+            await clock.advance(120 - JUST)
+            await asyncio.sleep(0.05)
+            assert not reading.done()
+            await clock.advance(2 * JUST)
+            rest = await asyncio.wait_for(reading, 10)
+        assert b"proxy.idle_timeout" in rest and b'"upstream_error"' in rest
+
+
+async def test_queue_timeout_answers_503_at_60_s(fake):
+    clock = ProxyClock()
+    model = {"fake-model": ProxyConfig(max_in_flight_per_instance=1)}
+    async with proxy_on(clock, [Backend("d", fake.url, "fake-model")], models=model) as proxy, \
+            aiohttp.ClientSession() as session:
+        holding = asyncio.create_task(post(session, proxy, chat(first_token_delay=3600)))
+        await wait_for(lambda: proxy.in_flight().get("d") == 1, what="the first request in flight")
+        waiting = asyncio.create_task(post(session, proxy, chat()))
+        await wait_for(lambda: sum(q["waiting"] for q in proxy.queues().values()) == 1, what="one waiting")
+        await clock.advance(60 - JUST)
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        await clock.advance(2 * JUST)
+        status, body = await asyncio.wait_for(waiting, 10)
+        assert status == 503 and json.loads(body)["error"]["code"] == "queue_timeout"
+        holding.cancel()
+        await asyncio.gather(holding, return_exceptions=True)
+
+
+async def test_an_ejection_runs_out_after_10_s(fake):
+    with contextlib.closing(__import__("socket").socket()) as probe:
+        probe.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{probe.getsockname()[1]}"  # bound, not listening: connections are refused
+        clock = ProxyClock()
+        async with proxy_on(clock, [Backend("gone", dead), Backend("d", fake.url)], policy="round_robin") as proxy, \
+                aiohttp.ClientSession() as session:
+            for _ in range(2):  # one of them meets the refused instance and is retried on the other
+                assert (await post(session, proxy, chat()))[0] == 200
+            assert proxy.pool.is_ejected("gone")
+            await clock.advance(EJECT_SECONDS - JUST)
+            assert proxy.pool.is_ejected("gone")
+            await clock.advance(2 * JUST)
+            assert not proxy.pool.is_ejected("gone") and proxy.pool.is_ready("gone")
+
+
+async def test_header_and_body_deadlines_at_their_defaults(fake):
+    clock = ProxyClock()
+    async with proxy_on(clock, [Backend("d", fake.url)]) as proxy:
+        heads = await asyncio.open_connection("127.0.0.1", proxy.port)
+        heads[1].write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+        body = chat()
+        bodies = await asyncio.open_connection("127.0.0.1", proxy.port)
+        bodies[1].write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: %d\r\n\r\n%b" % (len(body), body[:10]))
+        await wait_for(lambda: proxy.total_in_flight() == 1, what="the half-sent body in flight")
+        await clock.advance(30 - JUST)
+        await asyncio.sleep(0.05)
+        assert not heads[0].at_eof()
+        await clock.advance(2 * JUST)
+        assert await asyncio.wait_for(heads[0].read(), 5) == b""  # closed, nothing said
+        await clock.advance(60 - 30 - 2 * JUST)  # the body's 60 s run from its headers, sent at 0 s
+        await asyncio.sleep(0.05)
+        assert not bodies[0].at_eof()
+        await clock.advance(2 * JUST)
+        answer = await asyncio.wait_for(bodies[0].read(), 5)
+        assert answer.startswith(b"HTTP/1.1 408 ") and b"proxy.body_timeout" in answer
+        for _, writer in (heads, bodies):
+            writer.close()
+        text = await metrics_text(proxy)
+        assert metric_value(text, "vsup_proxy_client_timeouts_total", phase="headers") == 1
+        assert metric_value(text, "vsup_proxy_client_timeouts_total", phase="body") == 1
