@@ -367,6 +367,11 @@ async def bodies_flood(port: int, pid: int, sampler: Sampler, connections: int, 
     }
 
 
+# How far past the limit an upload may go before its answer is seen: the socket buffers between
+# the two ends hold several MiB the proxy has not read yet.
+UNANSWERED_SLACK = 32 * MiB
+
+
 async def chunked_past_limit(port: int, limit: int, after_cap: int, seconds_cap: float = 60.0) -> dict:
     """One chunked upload that never ends: the proxy's answer once it is past `limit`, and how many
     more bytes the client could send (each write drained) before the connection closed."""
@@ -382,7 +387,7 @@ async def chunked_past_limit(port: int, limit: int, after_cap: int, seconds_cap:
                 at_answer, answered_at = sent, time.monotonic()
             if at_answer is not None and sent - at_answer >= after_cap:
                 end = "read on"
-            elif at_answer is None and sent >= limit + after_cap:
+            elif at_answer is None and sent >= limit + UNANSWERED_SLACK + after_cap:
                 end = "read on, no answer"
             elif time.monotonic() - started > seconds_cap:
                 end = "timed out"
