@@ -5,7 +5,7 @@ hold (its RSS), whether /health stays answered, and whether one client's big bod
     .venv/bin/python bench/flood_bench.py [--cases header,idle,trickle,bodies,json]
         [--connections 400] [--header-kib 960] [--idle 4300] [--trickle-every 5] [--trickle-cap 150]
         [--bodies 60] [--body-kib 8192] [--body-timeout 600] [--chunked-after-mib 64]
-        [--json-seconds 20] [--json-mib 7] [--probe-every 0.05]
+        [--json-seconds 20] [--json-mib 7] [--json-shape array|object] [--probe-every 0.05]
         [--baseline DIR [--baseline-label TEXT]] [--label TEXT] [--variant NAME] [--out DIR]
 
 Each run starts `vsup proxy` (this tree's, or with --baseline also another vsup source tree's, e.g.
@@ -37,7 +37,9 @@ in front of a minimal upstream (in this process), and runs the cases --cases nam
            POSTing a small chat completion (max_tokens 2) every --probe-every seconds (unloaded),
            then the same while another process posts --json-mib MiB JSON arrays of small objects
            (`[{"a": 1}, ...]`, 10 bytes each: 734k in 7 MiB; not an object, so 400 once parsed)
-           back to back on its own connection. Latencies p50/p95/p99/max of both phases; bar:
+           back to back on its own connection (--json-shape object: a chat completion holding that
+           array in an extra field, so an answer from the body's first byte alone cannot skip the
+           parse; the upstream answers it). Latencies p50/p95/p99/max of both phases; bar:
            loaded /health p99 <= 50 ms and the small request's loaded p95 <= 2x its unloaded p95,
            with the JSON client's posts answered (not refused) at least once.
 The bench raises its open-file limit to the hard limit (the proxy inherits it: its connection limit is
@@ -96,7 +98,7 @@ async def upstream() -> tuple[web.AppRunner, int]:
                                                "finish_reason": "length"}],
                                   "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}})
 
-    app = web.Application()
+    app = web.Application(client_max_size=64 * 1024 * 1024)  # the json case's object shape forwards 7 MiB bodies
     async def models(request):
         return web.json_response({"object": "list", "data": [{"id": "bench", "object": "model"}]})
 
@@ -429,11 +431,24 @@ def json_array(mib: float) -> bytes:
     return b"[" + b", ".join([b'{"a": 1}'] * count) + b"]"
 
 
-def json_client(port: int, seconds: float, mib: float) -> None:
+JSON_SHAPES = ("array", "object")
+CHAT_HEAD = b'{"model": "bench", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}], "pad": '
+
+
+def json_body(mib: float, shape: str) -> bytes:
+    """The json case's body of about `mib` MiB: the array itself (not an object: 400 once parsed),
+    or (`object`) a chat completion whose extra field `pad` holds it, which an answer that looks only
+    at the body's first byte cannot refuse unparsed (forwarded: the upstream answers it)."""
+    if shape == "array":
+        return json_array(mib)
+    return CHAT_HEAD + json_array(mib - (len(CHAT_HEAD) + 1) / MiB) + b"}"
+
+
+def json_client(port: int, seconds: float, mib: float, shape: str) -> None:
     """The json case's flooding client, run as its own process (`flood_bench.py --json-client PORT
-    SECONDS MIB`) so the measuring clients' loop does not share its CPU: posts the array back to
+    SECONDS MIB SHAPE`) so the measuring clients' loop does not share its CPU: posts the array back to
     back on one keep-alive connection for `seconds`; prints what it got as JSON."""
-    body = json_array(mib)
+    body = json_body(mib, shape)
     statuses: Counter = Counter()
     errors = 0
     conn = None
@@ -457,7 +472,7 @@ def json_client(port: int, seconds: float, mib: float) -> None:
             time.sleep(0.01)
     if conn is not None:
         conn.close()
-    print(json.dumps({"body_bytes": len(body), "objects": body.count(b"{"), "statuses": dict(statuses), "errors": errors}))
+    print(json.dumps({"body_bytes": len(body), "objects": body.count(b'{"a": 1}'), "statuses": dict(statuses), "errors": errors}))
 
 
 class Conn:
@@ -551,11 +566,11 @@ async def latency_phase(port: int, every: float, seconds: float) -> dict:
     return {"health": latency(health, health_status), "small": latency(small, small_status)}
 
 
-async def json_flood(port: int, pid: int, sampler: Sampler, seconds: float, mib: float, every: float) -> dict:
+async def json_flood(port: int, pid: int, sampler: Sampler, seconds: float, mib: float, shape: str, every: float) -> dict:
     unloaded = await latency_phase(port, every, seconds)
     lead = 1.0  # the flooder builds its body and has its first one under way before the measuring starts
     flooder = await asyncio.create_subprocess_exec(
-        sys.executable, str(Path(__file__).resolve()), "--json-client", str(port), str(seconds + lead + 0.5), str(mib),
+        sys.executable, str(Path(__file__).resolve()), "--json-client", str(port), str(seconds + lead + 0.5), str(mib), shape,
         stdout=subprocess.PIPE)
     await asyncio.sleep(lead)
     sampler.reset()
@@ -575,7 +590,7 @@ async def json_flood(port: int, pid: int, sampler: Sampler, seconds: float, mib:
     met = (health_p99 is not None and small_p95 is not None and small_p95_unloaded is not None and answered > 0
            and health_p99 <= 50 and small_p95 <= 2 * small_p95_unloaded)
     return {
-        "seconds_per_phase": seconds, "every_s": every, "json_mib": mib, "unloaded": unloaded, "loaded": loaded,
+        "seconds_per_phase": seconds, "every_s": every, "json_mib": mib, "json_shape": shape, "unloaded": unloaded, "loaded": loaded,
         "json_client": {**client, "posts_answered": answered, "posts_per_s": round(sum(client["statuses"].values()) / (seconds + lead + 0.5), 2)},
         "rss_mib_before_loaded": round(before, 1), "rss_mib_peak_loaded": round(peak, 1),
         "small_p95_loaded_over_unloaded": round(small_p95 / small_p95_unloaded, 2) if small_p95 and small_p95_unloaded else None,
@@ -636,8 +651,9 @@ async def measure(tree: Path, args) -> dict:
         if "json" in args.cases:
             async with proxy_of(tree, upstream_port) as (proc, port, sampler):
                 print(f"{tree}: json ({args.json_seconds:g} s unloaded, {args.json_seconds:g} s with "
-                      f"{args.json_mib:g} MiB arrays posted back to back)", file=sys.stderr)
-                out["json"] = await json_flood(port, proc.pid, sampler, args.json_seconds, args.json_mib, args.probe_every)
+                      f"{args.json_mib:g} MiB {args.json_shape}s posted back to back)", file=sys.stderr)
+                out["json"] = await json_flood(port, proc.pid, sampler, args.json_seconds, args.json_mib, args.json_shape,
+                                         args.probe_every)
     finally:
         await runner.cleanup()
     return out
@@ -676,8 +692,8 @@ def cases_arg(text: str) -> list[str]:
 
 def main() -> None:
     if sys.argv[1:2] == ["--json-client"]:  # the json case's flooding client, in its own process
-        port, seconds, mib = sys.argv[2:5]
-        json_client(int(port), float(seconds), float(mib))
+        port, seconds, mib, shape = sys.argv[2:6]
+        json_client(int(port), float(seconds), float(mib), shape)
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", type=cases_arg, default=list(CASES), help=f"which cases, comma-separated (default {','.join(CASES)})")
@@ -696,6 +712,8 @@ def main() -> None:
                         help="bodies: MiB a chunked upload may send after its answer before it counts as read on")
     parser.add_argument("--json-seconds", type=float, default=20.0, help="json: seconds of each phase (unloaded, loaded)")
     parser.add_argument("--json-mib", type=float, default=7.0, help="json: MiB of each JSON array posted")
+    parser.add_argument("--json-shape", choices=JSON_SHAPES, default="array",
+                        help="json: the posted body: the array (400 once parsed) or a chat completion holding it in a field")
     parser.add_argument("--probe-every", type=float, default=0.05, help="json: seconds between two /health (and small) requests")
     parser.add_argument("--baseline", metavar="DIR", help="also measure the proxy of the vsup source tree in DIR")
     parser.add_argument("--baseline-label", metavar="TEXT", help="what the baseline is, for the result (e.g. its commit)")

@@ -161,3 +161,20 @@ def test_the_held_body_is_a_json_object_missing_only_its_last_byte():
         json.loads(body[:-1])
     array = fb.json_array(1)
     assert len(array) == 10 * (2**20 // 10) and json.loads(array) == [{"a": 1}] * (2**20 // 10)
+    assert fb.json_body(1, "array") == array
+    chat = fb.json_body(1, "object")
+    document = json.loads(chat)
+    assert 2**20 - 10 <= len(chat) <= 2**20 and document["model"] == "bench" and document["messages"][0]["role"] == "user"
+    assert document["pad"] == [{"a": 1}] * chat.count(b'{"a": 1}')
+
+
+def test_the_object_shape_is_parsed_and_forwarded_whole(tmp_path):
+    """--json-shape object: a chat completion holding the array, which the proxy must read and the
+    upstream answers (a body the bench's upstream refused would come back as its 413)."""
+    run = subprocess.run([sys.executable, str(BENCH), "--cases", "json", "--json-seconds", "1", "--json-mib", "2",
+                          "--json-shape", "object", "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    case = json.loads((tmp_path / "flood_bench-json.json").read_text())["figures"]["this"]["json"]
+    client = case["json_client"]
+    assert case["json_shape"] == "object" and client["objects"] == (2 * 2**20 - len(fb.CHAT_HEAD) - 1) // 10
+    assert set(client["statuses"]) == {"200"} and client["posts_answered"] >= 1, client
