@@ -129,6 +129,29 @@ async def test_the_bench_client_reads_sized_and_chunked_answers_and_reconnects_a
         await runner.cleanup()
 
 
+def test_the_published_flood_block_shows_the_new_cases_when_its_file_has_them(tmp_path, monkeypatch):
+    """scripts/published_numbers.py's flood block: the bodies and json rows and the bars' verdicts
+    from a file that has them (docs/bench/flood_bench.json once every case ran); none without."""
+    spec = importlib.util.spec_from_file_location("published_numbers_flood", ROOT / "scripts" / "published_numbers.py")
+    assert spec and spec.loader
+    pn = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pn)
+    data = json.loads((ROOT / "docs" / "bench" / "flood_bench.json").read_text())
+    monkeypatch.setattr(pn, "BENCH_DIR", tmp_path)
+    (tmp_path / "flood_bench.json").write_text(json.dumps(data))
+    assert "JSON" not in pn.flood("docs/bench") and "bars" not in pn.flood("docs/bench")
+    new = json.loads((ROOT / "docs" / "bench" / "flood_bench-before.json").read_text())["figures"]["this"]
+    for run in ("this", "baseline"):
+        data["figures"][run].update(new)
+    data["figures"]["this"]["json"] = dict(new["json"], met=True)
+    (tmp_path / "flood_bench.json").write_text(json.dumps(data))
+    block = pn.flood("docs/bench")
+    bodies, json_case = new["bodies"], new["json"]
+    assert f"| {bodies['rss_mib_peak']:.0f} MiB (+{bodies['rss_mib_rise_peak']:.0f}) |" in block
+    assert f"| {json_case['loaded']['health']['p99_ms']:.0f} / {json_case['loaded']['health']['max_ms']:.0f} ms |" in block
+    assert "bodies: missed" in block and "json: met" in block and "chunked_413: missed" in block
+
+
 def test_percentiles_are_nearest_rank():
     values = [float(v) for v in range(1, 101)]
     assert fb.pct(values, 50) == 50 and fb.pct(values, 95) == 95 and fb.pct(values, 99) == 99 and fb.pct(values, 100) == 100
