@@ -325,7 +325,7 @@ async def send_until(writer: asyncio.StreamWriter, data: bytes, answer: asyncio.
 
 
 async def bodies_flood(port: int, pid: int, sampler: Sampler, connections: int, declared: int,
-                       hold_s: float, send_s: float = 90.0) -> dict:
+                       hold_s: float, send_s: float = 30.0) -> dict:
     body = held_body(declared)[:-1]
     before = rss_mib(pid)
     sampler.reset()
