@@ -462,10 +462,47 @@ def flood(link: str) -> str:
         (f"a body trickled, a byte every {runs[0][1]['trickle']['every_s']:g} s",
          lambda r: trickled(r["trickle"]["body_closed_after_s"], r["trickle"]["cap_s"])),
     ]
+    # issue 29's cases (bench/flood_bench.py's bodies and json), where every run in the file has them
+    if all("bodies" in r and "chunked_413" in r for _, r in runs):
+        b = runs[0][1]["bodies"]
+
+        def answers(r: dict) -> str:
+            got = r["bodies"]["answers"]
+            return ", ".join(f"{n} {'unanswered' if status == 'none' else status}" for status, n in got.items())
+
+        def chunked(r: dict) -> str:
+            c = r["chunked_413"]
+            more = c["bytes_sent_after_answer"]
+            if more is None:
+                return f"{c['status']}, {c['ended']}"
+            if c["ended"] == "read on":  # the bench stopped sending at its cap
+                return f"{c['status']}, then still read: {more / 2**20:.0f} MiB more"
+            return f"{c['status']}, then {c['ended']} ({more / 2**20:.1f} MiB more sent)"
+
+        rows += [
+            (f"{b['connections']} clients each send a body of {b['declared_bytes'] / 2**20:g} MiB but its last byte "
+             f"(proxy.body_timeout {b['proxy_settings']['body_timeout']:g} s): peak RSS",
+             lambda r: f"{r['bodies']['rss_mib_peak']:.0f} MiB (+{r['bodies']['rss_mib_rise_peak']:.0f})"),
+            ("… after they closed", lambda r: f"{r['bodies']['rss_mib_after_close']:.0f} MiB"),
+            ("… their answers", answers),
+            ("a chunked upload past proxy.max_body_bytes", chunked),
+        ]
+    if all("json" in r for _, r in runs):
+        j = runs[0][1]["json"]
+        rows += [
+            (f"`GET /health` p99 / max while one client posts {j['json_mib']:g} MiB JSON {j.get('json_shape', 'array')}s "
+             "back to back", lambda r: f"{r['json']['loaded']['health']['p99_ms']:.0f} / {r['json']['loaded']['health']['max_ms']:.0f} ms"),
+            ("… another client's small request p95, loaded / unloaded",
+             lambda r: f"{r['json']['loaded']['small']['p95_ms']:.0f} / {r['json']['unloaded']['small']['p95_ms']:.0f} ms"),
+        ]
     head = "| `bench/flood_bench.py`, default settings | " + " | ".join(name for name, _ in runs) + " |"
     table = "\n".join([head, "|---" * (len(runs) + 1) + "|"]
                       + [f"| {what} | " + " | ".join(cell(r) for _, r in runs) + " |" for what, cell in rows])
-    return f"{table}\n\n{conditions(data, link)}"
+    this = runs[0][1]
+    bars = [f"{case}: {'met' if this[case]['met'] else 'missed'} ({this[case]['bar']})"
+            for case in ("bodies", "chunked_413", "json") if case in this]
+    verdicts = f"\n\nIssue 29's bars, {runs[0][0]}: " + "; ".join(bars) + "." if bars else ""
+    return f"{table}{verdicts}\n\n{conditions(data, link)}"
 
 
 def priority(link: str, file: str = "priority_bench.json") -> str:
