@@ -374,6 +374,17 @@ async def bodies_flood(port: int, pid: int, sampler: Sampler, connections: int, 
 UNANSWERED_SLACK = 32 * MiB
 
 
+def socket_buffers() -> int:
+    """The most one loopback connection's send and receive buffers hold (tcp_wmem, tcp_rmem maxima)."""
+    total = 0
+    for name in ("tcp_wmem", "tcp_rmem"):
+        try:
+            total += int(Path(f"/proc/sys/net/ipv4/{name}").read_text().split()[2])
+        except (OSError, ValueError, IndexError):
+            total += 4 * MiB
+    return total
+
+
 async def chunked_past_limit(port: int, limit: int, after_cap: int, seconds_cap: float = 60.0) -> dict:
     """One chunked upload that never ends: the proxy's answer once it is past `limit`, and how many
     more bytes the client could send (each write drained) before the connection closed."""
@@ -404,6 +415,7 @@ async def chunked_past_limit(port: int, limit: int, after_cap: int, seconds_cap:
                 await asyncio.sleep(0)  # a drain that did not wait did not let the loop read the answer
     except (ConnectionError, OSError):
         end = "closed"
+    closed_at = time.monotonic()  # (when the client stopped: closed, or one of the other ends)
     if at_answer is None and answer.done():  # the answer and the close came together
         at_answer, answered_at = sent, time.monotonic()
     if not answer.done():
@@ -418,8 +430,13 @@ async def chunked_past_limit(port: int, limit: int, after_cap: int, seconds_cap:
         "bytes_sent_before_answer": at_answer, "bytes_sent_after_answer": after,
         "seconds_after_answer": None if answered_at is None else round(time.monotonic() - answered_at, 2),
         "cap_after_answer_bytes": after_cap,
-        "bar": "413, then the connection closed with at most 1 MiB sent after it (issue 29 item 3)",
-        "met": status == "413" and end == "closed" and after is not None and after <= MiB,
+        # What the client counts as sent includes what the kernel buffers: the proxy reads at most
+        # 1 MiB after its answer (client_conn.LINGER_BYTES); the sockets hold at most their buffers.
+        "socket_buffers_bytes": socket_buffers(),
+        "bar": "413, then the connection closed within 2 s, the client's bytes after it under 1 MiB + the"
+               " loopback sockets' buffers (issue 29 item 3: not read on)",
+        "met": (status == "413" and end == "closed" and after is not None and after <= MiB + socket_buffers()
+                and answered_at is not None and closed_at - answered_at <= 2.0),
     }
 
 

@@ -67,7 +67,8 @@ def test_a_tiny_run_of_bodies_and_json_writes_its_figures(tmp_path):
         assert chunked["ended"] in ("closed", "read on", "stalled"), chunked
         if chunked["ended"] == "read on":
             assert chunked["bytes_sent_after_answer"] == chunked["cap_after_answer_bytes"] == 2 * 2**20
-        assert chunked["met"] is (chunked["ended"] == "closed" and chunked["bytes_sent_after_answer"] <= 2**20)
+        assert chunked["met"] is (chunked["ended"] == "closed" and chunked["bytes_sent_after_answer"] <= 2**20 + chunked["socket_buffers_bytes"]
+                                  and chunked["seconds_after_answer"] <= 2.5)
 
         case = measured["json"]
         assert case["seconds_per_phase"] == 1 and case["every_s"] == 0.05

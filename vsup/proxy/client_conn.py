@@ -49,7 +49,8 @@ Handler = Callable[[Request], Awaitable["Response | RawResponse | StreamAnswer"]
 MAX_LINE = 8190
 MAX_HEADERS = 128
 # How long a connection refused mid-request is read (and dropped) after its answer, at most, and
-# how many bytes: enough for the client to get the answer rather than a reset, no more.
+# how many bytes: enough for a client that sends a little more to get the answer rather than a
+# reset; past LINGER_BYTES the socket is not read, and it is closed at the end of LINGER.
 LINGER = 1.0
 LINGER_BYTES = 1024 * 1024
 # The client's socket is written to until this much is unsent, then the relay waits (drain).
@@ -414,8 +415,11 @@ class ClientConnection(asyncio.Protocol):
         assert probe is not None
         if not self.probing or self.timer is None or self.transport is None:
             self.dropped += len(data)  # lingering after an answer: dropped
-            if self.dropped > LINGER_BYTES and self.transport is not None:
-                self.transport.abort()
+            if self.dropped > LINGER_BYTES and self.transport is not None and not self.reading_paused:
+                # enough: nothing more is read; the close comes at the linger's end (the client,
+                # if it reads while it sends, has its answer by then)
+                self.reading_paused = True
+                self.transport.pause_reading()
             return
         probe += data
         end = probe.find(b"\r\n")
