@@ -54,9 +54,13 @@ async def post(session: aiohttp.ClientSession, proxy, body: bytes):
         return r.status, await r.read()
 
 
+# (the stall watchdog would take a lone silent request's instance out first: off in these three)
+QUIET = {"stall_timeout": 3600.0}
+
+
 async def test_first_byte_timeout_cuts_at_300_s_not_before(fake):
     clock = ProxyClock()
-    async with proxy_on(clock, [Backend("d", fake.url)]) as proxy, aiohttp.ClientSession() as session:
+    async with proxy_on(clock, [Backend("d", fake.url)], **QUIET) as proxy, aiohttp.ClientSession() as session:
         before = len(fake.events("request"))
         sent = asyncio.create_task(post(session, proxy, chat(first_token_delay=3600)))
         await wait_for(lambda: len(fake.events("request")) > before, what="the request to reach the instance")
@@ -70,7 +74,7 @@ async def test_first_byte_timeout_cuts_at_300_s_not_before(fake):
 
 async def test_idle_timeout_cuts_a_silent_stream_at_120_s(fake):
     clock = ProxyClock()
-    async with proxy_on(clock, [Backend("d", fake.url)]) as proxy, aiohttp.ClientSession() as session:
+    async with proxy_on(clock, [Backend("d", fake.url)], **QUIET) as proxy, aiohttp.ClientSession() as session:
         body = json.dumps({"model": "fake-model", "messages": MESSAGES, "max_tokens": 3, "stream": True,
                            "fake": {"first_token_delay": 0, "token_delay": 3600}}).encode()
         async with session.post(url(proxy, "/v1/chat/completions"), data=body, headers={"Content-Type": "application/json"}) as r:
@@ -89,7 +93,7 @@ async def test_idle_timeout_cuts_a_silent_stream_at_120_s(fake):
 async def test_queue_timeout_answers_503_at_60_s(fake):
     clock = ProxyClock()
     model = {"fake-model": ProxyConfig(max_in_flight_per_instance=1)}
-    async with proxy_on(clock, [Backend("d", fake.url, "fake-model")], models=model) as proxy, \
+    async with proxy_on(clock, [Backend("d", fake.url, "fake-model")], models=model, **QUIET) as proxy, \
             aiohttp.ClientSession() as session:
         holding = asyncio.create_task(post(session, proxy, chat(first_token_delay=3600)))
         await wait_for(lambda: proxy.in_flight().get("d") == 1, what="the first request in flight")
@@ -147,3 +151,76 @@ async def test_header_and_body_deadlines_at_their_defaults(fake):
         text = await metrics_text(proxy)
         assert metric_value(text, "vsup_proxy_client_timeouts_total", phase="headers") == 1
         assert metric_value(text, "vsup_proxy_client_timeouts_total", phase="body") == 1
+
+
+# -- a hung instance (proxy/stall.py): /health answers, its requests get nothing
+
+
+@pytest.fixture(scope="module")
+def hung():
+    started = start_fake(name="h", env={**LEAN, "FAKE_VLLM_HANG_AFTER": "0", "FAKE_VLLM_HANG_MODE": "engine"})
+    started.wait_ready()
+    yield started
+    started.cleanup()
+
+
+async def test_a_hung_instance_is_taken_out_and_its_requests_retried_elsewhere(fake, hung):
+    clock = ProxyClock()
+    reported: list[tuple[str, str]] = []
+    async with proxy_on(clock, [Backend("h", hung.url), Backend("d", fake.url)], policy="round_robin") as proxy, \
+            aiohttp.ClientSession() as session:
+        proxy.pool.on_stalled = lambda name, why: reported.append((name, why))
+        async with session.get(f"{hung.url}/health") as health:
+            assert health.status == 200
+        before = len(hung.events("request"))
+        sent = [asyncio.create_task(post(session, proxy, chat())) for _ in range(2)]  # one each, round robin
+        await wait_for(lambda: len(hung.events("request")) > before, what="a request to reach the hung instance")
+        done, _ = await asyncio.wait(sent, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+        assert len(done) == 1  # the healthy instance's answer; the other waits on the hung one
+        # a ~100-byte prompt, no prefill measured yet on "h"'s model: 60 s + 100 / 40 s allowed
+        await clock.advance(60 - JUST)
+        await asyncio.sleep(0.1)
+        assert not all(task.done() for task in sent) and proxy.pool.is_ready("h")
+        await clock.advance(5 + 2 * JUST)  # past the allowance, and the check (every 1 s)
+        results = await asyncio.wait_for(asyncio.gather(*sent), 10)
+        assert [status for status, _ in results] == [200, 200]  # retried on "d" before any byte
+        assert not proxy.pool.is_ready("h") and proxy.pool.is_ejected("h")
+        assert [name for name, _ in reported] == ["h"] and "1 request(s) without a byte" in reported[0][1]
+        text = await metrics_text(proxy)
+        assert metric_value(text, "vsup_proxy_retries_total", reason="stalled") == 1
+
+
+async def test_one_request_that_streams_keeps_its_instance_alive(fake):
+    clock = ProxyClock()
+    async with proxy_on(clock, [Backend("d", fake.url)]) as proxy, aiohttp.ClientSession() as session:
+        stream = json.dumps({"model": "fake-model", "messages": MESSAGES, "max_tokens": 400, "stream": True,
+                             "fake": {"token_delay": 0.02}}).encode()
+        before = len(fake.events("request"))
+        waiting = asyncio.create_task(post(session, proxy, chat(first_token_delay=3600)))
+        async with session.post(url(proxy, "/v1/chat/completions"), data=stream, headers={"Content-Type": "application/json"}) as r:
+            await wait_for(lambda: len(fake.events("request")) >= before + 2, what="both requests at the instance")
+            for _ in range(20):  # the stream moves on while virtual time passes the stall limit
+                await asyncio.wait_for(r.content.readline(), 10)
+                await clock.advance(4)
+            assert proxy.pool.is_ready("d") and not waiting.done()
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+
+
+RELOAD_COVERED = {"proxy.stall_timeout"}  # tests/test_reload_classes.py: every live key has a reload test
+
+
+async def test_a_reload_changes_the_stall_limit_of_requests_already_in_flight(fake, hung):
+    clock = ProxyClock()
+    async with proxy_on(clock, [Backend("h", hung.url), Backend("d", fake.url)], policy="round_robin", **QUIET) as proxy, \
+            aiohttp.ClientSession() as session:
+        before = len(hung.events("request"))
+        sent = [asyncio.create_task(post(session, proxy, chat())) for _ in range(2)]
+        await wait_for(lambda: len(hung.events("request")) > before, what="a request to reach the hung instance")
+        await clock.advance(100)
+        await asyncio.sleep(0.1)
+        assert proxy.pool.is_ready("h")  # 3600 s allowed
+        proxy.reconfigure(proxy.config.model_copy(update={"stall_timeout": 60.0}), None)
+        await clock.advance(2)
+        results = await asyncio.wait_for(asyncio.gather(*sent), 10)
+        assert [status for status, _ in results] == [200, 200] and proxy.pool.is_ejected("h")

@@ -15,6 +15,7 @@ import pytest
 from aiohttp import web
 
 from tests.test_proxy_admission import RELOAD_COVERED
+from tests.test_proxy_deadlines import RELOAD_COVERED as STALL_COVERED
 from vsup.config.schema import RELOAD, ProxyConfig
 from vsup.proxy import ProxyServer
 from vsup.proxy.backends import Backend, BackendPool
@@ -25,7 +26,8 @@ pytestmark = pytest.mark.timeout(60)
 COVERED = {"proxy.connect_timeout", "proxy.first_byte_timeout", "proxy.idle_timeout", "proxy.retries", "proxy.policy",
            "proxy.affinity_prefix_chars", "proxy.affinity_load_factor", "proxy.load_interval", "proxy.api_key", "proxy.admin_routes",
            "proxy.max_header_bytes", "proxy.header_timeout", "proxy.body_timeout", "proxy.max_connections_per_client",
-           *RELOAD_COVERED}  # the admission keys: tests/test_proxy_admission.py
+           *RELOAD_COVERED,  # the admission keys: tests/test_proxy_admission.py
+           *STALL_COVERED}  # the stall watchdog's: tests/test_proxy_deadlines.py
 
 
 @contextlib.contextmanager

@@ -259,6 +259,20 @@ def test_a_hung_instance_and_one_whose_health_fails_are_restarted(vsup):
         assert inst["restarts"] >= 1 and inst["last_exit"].startswith("unhealthy")
 
 
+def test_an_instance_whose_engine_hangs_behind_a_healthy_api_server_is_taken_out_and_restarted(vsup):
+    # /health keeps answering (the health checks see nothing); the proxy's stall watchdog does
+    run = vsup(faults={0: {"HANG_AFTER": 1, "HANG_MODE": "engine"}}, proxy={"stall_timeout": 1})
+    run.wait_ready(2)
+    time.sleep(1.5)  # instance 0's engine is stuck now
+    for _ in range(4):  # round robin: the ones sent to instance 0 are retried on 1 (completion_through_proxy asserts 200)
+        completion_through_proxy(run.proxy_port)
+    status = run.wait_for(lambda s: s["instances"][0]["restarts"] >= 1, 30, "instance 0 restarted")
+    stopped = transitions(status["instances"][0], "ready", "stopping")[0]
+    assert "stalled: 1 request(s) without a byte" in stopped["reason"], stopped
+    assert status["instances"][1]["restarts"] == 0
+    assert "stalled" in run.log()
+
+
 def test_exit_code_0_after_engine_death_and_a_startup_timeout_are_failures(vsup):
     run = vsup(faults={0: {"START_DELAY": 60}}, health={"startup_timeout": 5})
     one = run.wait_for(lambda s: s["instances"][1]["state"] == "ready", 30, "instance 1 ready")["instances"][1]

@@ -367,7 +367,7 @@ class FakeVllm:
 
     @web.middleware
     async def _middleware(self, request: web.Request, handler) -> web.StreamResponse:
-        if self.hung:
+        if self.hung and self.faults.hang_mode != "engine":
             # never answered; shield: a cancelled handler must not cancel the shared future
             await asyncio.shield(self.stop_fut)
             raise web.HTTPServiceUnavailable()

@@ -24,7 +24,9 @@ class Faults:
     crash_mid_stream: bool = False  # ... after crash_after_tokens tokens of that request instead
     crash_after_tokens: int = 3
     hang_after: float | None = None  # seconds after ready: nothing is answered any more
-    hang_mode: str = "stall"  # stall: requests wait forever; block: the event loop is blocked
+    # stall: requests wait forever; block: the event loop is blocked; engine: the API server answers
+    # (/health, /metrics, /v1/models) while every generation waits forever (a stalled EngineCore)
+    hang_mode: str = "stall"
     health_fail_after: float | None = None  # seconds after ready: /health answers an error
     health_fail_status: int = 500
     ignore_sigterm: bool = False
@@ -84,8 +86,8 @@ def load_faults(env: Mapping[str, str] = os.environ) -> Faults:
         return fallback if value is None else value
 
     hang_mode = env.get("FAKE_VLLM_HANG_MODE", "").strip() or "stall"
-    if hang_mode not in ("stall", "block"):
-        raise SettingsError(f"FAKE_VLLM_HANG_MODE={hang_mode!r} is not one of: stall, block")
+    if hang_mode not in ("stall", "block", "engine"):
+        raise SettingsError(f"FAKE_VLLM_HANG_MODE={hang_mode!r} is not one of: stall, block, engine")
     crash_at_start = num("FAKE_VLLM_CRASH_AT_START", int, 0, "1")
     if crash_at_start is not None and crash_at_start > 255:
         raise SettingsError(f"FAKE_VLLM_CRASH_AT_START={crash_at_start} is not an exit code (0..255)")

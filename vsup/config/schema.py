@@ -143,6 +143,7 @@ class ProxyConfig(_Section):
     connect_timeout: float = Field(5.0, gt=0, description="seconds to connect to an instance", json_schema_extra=LIVE)
     first_byte_timeout: float = Field(300.0, gt=0, description="seconds to the first byte of a response (prefill of a long prompt on CPU takes a while)", json_schema_extra=LIVE)
     idle_timeout: float = Field(120.0, gt=0, description="longest silence, in seconds, between two chunks of a response", json_schema_extra=LIVE)
+    stall_timeout: float = Field(60.0, gt=0, description="seconds an instance may hold requests and send no byte to any of them (a request still waiting for its first byte gets its prompt's prefill time on top, from the slowest prefill its model has shown, x4) before it counts as stalled: out of the rotation at once, its requests without a byte retried on another instance, and under vsup run the instance restarted; keep it well below first_byte_timeout", json_schema_extra=LIVE)
     retries: int = Field(2, ge=0, description="other instances tried before the first byte on connect errors / 503", json_schema_extra=LIVE)
     drain_timeout: float = Field(30.0, ge=0, description="seconds in-flight requests may take to finish when vsup stops, and when one instance is drained (reload, rolling restart, memory watchdog)", json_schema_extra=LIVE)
     max_connections: int = Field(256, ge=1, description="upstream connection pool size, per instance", json_schema_extra=fixed("the proxy's upstream pools are built with it"))

@@ -42,6 +42,7 @@ class BackendPool:
         self._leaving: dict[str, list[asyncio.Future]] = {}  # wait_not_ready() callers
         self._ejected: dict[str, Handle] = {}  # name -> the timer that ends its ejection
         self.clock: Clock | None = None  # the ejections' timers (the proxy sets its clock; None: the loop)
+        self.on_stalled: Callable[[str, str], None] | None = None  # the owner's answer to a hung instance
         self._rotation: tuple[Backend, ...] = ()  # ready(), rebuilt when readiness changes, not per request
         # Bumped at each rebuild: what routing.py's per-model tables compare, one int per request.
         self.version = 0
@@ -126,6 +127,11 @@ class BackendPool:
             waiters = self._leaving.get(name)
             if waiters and waiter in waiters:
                 waiters.remove(waiter)
+
+    def report_stalled(self, name: str, why: str) -> None:
+        """The proxy found `name` hung (proxy/stall.py): its owner (vsup run) restarts it."""
+        if self.on_stalled is not None:
+            self.on_stalled(name, why)
 
     def subscribe(self, listener: Listener) -> None:
         self._listeners.append(listener)

@@ -12,7 +12,7 @@ class Exchange:
     (one timer for all requests, see Forwarder._sweep) cancels the handler when the instance stays
     silent past the limit or the proxy drains; per request and per chunk only timestamps are stored."""
 
-    __slots__ = ("task", "limit", "limit_key", "last", "reason", "phase", "stream", "idle_limit", "first_data_at", "sent_at", "held")
+    __slots__ = ("task", "limit", "limit_key", "last", "reason", "phase", "stream", "idle_limit", "first_data_at", "sent_at", "held", "backend", "size")
 
     def __init__(self, task: asyncio.Task, now: float) -> None:
         self.task = task
@@ -26,6 +26,8 @@ class Exchange:
         self.first_data_at: float | None = None
         self.sent_at = 0.0
         self.held = 0  # bytes of its body counted against proxy.max_body_buffer
+        self.backend: str | None = None  # the instance it is on now (stall.py reads it)
+        self.size = 0  # its body's bytes
 
     def on_data(self, now: float) -> None:
         """A piece of the response body arrived (the relay inlines this per chunk)."""

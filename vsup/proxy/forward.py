@@ -46,6 +46,7 @@ from vsup.proxy.gate import Gate
 from vsup.proxy.messages import HTTP_11, Answer, BadRequest, RawResponse, Request, Response, StreamAnswer
 from vsup.proxy.metrics import ProxyMetrics, route_label
 from vsup.proxy.routing import WAIT, ModelRouter, Route
+from vsup.proxy.stall import PrefillRates, stalled
 from vsup.proxy.upstream import UpstreamClient
 from vsup.proxy.upstream_conn import ConnectFailed, StaleConnection, UpstreamBroken, UpstreamResponse
 
@@ -61,6 +62,8 @@ GONE_PROBE_PERIOD = 0.1
 # at most this long; its owner's next "ready" (health check, restart) brings it back sooner.
 # nginx's fail_timeout default. Would be proxy.eject_seconds if it ever needs tuning.
 EJECT_SECONDS = 10.0
+# How often (clock seconds) the watchdog looks for stalled instances (stall.py).
+STALL_CHECK_EVERY = 1.0
 # Retry reasons that mean "this instance cannot be reached" (and so was ejected).
 _UNREACHABLE = frozenset({"connect", "gone"})
 # Longest period of the timeout watchdog (shorter when a configured timeout is very short).
@@ -108,6 +111,8 @@ class Forwarder:
         self.tick = max(0.005, min(WATCHDOG_TICK, config.first_byte_timeout / 4, config.idle_timeout / 4, config.body_timeout / 4,
                                    config.queue_timeout / 4))
         self._watchdog: Handle | None = None
+        self.rates = PrefillRates()  # each model's slowest recent prefill (stall.py)
+        self._stall_check_at = 0.0
 
     def _sweep(self) -> None:
         """One timer for every request in flight (instead of arming and cancelling timers per
@@ -120,7 +125,31 @@ class Forwarder:
         gate = self.gate
         if gate is not None and gate.admission.waiting:
             gate.admission.expire(now)  # waits past proxy.queue_timeout end with a 503
+        if now >= self._stall_check_at:
+            self._stall_check_at = now + STALL_CHECK_EVERY
+            for name, requests in stalled(self.active, now, self.config.stall_timeout, self.rates, self._model_of).items():
+                self._stalled(name, requests, now)  # type: ignore[arg-type]
         self._watchdog = self.clock.call_at(now + self.tick, self._sweep) if self.active else None
+
+    def _model_of(self, name: str) -> str:
+        backend = self.pool.get(name)
+        return backend.model if backend is not None else ""
+
+    def _stalled(self, name: str, requests: list[Exchange], now: float) -> None:
+        """An instance holds requests and sends nothing to any (stall.py): out of the rotation now,
+        its requests without a byte retried elsewhere, those streaming ended with an error event,
+        and its owner told (vsup run restarts it)."""
+        silent = min(now - exchange.last for exchange in requests)
+        why = f"stalled: {len(requests)} request(s) without a byte for {silent:.0f} s (proxy.stall_timeout)"
+        backend = self.pool.get(name)
+        if backend is not None:
+            self.metrics.upstream_error(name, "stalled", backend.model)
+            if self.pool.eject(name, max(EJECT_SECONDS, self.config.stall_timeout)):
+                self.metrics.ejection(name, backend.model)
+        log.warning("instance %s: %s: out of the rotation; retrying those requests on another instance", name, why)
+        self.pool.report_stalled(name, why)
+        for exchange in requests:
+            exchange.abort("stalled")
 
     async def handle(self, request: Request, client: str = "") -> Answer:
         route = route_label(request.path)
@@ -305,9 +334,11 @@ class Forwarder:
             tried.append(backend.name)
             name = backend.name
             self.in_flight[name] = self.in_flight.get(name, 0) + 1
+            exchange.backend, exchange.size = name, len(body)
             try:
                 outcome = await self._attempt(request, exchange, backend, target, body, headers, extra)
             finally:
+                exchange.backend = None
                 left = self.in_flight[name] - 1
                 if left:
                     self.in_flight[name] = left
@@ -458,6 +489,7 @@ class Forwarder:
             if whole is not None:  # a small answer, all in with its headers: no await, no task switch
                 elapsed = time.monotonic() - started
                 self.metrics.ttfb(False, elapsed)
+                self.rates.measured(backend.model, elapsed, exchange.size)
                 self.metrics.duration(False, elapsed)
                 return RawResponse(upstream.status, header_lines(kept), whole)
             return await self._relay_body(request, exchange, backend, upstream, kept, started)
@@ -465,6 +497,10 @@ class Forwarder:
             if exchange.reason is None:
                 raise  # the client went away: the finally below drops the upstream connection
             asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            if exchange.reason == "stalled":  # nothing reached the client: another instance may answer
+                exchange.reason = None
+                why = f"instance {backend.name} stalled: no byte within proxy.stall_timeout and its prefill allowance"
+                return errors.bad_gateway(why), "stalled", why
             return self._proxy_abort_response(exchange, backend)
         finally:
             if upstream is not None:
@@ -512,6 +548,7 @@ class Forwarder:
     async def _relay_body(self, request, exchange: Exchange, backend: Backend, upstream: UpstreamResponse, headers, started: float):
         exchange.phase = "response"
         self.metrics.ttfb(False, time.monotonic() - started)
+        self.rates.measured(backend.model, time.monotonic() - started, exchange.size)
         exchange.arm(self.config.idle_timeout, "proxy.idle_timeout", self.clock.time())
         try:
             content = await upstream.read()
@@ -536,6 +573,7 @@ class Forwarder:
             await upstream.relay(sink, exchange)
             if exchange.first_data_at is not None:
                 self.metrics.ttfb(True, exchange.first_data_at - exchange.sent_at)
+                self.rates.measured(backend.model, exchange.first_data_at - exchange.sent_at, exchange.size)
             self.metrics.duration(True, time.monotonic() - started)
             # A client that leaves after the last piece makes this raise too (it is no error of ours).
             await out.write_eof()
@@ -553,6 +591,8 @@ class Forwarder:
         return out
 
     def _abort_message(self, exchange: Exchange, backend: Backend) -> str:
+        if exchange.reason == "stalled":
+            return f"instance {backend.name} stalled: it sent nothing to any of its requests (proxy.stall_timeout); it was taken out of the rotation"
         if exchange.reason == "timeout":
             self.metrics.upstream_error(backend.name, "timeout", backend.model)
             return f"instance {backend.name} sent nothing for {exchange.limit:g} s ({exchange.limit_key})"

@@ -57,7 +57,7 @@ from vsup.supervisor.operations import Operations, SystemOperations
 from vsup.supervisor.reloading import Changes, model_proxies
 from vsup.supervisor.rollout import Record
 from vsup.supervisor.rundir import prepare_instance_dir, prepare_runtime_dir, remove_instance_dir
-from vsup.supervisor.states import State, Transition
+from vsup.supervisor.states import Intent, State, Transition
 from vsup.systemd.notify import Notifier
 from vsup.topology.cpulist import format_list
 from vsup.topology.plan_model import Plan
@@ -92,6 +92,7 @@ class Supervisor:
         self._ops = ops  # None: SystemOperations over run()'s HTTP session
         self.host = host if host is not None else SystemHost()
         self.pool = BackendPool()
+        self.pool.on_stalled = self._stalled
         self.fleet = Fleet(self, self.pool)
         self.proxy: ProxyServer | None = None
         self.control: ControlServer | None = None
@@ -105,6 +106,14 @@ class Supervisor:
         self._crashed = False
         self._tasks: list[asyncio.Task[Any]] = []
         self._state_file: Path | None = None
+
+    def _stalled(self, name: str, why: str) -> None:
+        """The proxy found an instance hung (it answers /health, sends nothing to its requests): it
+        is out of the rotation already; restart it (no drain: what it holds is not moving)."""
+        for inst in self.instances:
+            if inst.name == name and inst.state is State.READY:
+                logger.warning("instance %s: %s: restarting it", name, why)
+                inst.ask(Intent.RESTART, why)
 
     @property
     def instances(self) -> list[Instance]:
