@@ -290,3 +290,16 @@ async def test_no_file_descriptor_outlives_the_server():
         writer.close()
     await asyncio.sleep(0.05)
     assert len(os.listdir("/proc/self/fd")) <= before
+
+
+async def test_a_pipelined_request_whose_body_follows_later_is_read_when_its_turn_comes():
+    async with front(echo) as (_, port):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n"
+                     b"POST /b HTTP/1.1\r\nHost: x\r\nContent-Length: 200000\r\nConnection: close\r\n\r\n" + b"x" * 1000)
+        await writer.drain()
+        await asyncio.sleep(0.1)
+        writer.write(b"y" * 199_000)  # the rest of /b's body, after the first answer
+        got = answers(await read_until_closed(reader))
+        writer.close()
+    assert [json.loads(body)["path"] for _, body in got] == ["/a", "/b"] and json.loads(got[1][1])["body"] == 200_000

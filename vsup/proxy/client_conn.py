@@ -308,10 +308,10 @@ class ClientConnection(asyncio.Protocol):
 
     def _next(self) -> None:
         """The answer went out on a kept connection: the next pipelined request, or wait for one."""
+        self.resume_reading()  # (the next request's body, if it is pipelined, is read as its handler wants it)
         if self.pipeline:
             self._start(self.pipeline[0])
             return
-        self.resume_reading()
         if self.head_bytes:  # the next request's head has begun: its deadline runs from its first byte
             return
         self._arm(self.policy.timeout, self._idle_too_long)
