@@ -17,7 +17,7 @@ from tests.fakevllm.cli import LoraModule, UsageError, parse_args
 from tests.fakevllm.fixtures import start_fake
 from tests.proxy_support import LEAN, MESSAGES, client, metric_value, metrics_text, url
 from vsup.config.schema import ProxyConfig
-from vsup.proxy import ProxyServer, codec, forward
+from vsup.proxy import ProxyServer, bodyparse, codec
 from vsup.proxy.backends import Backend, BackendPool
 
 MODELS = {"chat": ProxyConfig(), "embed": ProxyConfig(policy="least_outstanding")}
@@ -292,13 +292,13 @@ async def test_reconfigure_turns_routing_by_model_on_and_off(groups):
 
 async def test_the_body_is_parsed_once_per_request(groups, monkeypatch):
     calls = []
-    real = forward.parse_json
+    real = bodyparse.parse_json
 
     def counting(body):
         calls.append(body)
         return real(body)
 
-    monkeypatch.setattr(forward, "parse_json", counting)
+    monkeypatch.setattr(bodyparse, "parse_json", counting)  # small bodies: parsed inline there
     async with fleet_proxy(pool_of(groups.values())) as proxy:
         c = client(proxy)
         await asyncio.gather(chat_by(c, "chat"), chat_by(c, "sql"), c.embeddings.create(model="embed", input="x"))

@@ -122,6 +122,7 @@ def reasons(inst) -> list[str]:
 
 FIXED_CHANGES = {"proxy.host": {"proxy": {"host": "127.0.0.2"}}, "proxy.port": {"proxy": {"port": 8999}},
                  "proxy.max_body_bytes": {"proxy": {"max_body_bytes": 4096}},
+                 "proxy.max_body_buffer": {"proxy": {"max_body_buffer": 64 * 1024 * 1024}},
                  "proxy.max_connections": {"proxy": {"max_connections": 3}},
                  "log.max_bytes": {"log": {"max_bytes": 8192}}, "log.backups": {"log": {"backups": 1}},
                  "log.echo": {"log": {"echo": True}}, "vllm.listen": {"vllm": {"listen": "tcp"}}}

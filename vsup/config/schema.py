@@ -140,6 +140,7 @@ class ProxyConfig(_Section):
     priority_header: str | None = Field(None, description="a request header that picks the request's priority from priority_header_values (another value: 400); a named key's own priority is the highest it can pick; null: none", json_schema_extra=LIVE)
     priority_header_values: dict[str, int] = Field(default_factory=dict, description="priority_header's allowed values and the priority each means, e.g. {interactive: 10, batch: -10}", json_schema_extra=LIVE)
     max_body_bytes: int = Field(8 * MiB, ge=1024, description="larger request bodies get 413", json_schema_extra=fixed("the proxy's request parser is built with it"))
+    max_body_buffer: int | Literal["auto"] | None = Field("auto", description="bytes of request bodies the proxy holds at once, all clients together (each body at most max_body_bytes): a body that does not fit gets 503 with Retry-After, so no number of clients can make the proxy hold more; at least max_body_bytes; auto or null: 1/512 of the machine's memory, at least 32 MiB, at most 256 MiB (24 GiB: 48 MiB), and never less than max_body_bytes", json_schema_extra=fixed("the proxy's body budget is sized with it when it starts"))
     connect_timeout: float = Field(5.0, gt=0, description="seconds to connect to an instance", json_schema_extra=LIVE)
     first_byte_timeout: float = Field(300.0, gt=0, description="seconds to the first byte of a response (prefill of a long prompt on CPU takes a while)", json_schema_extra=LIVE)
     idle_timeout: float = Field(120.0, gt=0, description="longest silence, in seconds, between two chunks of a response", json_schema_extra=LIVE)
@@ -178,6 +179,10 @@ class ProxyConfig(_Section):
             raise ValueError("priority_header is set but priority_header_values is empty: list the values it may take, e.g. {interactive: 10, batch: -10}")
         if self.priority_header is None and self.priority_header_values:
             raise ValueError("priority_header_values is set but priority_header is null: name the header, e.g. X-Priority")
+        buffer = self.max_body_buffer
+        if isinstance(buffer, int) and buffer < self.max_body_bytes:
+            raise ValueError(f"max_body_buffer ({buffer}) must be at least max_body_bytes ({self.max_body_bytes}): "
+                             "a body of max_body_bytes could never be held")
         limit = self.max_in_flight_per_instance
         if self.reserved_slots and isinstance(limit, int) and limit and self.reserved_slots >= limit:
             raise ValueError(f"reserved_slots ({self.reserved_slots}) must be less than max_in_flight_per_instance ({limit}): the other priorities need a slot")

@@ -35,7 +35,7 @@ import time
 from vsup.config.schema import ProxyConfig
 from vsup.proxy import codec, errors
 from vsup.proxy.backends import Backend, BackendPool
-from vsup.proxy.bodyparse import BodyParser, NotAnObject
+from vsup.proxy.bodyparse import BodyParser, NotAnObject, ParserUnavailable
 from vsup.proxy.budget import BodyBudget
 from vsup.proxy.clients import ClientPolicy
 from vsup.proxy.clock import Clock, Handle
@@ -232,18 +232,22 @@ class Forwarder:
             body = read
         document = None
         if body and is_json(request.headers.get("Content-Type", "")):
-            parsed = await self._parse(body)
+            parsed = await self._parse(body, request.remote)
             if not isinstance(parsed, dict):
                 return parsed
             document = parsed
             exchange.stream = document.get("stream") is True
         return body, document
 
-    async def _parse(self, body: bytes) -> dict | Answer:
+    async def _parse(self, body: bytes, client: str | None) -> dict | Answer:
         try:
-            document = await self.parser.parse(body) if self.parser is not None else parse_json(body)
+            # a big body in a worker process (bodyparse.py): the loop goes on serving meanwhile;
+            # clients take turns for the worker
+            document = await self.parser.parse(body, client) if self.parser is not None else parse_json(body)
         except NotAnObject as exc:
-            return errors.bad_request(f"the request body must be a JSON object, got {exc.kind}")
+            return errors.bad_request(str(exc))
+        except ParserUnavailable as exc:
+            return errors.unavailable(f"the proxy could not parse the request body now ({exc}): retry shortly", RETRY_AFTER_SECONDS)
         except (ValueError, UnicodeDecodeError) as exc:
             return errors.bad_request(f"the request body is not valid JSON: {exc}")
         except RecursionError:

@@ -28,7 +28,7 @@ from vsup.proxy.auth import REFUSED, BearerAuth, named_keys
 from vsup.proxy.backends import Backend, BackendPool
 from vsup.proxy.balancer import make_balancer
 from vsup.proxy.bodyparse import BodyParser
-from vsup.proxy.budget import BodyBudget, default_limit
+from vsup.proxy.budget import BodyBudget, configured_limit
 from vsup.proxy.client_conn import FrontServer
 from vsup.proxy.clients import ClientPolicy
 from vsup.proxy.clock import Clock
@@ -141,7 +141,7 @@ class ProxyServer:
         if self._router is not None:
             for backend in self.pool.ready():
                 self._learn(backend)
-        budget = self._forwarder.budget = BodyBudget(getattr(config, "max_body_buffer", None) or default_limit(_total_memory()))
+        budget = self._forwarder.budget = BodyBudget(configured_limit(config.max_body_buffer, config.max_body_bytes, _total_memory()))
         self.metrics.body_buffer = lambda: (budget.held, budget.limit)
         self._forwarder.parser = BodyParser()
         # The client side of HTTP (client_conn.py): our own protocol on httptools, every limit of
