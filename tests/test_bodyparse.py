@@ -442,10 +442,10 @@ def test_the_worker_exits_when_the_proxy_dies():
         pytest.fail("the worker outlived the proxy")
 
 
-def test_the_worker_runs_as_a_module_too():
+def test_the_worker_runs_alone_from_its_file_with_the_standard_library_only():
     body = json.dumps(CHAT).encode()
     request = worker.REQUEST.pack(len(body), 2048) + body
-    result = subprocess.run([sys.executable, "-m", "vsup.proxy.bodyparse_worker"], input=request,
+    result = subprocess.run([sys.executable, "-I", "-S", worker.__file__], input=request,
                             capture_output=True, timeout=60, cwd=ROOT)
     received, reply = result.stdout[:1], result.stdout[1:]
     kind, size = worker.REPLY.unpack(reply[:worker.REPLY.size])

@@ -127,7 +127,28 @@ def refuse_non_object(body: bytes) -> None:
     if found is None or body[found.start()] == 0x7B:  # "{"
         return
     head = body[found.start():found.start() + 16].decode("utf-8", "replace")
+    if head[0] == "[" and _nesting_at(body, found.start()) > _DEEPEST:
+        # what json.loads would end with (and the proxy says so): no worker for it either
+        raise RecursionError("maximum recursion depth exceeded while decoding a JSON array")
     raise NotAnObject(_STARTS.get(head[0], ""), head)
+
+
+# json.loads gives up (RecursionError) near the interpreter's recursion limit; a body that opens
+# more arrays than this before anything else is refused the same way, without parsing it.
+_DEEPEST = sys.getrecursionlimit()
+
+
+def _nesting_at(body: bytes, start: int) -> int:
+    """How many `[` open in a row from `start` (blanks between them allowed), counted up to _DEEPEST + 1."""
+    depth, at, end = 0, start, min(len(body), start + 4 * (_DEEPEST + 1))
+    while at < end and depth <= _DEEPEST:
+        byte = body[at]
+        if byte == 0x5B:  # [
+            depth += 1
+        elif byte not in b" \t\r\n":
+            break
+        at += 1
+    return depth
 
 
 def _json_error(msg: str, pos: int, lineno: int, colno: int) -> json.JSONDecodeError:
