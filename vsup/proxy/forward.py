@@ -35,7 +35,7 @@ import time
 from vsup.config.schema import ProxyConfig
 from vsup.proxy import codec, errors
 from vsup.proxy.backends import Backend, BackendPool
-from vsup.proxy.bodyparse import BodyParser, NotAnObject, ParserUnavailable
+from vsup.proxy.bodyparse import INLINE_BYTES, BodyParser, NotAnObject, ParserUnavailable, refuse_non_object
 from vsup.proxy.budget import BodyBudget
 from vsup.proxy.clients import ClientPolicy
 from vsup.proxy.clock import Clock, Handle
@@ -74,6 +74,17 @@ MiB = 1024 * 1024
 # us and the client may buffer or compress the events.
 SSE_HEADERS = b"X-Accel-Buffering: no\r\nCache-Control: no-cache\r\n"
 _SSE_OURS = frozenset({b"x-accel-buffering", b"cache-control"})
+
+
+def _refused_start(piece: bytes) -> Response | None:
+    """The 400 for a JSON body whose first bytes show it is no object (bodyparse.refuse_non_object)."""
+    try:
+        refuse_non_object(piece)
+    except NotAnObject as exc:
+        return errors.bad_request(str(exc))
+    except RecursionError:
+        return errors.bad_request("the request body is not valid JSON: it is nested too deeply to parse")
+    return None
 
 
 class Forwarder:
@@ -413,6 +424,9 @@ class Forwarder:
         parts: list[bytes] = []
         size = 0
         response: Response
+        # A big JSON body that is no object is refused by its first bytes: the rest is not read.
+        check = request.content_length is None or request.content_length > INLINE_BYTES
+        check = check and is_json(request.headers.get("Content-Type", ""))
         try:
             while piece := await payload.readany():
                 size += len(piece)
@@ -422,6 +436,12 @@ class Forwarder:
                 if counted and not self._hold(exchange, len(piece)):
                     response = self._over_budget(request)
                     break
+                if check:
+                    check = False
+                    refused = _refused_start(piece)
+                    if refused is not None:
+                        response = refused
+                        break
                 parts.append(piece)
             else:
                 return b"".join(parts)
