@@ -50,7 +50,7 @@ class Tuning:
                           "overhead_gib": 0.25, "memory_reserve_gib": 0.5},
             "vllm": {"command": command or [str(WRAPPER), "serve"], "args": ["--max-num-seqs", "8"]},
             "health": {"interval": 0.3, "startup_timeout": 30},
-            "restart": {"initial_delay": 0.2, "jitter": 0},
+            "restart": {"max_delay": 0.2},
             "stop": {"timeout": 5},
             "proxy": {"drain_timeout": 1},
             **config,

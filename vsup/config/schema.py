@@ -205,13 +205,10 @@ class HealthConfig(_Section):
 
 
 class RestartConfig(_Section):
-    initial_delay: float = Field(1.0, ge=0, description="seconds before the first restart after a failure", json_schema_extra=LIVE)
-    max_delay: float = Field(60.0, gt=0, description="cap on the delay between restarts (jitter included)", json_schema_extra=LIVE)
-    multiplier: float = Field(2.0, ge=1, description="each further failure multiplies the delay by this", json_schema_extra=LIVE)
-    jitter: float = Field(1.0, ge=0, description="up to this many random seconds added to each delay", json_schema_extra=LIVE)
-    stable_after: float = Field(300.0, ge=0, description="ready this many seconds resets the backoff and the crash count", json_schema_extra=LIVE)
-    crash_loop_failures: int = Field(5, ge=1, description="this many failures within crash_loop_window -> failed (until `vsup restart N`)", json_schema_extra=LIVE)
-    crash_loop_window: float = Field(600.0, gt=0, description="seconds over which crash_loop_failures are counted", json_schema_extra=LIVE)
+    # The rest of the policy is derived (vsup/supervisor/backoff.py): the first restart waits 1 s, each further failure doubles it.
+    stable_after: float = Field(300.0, ge=0, description="a start counts once the instance has stayed ready this many seconds: the failures before it are forgotten and the next restart waits 1 s again", json_schema_extra=LIVE)
+    max_failures: int = Field(5, ge=1, description="failures in a row (any exit, startup timeout, failed warm-up, unhealthy) with no start that counted between them (stable_after) that make a crash loop: the instance is marked failed and left down until `vsup restart N` or a reload", json_schema_extra=LIVE)
+    max_delay: float = Field(60.0, gt=0, description="the longest wait before a restart: the first waits 1 s, each further failure in a row doubles it, plus up to 1 s at random so instances that failed together do not restart together", json_schema_extra=LIVE)
     max_rss: float | str | None = Field(None, examples=[1.2], description='memory watchdog: an instance whose process tree (API server, EngineCore, Worker) stays above this resident memory for max_rss_for seconds is drained and restarted; bytes with a unit ("6GiB", "500MB"), or a number: that multiple of the instance\'s planned memory (weights + KV cache + overhead, `vsup plan`); null: off', json_schema_extra=LIVE)
     max_rss_for: float = Field(60.0, gt=0, description="seconds the tree must stay above max_rss before the watchdog acts (short peaks pass)", json_schema_extra=LIVE)
 
