@@ -11,8 +11,9 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from vsup.config.example import example_yaml
+from vsup.config.example import example_yaml, tune_settings_yaml, with_tune_settings
 from vsup.config.schema import VsupConfig, load_config
+from vsup.config.tune_settings import TuneSettings, load_tune_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "configs" / "vsup.yaml"
@@ -80,6 +81,8 @@ def test_the_checked_in_example_is_the_generated_one():
 def test_vsup_config_example_prints_it():
     result = subprocess.run([str(VSUP), "config", "--example"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and result.stdout == EXAMPLE.read_text()
+    tune = subprocess.run([str(VSUP), "config", "--tune-settings"], capture_output=True, text=True, timeout=60)
+    assert tune.returncode == 0 and tune.stdout == tune_settings_yaml()
     bare = subprocess.run([str(VSUP), "config"], capture_output=True, text=True, timeout=60)
     assert bare.returncode == 2 and bare.stderr.startswith("vsup: error: say what to show: --example")
 
@@ -98,3 +101,13 @@ def test_byte_sizes_are_spelled_out_and_sections_read_as_before():
     assert "  max_bytes: 52428800             # [fixed] rotate an instance log at this size (50 MiB)\n" in text
     assert "\nplacement:                        # how cores and memory are split among the instances" in text
     assert "model: /srv/models/my-model       # [relaunch] REQUIRED: " in text
+
+
+def test_the_tune_settings_have_every_key_and_load_as_the_defaults(tmp_path):
+    text = tune_settings_yaml()
+    assert set(yaml.safe_load(text)) == set(TuneSettings.model_fields)
+    path = tmp_path / "tune.yaml"
+    path.write_text(text)
+    assert load_tune_settings(path).model_dump() == TuneSettings().model_dump()
+    doc = (ROOT / "docs" / "tune.md").read_text()
+    assert with_tune_settings(doc) == doc, "docs/tune.md's settings differ: run `.venv/bin/python scripts/config_reference.py`"

@@ -2,7 +2,7 @@
 and a running vsup doing what it says: every `live` key takes effect through a real
 `Supervisor.reload` (the in-process fleet of tests/test_supervisor_inprocess.py: real proxy,
 fake processes on a virtual clock; the proxy's own keys: tests/test_reload_proxy.py), a `fixed`
-key is refused, a `relaunch` key replaces instances, `start` and `unused` keys are reported as
+key is refused, a `relaunch` key replaces instances, `start` keys are reported as
 not applied."""
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def test_what_reload_refuses_replans_and_maps_to_the_planner_comes_from_the_tabl
     assert all(rollout.FIXED_KEYS.values())  # each refusal says why
     assert {"proxy.port", "proxy.max_connections", "control.socket", "log.dir"} <= set(rollout.FIXED_KEYS)
     assert set(rollout.LAUNCH_SECTIONS) == {"model", "served_model_name", "instances", "placement", "vllm", "models"}
-    assert {k for k, e in RELOAD.items() if e.reload is Reload.UNUSED} == {k for k in RELOAD if k.startswith("tune.")}
+    assert not any(k.startswith("tune.") for k in RELOAD)  # `vsup tune --settings FILE`: vsup/config/tune_settings.py
     assert {k for k, e in RELOAD.items() if e.reload is Reload.START} == {"start.mode"}
     # every planner setting named comes from a relaunch key and is a real PlanSettings field
     assert set(CONFIG_KEYS) <= set(PlanSettings.__dataclass_fields__)
@@ -98,7 +98,7 @@ def test_the_configuration_reference_tags_every_key_with_its_class():
 # ---- a running vsup doing what the table says ------------------------------------------------------------
 
 class Fleet(InProcessFleet):
-    """The in-process fleet, its file taking any section (restart:, metrics:, notify:, tune: too)."""
+    """The in-process fleet, its file taking any section (restart:, metrics:, notify:, ...)."""
 
     def write(self, **sections) -> None:
         base = reload_config(self.tmp_path)
@@ -126,7 +126,7 @@ FIXED_CHANGES = {"proxy.host": {"proxy": {"host": "127.0.0.2"}}, "proxy.port": {
                  "log.echo": {"log": {"echo": True}}, "vllm.listen": {"vllm": {"listen": "tcp"}}}
 
 
-async def test_fixed_keys_are_refused_and_start_and_tune_keys_are_reported_not_applied(fleet, tmp_path):
+async def test_fixed_keys_are_refused_and_start_keys_are_reported_not_applied(fleet, tmp_path):
     f = await fleet()
     before = [(i, i.child) for i in f.sup.instances]
     changes = {**FIXED_CHANGES, "log.dir": {"log": {"dir": str(tmp_path / "other")}},
@@ -136,10 +136,12 @@ async def test_fixed_keys_are_refused_and_start_and_tune_keys_are_reported_not_a
         with pytest.raises(VsupError, match="reload refused, nothing was changed") as err:
             await reload(f, **sections)
         assert f"{key} (" in str(err.value) and "restart vsup to apply" in str(err.value)
-    record = await reload(f, start={"mode": "staggered"}, tune={"concurrency": [4]})
+    record = await reload(f, start={"mode": "staggered"})
     assert record["state"] == "done" and record["applied"] == [] and record["steps"] == []
-    assert record["not_applied"] == ["start.mode (read when `vsup run` starts; a reload leaves the change for the next start)",
-                                     "tune.concurrency (`vsup run` does not read it)"]
+    assert record["not_applied"] == ["start.mode (read when `vsup run` starts; a reload leaves the change for the next start)"]
+    # `vsup tune`'s settings have a file of their own: a run file with them is refused, saying where they went
+    with pytest.raises(VsupError, match="reload refused, nothing was changed: .*: tune: `vsup tune`'s settings left the run file"):
+        await reload(f, tune={"concurrency": [4]})
     assert [(i, i.child) for i in f.sup.instances] == before
 
 

@@ -20,8 +20,8 @@ def test_a_finished_reload_is_one_line_unless_asked_for_the_steps():
         "  instance 0: replace (command line +--dtype bfloat16), in place, on port 8100: its CPUs 0 are in use: done — ready again as pid 4301",
         "  instance 1: replace (command line +--dtype bfloat16), in place, on port 8100: its CPUs 0 are in use: done — ready again as pid 4302",
         "  applied at once: proxy.policy"]
-    assert render_rollout(record(not_applied=["tune.input_len (`vsup run` does not read it)"]), steps=False)[1:] == [
-        "  not applied by the running vsup: tune.input_len (`vsup run` does not read it)"]
+    assert render_rollout(record(not_applied=["start.mode (read when `vsup run` starts)"]), steps=False)[1:] == [
+        "  not applied by the running vsup: start.mode (read when `vsup run` starts)"]
     assert render_rollout(None) == []
 
 

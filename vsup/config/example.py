@@ -24,6 +24,7 @@ from pydantic.fields import FieldInfo
 
 from vsup.config.reloading import MEANING, Reload
 from vsup.config.schema import RELOAD, ModelConfig, VsupConfig
+from vsup.config.tune_settings import TuneSettings
 
 HEADER = (
     "# vsup configuration: every key, with its default and what it does.",
@@ -37,6 +38,14 @@ COMMENT_COLUMN = 34  # where the `#` of each key's comment goes (0-based), as a 
 # The README's copy sits between these two lines.
 README_BEGIN = "<!-- BEGIN `vsup config --example` (scripts/config_reference.py writes it; edit vsup/config/schema.py) -->"
 README_END = "<!-- END `vsup config --example` -->"
+# `vsup config --tune-settings`: the keys of a `vsup tune --settings FILE` file (docs/tune.md holds it).
+TUNE_HEADER = (
+    "# vsup tune's settings: what it may try and the load it measures with (docs/tune.md).",
+    "# `vsup tune --config my.yaml --settings this.yaml`; each key's flag overrides it",
+    "# (--instances-per-node for instances_per_node). `vsup config --tune-settings` prints this file.",
+)
+TUNE_BEGIN = "<!-- BEGIN `vsup config --tune-settings` (scripts/config_reference.py writes it; edit vsup/config/tune_settings.py) -->"
+TUNE_END = "<!-- END `vsup config --tune-settings` -->"
 
 
 def example_yaml() -> str:
@@ -51,6 +60,14 @@ def example_yaml() -> str:
         lines.append("")
         lines.extend(_section_lines(name, field, ""))
     lines.extend(["", *_fleet_lines()])
+    return "\n".join(lines) + "\n"
+
+
+def tune_settings_yaml() -> str:
+    """`vsup config --tune-settings`: every key of vsup/config/tune_settings.py, rendered like the example."""
+    lines = [*TUNE_HEADER, ""]
+    for name, field in TuneSettings.model_fields.items():
+        lines.append(_commented(f"{name}: {_scalar(field.get_default(call_default_factory=True))}", field.description))
     return "\n".join(lines) + "\n"
 
 
@@ -132,3 +149,11 @@ def with_readme_reference(readme: str) -> str:
         raise ValueError(f"README.md has no {README_BEGIN!r} ... {README_END!r} block")
     block = f"{README_BEGIN}\n```yaml\n{example_yaml()}```\n"
     return readme[:begin] + block + readme[end:]
+
+
+def with_tune_settings(document: str) -> str:
+    """docs/tune.md with its `vsup config --tune-settings` block as today's."""
+    begin, end = document.find(TUNE_BEGIN), document.find(TUNE_END)
+    if begin < 0 or end < begin:
+        raise ValueError(f"docs/tune.md has no {TUNE_BEGIN!r} ... {TUNE_END!r} block")
+    return document[:begin] + f"{TUNE_BEGIN}\n```yaml\n{tune_settings_yaml()}```\n" + document[end:]

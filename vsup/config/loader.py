@@ -189,13 +189,16 @@ REPLACED = {
                                    " seconds between them, that mark an instance failed): rename this key",
     "restart.crash_loop_window": "replaced by restart.stable_after: failures count until a start stays ready that long, not"
                                  " within a window; remove this key (restart.max_failures says how many make a crash loop)",
+    "tune": "`vsup tune`'s settings left the run file (`vsup run` never read them): give them as `vsup tune` flags, or move"
+            " this section's keys to a file of their own, `vsup tune --settings FILE` (docs/tune.md)",
 }
 _UNION_MEMBERS = {"int", "float", "str"}  # what pydantic names the members of `int | float | str` unions
 
 
-def describe(exc: ValidationError, root: Any, origin: str) -> str:
+def describe(exc: ValidationError, root: Any, origin: str, *, listing: str = "`vsup config --example` lists every key") -> str:
     """One entry per bad key: "<file>:<line>: <dotted.key>: <value> is not valid: <why>"; several
-    are joined with "; " (the CLI prints one line), at most MAX_PROBLEMS of them."""
+    are joined with "; " (the CLI prints one line), at most MAX_PROBLEMS of them. `listing`: where
+    an unknown key's author finds the keys there are."""
     problems: dict[str, tuple[str, list[str]]] = {}  # key -> (start of the entry, reasons)
     for error in exc.errors():
         # drop the union member names pydantic adds to the location ("int", "literal['auto']")
@@ -206,7 +209,7 @@ def describe(exc: ValidationError, root: Any, origin: str) -> str:
         if error["type"] == "extra_forbidden" and _replaced(loc) in REPLACED:
             problems.setdefault(key, (f"{where}: {key}: {REPLACED[_replaced(loc)]}", []))
         elif error["type"] == "extra_forbidden":
-            problems.setdefault(key, (f"{where}: {key}: unknown key (check the spelling; `vsup config --example` lists every key)", []))
+            problems.setdefault(key, (f"{where}: {key}: unknown key (check the spelling; {listing})", []))
         elif error["type"] == "missing":
             problems.setdefault(key, (f"{where}: {key}: required key is missing", []))
         else:

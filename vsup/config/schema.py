@@ -7,7 +7,9 @@ falls back to a default or is coerced; reading the file is bounded (vsup/config/
 field's `description` is the key's documentation: `vsup config --example` (vsup/config/example.py)
 renders them as the commented example, configs/vsup.yaml, and the README's configuration
 reference is that same text. Each field's `json_schema_extra` says how a change reaches a running
-vsup (vsup/config/reloading.py: live, relaunch, fixed, start, unused); `RELOAD` is that table.
+vsup (vsup/config/reloading.py: live, relaunch, fixed, start); `RELOAD` is that table.
+`vsup tune`'s settings are not here: they have a file of their own (vsup/config/tune_settings.py),
+and a `tune:` section is refused naming it.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from vsup.config import proxy_routes
 from vsup.config.loader import describe, load_yaml, read_text
 from vsup.config.loader import quote as quote  # re-exported: callers name keys and values with them
 from vsup.config.loader import where as where
-from vsup.config.reloading import LIVE, START, UNUSED, KeyReload, fixed, relaunch, reload_table
+from vsup.config.reloading import LIVE, START, KeyReload, fixed, relaunch, reload_table
 from vsup.errors import ConfigError
 
 GiB = 1024**3
@@ -261,45 +263,6 @@ class NotifyConfig(_Section):
     ready_when: Literal["all", "any"] = Field("all", description="READY=1 once all instances are ready (those in a crash loop aside), or any: once one is", json_schema_extra=LIVE)
 
 
-class TuneConfig(_Section):
-    """`vsup tune`: what it may try and the load it measures with (docs/tune.md); the command line overrides each key."""
-
-    instances_per_node: list[int] | None = Field(None, min_length=1, description="instances per NUMA node to try, e.g. [1, 2]; null: 1, 2, 4, ... while every instance of the smallest node keeps a physical core", json_schema_extra=UNUSED)
-    omp_threads: list[int | Literal["all", "half"]] | None = Field(None, min_length=1, description="OpenMP threads per instance to try (placement.omp_threads): all (one per OpenMP CPU), half (of the smallest instance's OpenMP CPUs, where that leaves one idle) or a count, e.g. [all, half, 3]; null: [all, half]", json_schema_extra=UNUSED)
-    smt: list[bool] | None = Field(None, min_length=1, description="placement.smt values to try, e.g. [false]; null: [false, true] where cores have SMT siblings, else [false]", json_schema_extra=UNUSED)
-    housekeeping_core: list[bool] | None = Field(None, min_length=1, description="placement.housekeeping_core values to try, e.g. [false]; null: [false, true]", json_schema_extra=UNUSED)
-    preload: list[Literal["none", "tcmalloc", "iomp", "tcmalloc+iomp"]] | None = Field(None, min_length=1, description="LD_PRELOAD sets tried on the best layout: none, tcmalloc, iomp (Intel OpenMP) or tcmalloc+iomp; a set that is not installed is pruned; null: none, and every installed library together", json_schema_extra=UNUSED)
-    max_num_seqs: list[int] | None = Field(None, min_length=1, description="vLLM --max-num-seqs values tried on the best layout, besides the config's own (or vLLM's default); null: half the busiest load level's requests per instance, when that is 2 or more", json_schema_extra=UNUSED)
-    max_num_batched_tokens: list[int] | None = Field(None, min_length=1, description="vLLM --max-num-batched-tokens values tried on the best layout, besides the config's own (or vLLM's default); null: none", json_schema_extra=UNUSED)
-    kvcache_gib: list[float] | None = Field(None, min_length=1, description="KV cache sizes per instance, in GiB (whole GiB, or below 1), tried on the best layout besides placement.kvcache_gib; sizes that do not fit are pruned; null: the largest that fits, when placement.kvcache_gib sets a size", json_schema_extra=UNUSED)
-    concurrency: list[int] = Field(default_factory=lambda: [8, 32], min_length=1, description="closed-loop load levels: requests kept in flight, each level measured in every run", json_schema_extra=UNUSED)
-    request_rate: list[float] = Field(default_factory=list, description="open-loop load levels, in requests per second (Poisson arrivals), e.g. [0.5, 2.0]; []: closed loop only", json_schema_extra=UNUSED)
-    input_len: int = Field(128, ge=1, description="synthetic prompts: input tokens per request, sized with the server's own /tokenize (not used with a workload)", json_schema_extra=UNUSED)
-    output_len: int = Field(64, ge=1, description="synthetic prompts: output tokens per request (max_tokens, generated in full; not used with a workload)", json_schema_extra=UNUSED)
-    workload: Path | None = Field(None, strict=False, description='JSONL file of requests, one per line: {"prompt": ..., "max_tokens": N} or {"messages": [...], "max_tokens": N}; a relative path is from the current directory; null: synthetic prompts of input_len/output_len tokens', json_schema_extra=UNUSED)
-
-    @field_validator("instances_per_node", "max_num_seqs", "max_num_batched_tokens", "concurrency")
-    @classmethod
-    def _positive_counts(cls, value: list[int] | None) -> list[int] | None:
-        if value is not None and any(v < 1 for v in value):
-            raise ValueError("every value must be at least 1")
-        return value
-
-    @field_validator("omp_threads")
-    @classmethod
-    def _positive_threads(cls, value: list | None) -> list | None:
-        if value is not None and any(isinstance(v, int) and v < 1 for v in value):
-            raise ValueError("a thread count must be at least 1 (or all, half)")
-        return value
-
-    @field_validator("kvcache_gib", "request_rate")
-    @classmethod
-    def _positive_numbers(cls, value: list[float] | None) -> list[float] | None:
-        if value is not None and any(not v > 0 for v in value):
-            raise ValueError("every value must be positive")
-        return value
-
-
 class _ModelKeys(_Section):
     """The checks of the keys a model is given by: the top level's and each entry of models:."""
 
@@ -346,7 +309,6 @@ class VsupConfig(_ModelKeys):
     control: ControlConfig = Field(default_factory=ControlConfig, description="where `vsup status`, `vsup restart` and `vsup reload` reach a running vsup")
     metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="what vsup collects about each instance in the background (docs/metrics.md)")
     notify: NotifyConfig = Field(default_factory=NotifyConfig, description="systemd Type=notify (no-op outside systemd)")
-    tune: TuneConfig = Field(default_factory=TuneConfig, description="what `vsup tune` tries and the load it measures with (docs/tune.md); its command-line options override each key; `vsup run` ignores this section")
     models: list[ModelConfig] | None = Field(None, min_length=1, description="several models behind the one endpoint (the second form below): each entry its model, served_model_name, instances, share, and the placement/vllm/proxy/warmup keys that differ from the top level; the proxy routes each request by its \"model\"; null: the one model of the top-level keys", json_schema_extra=relaunch())
 
     # Where each key was written (file and YAML tree), for error lines; not a key.

@@ -150,9 +150,9 @@ def live_changes(old: VsupConfig, new: VsupConfig) -> list[str]:
 
 def unapplied_changes(old: VsupConfig, new: VsupConfig) -> list[str]:
     """Changed keys a reload takes but a running vsup does not act on, one phrase each (start.mode:
-    read when vsup starts; tune.*: only `vsup tune` reads them)."""
+    read when vsup starts)."""
     return [f"{shown} ({MEANING[RELOAD[key].reload]})" for shown, key, _ in config_changes(old, new)
-            if RELOAD[key].reload in (Reload.START, Reload.UNUSED)]
+            if RELOAD[key].reload is Reload.START]
 
 
 def _short(value: Any) -> str:
