@@ -178,7 +178,7 @@ def test_error_lines_quote_a_short_excerpt_of_a_huge_value(tmp_path, fsroot):
     assert message.count("vllm.args[") == 5 and message.endswith("; and 4995 more") and len(message) < 1000
     huge = write(tmp_path, "model: m\n# " + "x" * (2 * 1024**2) + "\n", "huge.yaml")
     assert one_error_line(plan(huge, fsroot)) == (
-        f"{huge}: larger than 1 MiB; a vsup configuration is a few KiB (configs/vsup.yaml lists every key)")
+        f"{huge}: larger than 1 MiB; a vsup configuration is a few KiB (`vsup config --example --all` lists every key)")
 
 
 # --- 7.6: not UTF-8 -----------------------------------------------------------------------------

@@ -77,7 +77,7 @@ def test_what_reload_refuses_replans_and_maps_to_the_planner_comes_from_the_tabl
 
 
 def test_the_configuration_reference_tags_every_key_with_its_class():
-    text = example_yaml()
+    text = example_yaml(full=True)
     path: list[str] = []
     seen = set()
     for line in text.splitlines():

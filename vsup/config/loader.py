@@ -39,7 +39,7 @@ def read_text(path: Path) -> str:
         raise ConfigError(f"{path}: cannot read the configuration: {exc.strerror or exc}") from None
     if len(raw) > MAX_FILE_BYTES:
         raise ConfigError(f"{path}: larger than {MAX_FILE_BYTES // MiB} MiB; a vsup configuration is a few KiB "
-                          "(configs/vsup.yaml lists every key)")
+                          "(`vsup config --example --all` lists every key)")
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -195,7 +195,7 @@ REPLACED = {
 _UNION_MEMBERS = {"int", "float", "str"}  # what pydantic names the members of `int | float | str` unions
 
 
-def describe(exc: ValidationError, root: Any, origin: str, *, listing: str = "`vsup config --example` lists every key") -> str:
+def describe(exc: ValidationError, root: Any, origin: str, *, listing: str = "`vsup config --example --all` lists every key") -> str:
     """One entry per bad key: "<file>:<line>: <dotted.key>: <value> is not valid: <why>"; several
     are joined with "; " (the CLI prints one line), at most MAX_PROBLEMS of them. `listing`: where
     an unknown key's author finds the keys there are."""
