@@ -74,7 +74,7 @@ class LocatedSettings(TuneSettings):
 
 def load_tune_settings(path: str | Path) -> LocatedSettings:
     """The settings file, checked; ConfigError naming FILE:LINE and the key. A relative workload
-    path is taken from the file's folder."""
+    path is taken from the file's folder (`~` is the home folder)."""
     path = Path(path)
     text, origin = read_text(path), str(path)
     root, data = load_yaml(text, origin)
@@ -92,7 +92,8 @@ def load_tune_settings(path: str | Path) -> LocatedSettings:
     except ValidationError as exc:
         raise ConfigError(describe(exc, root, origin, listing=LISTING)) from None
     settings._origin, settings._root = origin, root
-    if settings.workload is not None and not settings.workload.is_absolute():
-        settings = settings.model_copy(update={"workload": path.parent / settings.workload})
+    if settings.workload is not None:
+        workload = settings.workload.expanduser()
+        settings = settings.model_copy(update={"workload": workload if workload.is_absolute() else path.parent / workload})
         settings._origin, settings._root = origin, root
     return settings
