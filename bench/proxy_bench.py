@@ -3,7 +3,7 @@
 the proxy of vsup as it was before issue 20 (--baseline), through the Rust vllm-router (--peers)
 and through nginx round-robin when `nginx` is installed, at a fixed client concurrency.
 
-The front door's cost (issue 20), one command, a few minutes; then regenerate the README's figures:
+The front door's cost (issue 20), one command, a few minutes; then regenerate docs/measured.md's figures:
 
     .venv/bin/python bench/proxy_bench.py --pin && .venv/bin/python scripts/published_numbers.py
 

@@ -4,7 +4,7 @@
 
 Renders the unit `vsup install-systemd` writes (vsup/systemd/unit.py, ExecStart= this
 environment's vsup), runs systemd-analyze on it and writes docs/bench/systemd_security.json: the
-overall exposure, systemd's version and every line of its table, so the README's figure has a
+overall exposure, systemd's version and every line of its table, so docs/systemd.md's figure has a
 source and tests/test_systemd.py compares the live rating with it.
 """
 

@@ -108,8 +108,9 @@ def layout_sentence(link: str) -> str:
     lay = data["figures"]["layouts"]
     a, c = lay["a"], lay["c"]
     more = c["tokens_per_s"] / a["tokens_per_s"] - 1
+    numbers = "measured.md" if link == "bench" else "docs/measured.md"  # from docs/, or from the top
     return (f"On this project's 2-core machine, loaded by other work, in one run of `bench/vllm_bench.py` "
-            f"([numbers](#measured)), one instance on both cores gave {abs(more) * 100:.1f} % "
+            f"([numbers]({numbers})), one instance on both cores gave {abs(more) * 100:.1f} % "
             f"{'more' if more >= 0 else 'fewer'} tokens/s than two pinned instances of one core, which answered the "
             f"first token {than(a['ttft_p50_s'], c['ttft_p50_s'], 'sooner', 'later')} (median).")
 

@@ -1,6 +1,6 @@
 """The shipped alert rules and dashboard, read by Prometheus's own tool: `promtool check rules`
 (they load) and `promtool test rules` (tests/data/vsup-alerts-test.yml: they fire per model, with
-the summaries the README promises), and the dashboard's queries and legends kept per model. That
+the summaries docs/operations.md promises), and the dashboard's queries and legends kept per model. That
 every query reads metrics a running vsup exports is tests/test_observe_run.py's."""
 
 from __future__ import annotations

@@ -178,7 +178,7 @@ def test_error_lines_quote_a_short_excerpt_of_a_huge_value(tmp_path, fsroot):
     assert message.count("vllm.args[") == 5 and message.endswith("; and 4995 more") and len(message) < 1000
     huge = write(tmp_path, "model: m\n# " + "x" * (2 * 1024**2) + "\n", "huge.yaml")
     assert one_error_line(plan(huge, fsroot)) == (
-        f"{huge}: larger than 1 MiB; a vsup configuration is a few KiB (configs/vsup.yaml lists every key)")
+        f"{huge}: larger than 1 MiB; a vsup configuration is a few KiB (`vsup config --example --all` lists every key)")
 
 
 # --- 7.6: not UTF-8 -----------------------------------------------------------------------------
@@ -325,3 +325,31 @@ def test_a_memory_limit_as_a_multiple_needs_the_models_size(tmp_path, fsroot):
     in_bytes = write(tmp_path, f"model: org/some-model\ninstances: 1\n{unsized}restart:\n  max_rss: '6GiB'\n", "bytes.yaml")
     sized = write(tmp_path, f"model: org/some-model\ninstances: 1\n{SMALL}restart:\n  max_rss: 1.2\n", "sized.yaml")
     assert plan(in_bytes, fsroot).returncode == 0 and plan(sized, fsroot).returncode == 0
+
+
+# --- the restart policy in three keys: the old keys refused, naming what replaced them ------------
+
+@pytest.mark.parametrize(("old", "names"), [
+    ("crash_loop_failures: 5", "restart.crash_loop_failures: replaced by restart.max_failures"),
+    ("crash_loop_window: 600", "restart.crash_loop_window: replaced by restart.stable_after"),
+    ("initial_delay: 1", "restart.initial_delay: derived now: the first restart waits 1 s"),
+    ("multiplier: 2", "restart.multiplier: derived now: each further failure in a row doubles the wait"),
+    ("jitter: 1", "restart.jitter: derived now: up to 1 s at random"),
+])
+def test_an_old_restart_key_is_one_line_naming_the_new_one(tmp_path, old, names):
+    from vsup.config.schema import parse_config
+    from vsup.errors import ConfigError
+
+    text = f"model: m\nrestart:\n  max_delay: 30\n  {old}\n"
+    with pytest.raises(ConfigError) as err:
+        parse_config(text, "vsup.yaml")
+    assert str(err.value).startswith(f"vsup.yaml:4: {names}") and "\n" not in str(err.value)
+    assert "restart.max_delay" in str(err.value) or "restart.max_failures" in str(err.value)
+
+
+def test_an_old_restart_key_stops_vsup_run_before_anything_starts(tmp_path, fsroot):
+    config = write(tmp_path, f"model: fake-model\ninstances: 1\n{SMALL}restart:\n  crash_loop_failures: 3\n")
+    assert one_error_line(run(config, fsroot)) == (
+        f"{config}:{line(config, 'crash_loop_failures')}: restart.crash_loop_failures: replaced by restart.max_failures "
+        "(failures in a row, with no start ready restart.stable_after seconds between them, that mark an instance failed): "
+        "rename this key")

@@ -11,13 +11,13 @@ import pytest
 
 from tests.lifecycle_fakes import FakeOps
 from vsup.config.schema import VsupConfig
+from vsup.supervisor import backoff
 from vsup.supervisor.lifecycle import STARTUP_POLL, Instance
 from vsup.supervisor.states import AFTER_STOP, ON_INTENT, TRANSITIONS, Event, Intent, State, next_state
 
 pytestmark = pytest.mark.timeout(10)
 
-RESTART = {"initial_delay": 1.0, "max_delay": 8.0, "multiplier": 2.0, "jitter": 0.0, "stable_after": 100.0,
-           "crash_loop_failures": 50, "crash_loop_window": 600.0}
+RESTART = {"max_delay": 8.0, "stable_after": 100.0, "max_failures": 50}
 HEALTH = {"interval": 5.0, "timeout": 2.0, "failures": 3, "startup_timeout": 60.0}
 
 
@@ -67,6 +67,12 @@ class Driven:
     async def close(self) -> None:
         self.task.cancel()
         await asyncio.gather(self.task, return_exceptions=True)
+
+
+@pytest.fixture(autouse=True)
+def no_jitter(monkeypatch):
+    """Delays exactly 1, 2, 4, ... s (the jitter would draw from `random`)."""
+    monkeypatch.setattr(backoff, "JITTER", 0.0)
 
 
 @pytest.fixture
@@ -231,8 +237,8 @@ async def test_failed_polls_in_a_row_make_it_unhealthy_and_it_is_restarted(drive
 
 # ---- restart policy: crash loop and stable reset ---------------------------------------------------
 
-async def test_failures_within_the_crash_loop_window_fail_the_instance_until_asked(driven):
-    d = driven(load_time=0.5, restart={"crash_loop_failures": 3, "crash_loop_window": 30.0})
+async def test_max_failures_in_a_row_fail_the_instance_until_asked(driven):
+    d = driven(load_time=0.5, restart={"max_failures": 3})
     d.inst.start()
     for _ in range(3):
         await d.until(lambda: d.inst.state is State.READY, "ready")
@@ -240,7 +246,7 @@ async def test_failures_within_the_crash_loop_window_fail_the_instance_until_ask
         await d.until(lambda: d.inst.state in (State.BACKOFF, State.FAILED), "handled")
     assert d.inst.state is State.FAILED
     assert d.path[-1] == ("stopping", "crash_loop", "failed")
-    assert "3 failures within 30s" in d.inst.history[-1].reason
+    assert "crash loop: 3 failures in a row, no start ready for 100s" in d.inst.history[-1].reason
     await d.clock.advance(1000)
     assert d.inst.state is State.FAILED and d.inst.starts == 3  # stays down on its own
     d.inst.start()  # SIGHUP / `vsup restart`: a new chance, with a clean count
@@ -249,12 +255,23 @@ async def test_failures_within_the_crash_loop_window_fail_the_instance_until_ask
     assert d.inst.policy.attempt == 0
 
 
-async def test_failures_spread_wider_than_the_window_never_make_a_crash_loop(driven):
-    d = driven(load_time=0.5, restart={"crash_loop_failures": 3, "crash_loop_window": 30.0, "stable_after": 1e6})
+async def test_failures_far_apart_still_make_a_crash_loop_when_no_start_counted(driven):
+    d = driven(load_time=0.5, restart={"max_failures": 3, "stable_after": 1e6})
+    d.inst.start()
+    for _ in range(3):
+        await d.until(lambda: d.inst.state is State.READY, "ready")
+        await d.clock.advance(600)  # each run lives 10 minutes: never stable_after
+        d.ops.current.exit(1)
+        await d.until(lambda: d.inst.state in (State.BACKOFF, State.FAILED), "handled")
+    assert d.inst.state is State.FAILED
+
+
+async def test_failures_after_starts_that_counted_never_make_a_crash_loop(driven):
+    d = driven(load_time=0.5, restart={"max_failures": 3, "stable_after": 15.0})
     d.inst.start()
     for _ in range(6):
         await d.until(lambda: d.inst.state is State.READY, "ready")
-        await d.clock.advance(20)  # each run lives 20 s: two failures at most in any 30 s
+        await d.clock.advance(20)  # each run lives 20 s: every start counted
         d.ops.current.exit(1)
         await d.until_state(State.BACKOFF)
     assert State.FAILED.value not in [to for _, _, to in d.path]
@@ -310,8 +327,9 @@ async def test_restart_during_starting_stops_the_loading_process_and_starts_a_ne
     assert d.ops.stopped == [loading.pid] and len(d.ops.processes) == 2 and d.inst.starts == 2
 
 
-async def test_restart_during_backoff_skips_the_rest_of_the_delay(driven):
-    d = driven(restart={"initial_delay": 50.0})
+async def test_restart_during_backoff_skips_the_rest_of_the_delay(driven, monkeypatch):
+    monkeypatch.setattr(backoff, "FIRST_DELAY", 50.0)
+    d = driven(restart={"max_delay": 50.0})
     await d.ready()
     d.ops.current.exit(1)
     await d.until_state(State.BACKOFF)
@@ -335,7 +353,7 @@ async def test_stop_during_backoff_stops_without_starting_again(driven):
 
 @pytest.mark.parametrize("state", [State.STARTING, State.READY, State.FAILED, State.STOPPED])
 async def test_stop_from_each_state_ends_stopped(driven, state):
-    d = driven(load_time=5, restart={"crash_loop_failures": 1})
+    d = driven(load_time=5, restart={"max_failures": 1})
     if state is not State.STOPPED:
         d.inst.start()
         await d.until_state(State.STARTING)
@@ -574,9 +592,10 @@ async def test_an_exit_while_draining_is_a_failure_but_the_recycle_still_restart
 
 
 @pytest.mark.parametrize("state", [State.STARTING, State.WARMING, State.BACKOFF, State.FAILED])
-async def test_recycle_of_an_instance_out_of_the_rotation_has_nothing_to_drain(driven, state):
-    d = driven(load_time=5, warmup_time=5, restart={"crash_loop_failures": 1 if state is State.FAILED else 50,
-                                                      "initial_delay": 100.0})
+async def test_recycle_of_an_instance_out_of_the_rotation_has_nothing_to_drain(driven, state, monkeypatch):
+    monkeypatch.setattr(backoff, "FIRST_DELAY", 100.0)
+    d = driven(load_time=5, warmup_time=5, restart={"max_failures": 1 if state is State.FAILED else 50,
+                                                      "max_delay": 100.0})
     d.in_flight = 4  # not the instance's: it is not in the rotation
     d.inst.start()
     await d.until_state(State.STARTING if state is not State.WARMING else State.WARMING)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import random
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vsup.config.schema import RestartConfig
+from vsup.supervisor import backoff
 from vsup.supervisor.backoff import RestartPolicy
 from vsup.supervisor.lifecycle import describe_exit
 from vsup.supervisor.states import RUNNING, TRANSITIONS, Event, InvalidTransition, State, diagram, next_state
@@ -140,32 +142,40 @@ def test_describe_exit_says_code_zero_is_a_failure_and_names_signals():
 
 
 def config(**overrides) -> RestartConfig:
-    values = dict(initial_delay=1.0, max_delay=10.0, multiplier=2.0, jitter=0.0, stable_after=300.0,
-                  crash_loop_failures=100, crash_loop_window=600.0)
+    values = dict(max_delay=10.0, stable_after=300.0, max_failures=100)
     values.update(overrides)
     return RestartConfig(**values)
 
 
-def test_backoff_grows_exponentially_and_is_capped():
+@pytest.fixture
+def no_jitter(monkeypatch):
+    monkeypatch.setattr(backoff, "JITTER", 0.0)
+
+
+def test_backoff_doubles_from_one_second_and_is_capped(no_jitter):
     policy = RestartPolicy(config())
     delays = [policy.on_failure(now=float(i), ready_since=None).delay for i in range(7)]
     assert delays == [1.0, 2.0, 4.0, 8.0, 10.0, 10.0, 10.0]
 
 
+def test_a_max_delay_under_one_second_is_every_wait_jitter_included():
+    policy = RestartPolicy(config(max_delay=0.25))
+    assert {policy.on_failure(now=float(i), ready_since=None).delay for i in range(20)} == {0.25}
+
+
 @settings(max_examples=50, deadline=None)
-@given(
-    initial=st.floats(0, 5), max_delay=st.floats(0.1, 60), multiplier=st.floats(1, 4), jitter=st.floats(0, 3),
-    failures=st.integers(1, 30),
-)
-def test_backoff_with_jitter_never_exceeds_the_cap_and_never_shrinks_below_the_exponential(initial, max_delay, multiplier, jitter, failures):
-    policy = RestartPolicy(config(initial_delay=initial, max_delay=max_delay, multiplier=multiplier, jitter=jitter))
+@given(max_delay=st.floats(0.1, 600), failures=st.integers(1, 30), seed=st.integers(0, 2**32 - 1))
+def test_backoff_with_jitter_never_exceeds_the_cap_and_never_shrinks_below_the_doubling(max_delay, failures, seed):
+    random.seed(seed)  # tenacity's jitter draws from `random`
+    policy = RestartPolicy(config(max_delay=max_delay))
+    first = min(backoff.FIRST_DELAY, max_delay)
     for attempt in range(1, failures + 1):
         delay = policy.on_failure(now=float(attempt), ready_since=None).delay
-        floor = min(initial * multiplier ** (attempt - 1), max_delay)
-        assert floor - 1e-9 <= delay <= min(floor + jitter, max_delay) + 1e-9
+        floor = min(first * backoff.GROWTH ** (attempt - 1), max_delay)
+        assert floor - 1e-9 <= delay <= min(floor + min(backoff.JITTER, first), max_delay) + 1e-9
 
 
-def test_stable_period_resets_the_backoff():
+def test_a_start_that_counted_resets_the_backoff(no_jitter):
     policy = RestartPolicy(config(stable_after=60))
     for now in (0, 1, 2):
         policy.on_failure(now=now, ready_since=None)
@@ -173,19 +183,18 @@ def test_stable_period_resets_the_backoff():
     assert policy.on_failure(now=200, ready_since=100).delay == 1.0  # ready 100 s >= 60 s: starts over
 
 
-def test_crash_loop_is_failures_within_the_window():
-    policy = RestartPolicy(config(crash_loop_failures=3, crash_loop_window=10))
+def test_a_crash_loop_is_max_failures_in_a_row_however_far_apart():
+    policy = RestartPolicy(config(max_failures=3, stable_after=60))
     assert not policy.on_failure(now=0, ready_since=None).give_up
-    assert not policy.on_failure(now=5, ready_since=None).give_up
-    assert not policy.on_failure(now=11, ready_since=None).give_up  # the failure at 0 left the window
-    decision = policy.on_failure(now=12, ready_since=None)  # 5, 11, 12
-    assert decision.give_up and decision.failures_in_window == 3
+    assert not policy.on_failure(now=5000, ready_since=4990).give_up  # ready 10 s: the start did not count
+    decision = policy.on_failure(now=90_000, ready_since=None)  # a day later, still never stable
+    assert decision.give_up and decision.attempt == 3
 
 
-def test_reset_gives_a_new_chance():
-    policy = RestartPolicy(config(crash_loop_failures=2))
-    policy.on_failure(now=0, ready_since=None)
-    assert policy.on_failure(now=1, ready_since=None).give_up
-    policy.reset()
-    decision = policy.on_failure(now=2, ready_since=None)
-    assert not decision.give_up and decision.delay == 1.0 and decision.attempt == 1
+def test_failures_with_a_start_that_counted_between_them_never_make_a_crash_loop():
+    policy = RestartPolicy(config(max_failures=3, stable_after=60))
+    for i in range(10):
+        decision = policy.on_failure(now=100.0 * i, ready_since=100.0 * i - 60)
+        assert not decision.give_up and decision.attempt == 1
+
+

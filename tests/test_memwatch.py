@@ -24,7 +24,7 @@ def make_config(max_rss, max_rss_for: float = 30.0) -> VsupConfig:
     return VsupConfig.model_validate({
         "model": "m",
         "health": {"interval": 5.0, "timeout": 2.0},
-        "restart": {"initial_delay": 1.0, "jitter": 0.0, "max_rss": max_rss, "max_rss_for": max_rss_for},
+        "restart": {"max_delay": 1.0, "max_rss": max_rss, "max_rss_for": max_rss_for},
         "proxy": {"drain_timeout": 10.0},
     })
 

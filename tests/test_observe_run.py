@@ -3,8 +3,8 @@ load, looked at the ways an operator would: Prometheus text from the proxy, `vsu
 `vsup top` in a real terminal (tmux), the /status page in a real browser (Chromium, headless),
 and the Grafana dashboard's queries checked against what the proxy really exports.
 
-VSUP_UPDATE_DOCS=1 also writes what the README and docs show: docs/status-page.png and
-docs/vsup-top.txt.
+VSUP_UPDATE_DOCS=1 also writes what docs/operations.md and docs/metrics.md show:
+docs/status-page.png and docs/vsup-top.txt.
 """
 
 from __future__ import annotations
@@ -228,7 +228,7 @@ def test_every_alert_rule_reads_metrics_the_proxy_exports(fleet):
     for rule in rules:
         names = metric_names(rule["expr"])
         assert names and names <= exported, f"{rule['alert']}: {sorted(names - exported)}"
-        assert rule["alert"] in (ROOT / "README.md").read_text(), f"{rule['alert']} is not explained in the README"
+        assert rule["alert"] in (ROOT / "docs" / "operations.md").read_text(), f"{rule['alert']} is not explained in docs/operations.md"
 
 
 # ---- the status page, in a real browser -------------------------------------------------------------------

@@ -36,8 +36,25 @@ def test_table_shows_the_core_map_instances_reserve_and_memory(xeon):
     assert "reserved for vsup, the proxy and the OS: 0,16" in out
     assert "numactl --physcpubind=1-7,17-23 --membind=0" in out
     assert "planned 13.5 GiB of" in out and "(MemTotal - 2 GiB reserve)" in out
-    row0 = next(line.split() for line in out.splitlines() if line.strip().startswith("0  8100"))
-    assert row0[:6] == ["0", "8100", "0", "7", "7", "1-7"]
+    row0 = next(line.split() for line in out.splitlines() if line.strip().startswith("0  0.sock"))
+    assert row0[:6] == ["0", "0.sock", "0", "7", "7", "1-7"]
+
+
+def test_the_table_names_each_instances_address_as_vllm_listen_has_it(xeon, tmp_path):
+    """Under vllm.listen: unix (the default) an instance has a socket, not a port: the table says so."""
+    unix = vsup("plan", "-n", "2", "--fsroot", xeon, "--model-size-gib", "4")
+    assert unix.returncode == 0, unix.stderr
+    header = next(line.split() for line in unix.stdout.splitlines() if line.strip().startswith("#"))
+    assert header[:2] == ["#", "socket"] and "port" not in header
+    assert [line.split()[1] for line in unix.stdout.splitlines() if line.strip()[:3] in ("0  ", "1  ")] == ["0.sock", "1.sock"]
+    assert "sockets: <runtime dir>/instances-8000/<i>.sock (vllm.listen: unix; tcp: 127.0.0.1:<base_port + i>)" in unix.stdout
+    config = tmp_path / "tcp.yaml"
+    config.write_text("model: m\nvllm:\n  listen: tcp\n  base_port: 9100\nplacement:\n  model_size_gib: 4\n")
+    tcp = vsup("plan", "-n", "2", "--fsroot", xeon, "--config", str(config))
+    assert tcp.returncode == 0, tcp.stderr
+    header = next(line.split() for line in tcp.stdout.splitlines() if line.strip().startswith("#"))
+    assert header[:2] == ["#", "port"] and "sockets:" not in tcp.stdout
+    assert [line.split()[1] for line in tcp.stdout.splitlines() if line.strip()[:3] in ("0  ", "1  ")] == ["9100", "9101"]
 
 
 def test_json_is_the_plan(xeon):
@@ -201,7 +218,7 @@ def test_gb10_one_instance_takes_every_big_core_and_shows_the_efficiency_choice(
     out = result.stdout
     assert "efficiency cores: housekeeping (the reserve, then each instance's API server and EngineCore, outside OpenMP)" in out
     assert "[R E:0] [i0 E:1h E:2h E:3h E:4h P:5 P:6 P:7 P:8 P:9]" in out
-    row0 = next(line.split() for line in out.splitlines() if line.strip().startswith("0  8100"))
+    row0 = next(line.split() for line in out.splitlines() if line.strip().startswith("0  0.sock"))
     assert row0[4:6] == ["10", "5-9,15-19"] and row0[-1] == "performance"
     data = json.loads(vsup("plan", "-n", "1", "--fsroot", gb10, "--model-size-gib", "1", "--format", "json").stdout)
     assert data["instances"][0]["omp_cpus"] == [5, 6, 7, 8, 9, 15, 16, 17, 18, 19]

@@ -56,7 +56,7 @@ def test_table_has_a_line_per_model_and_a_model_column(xeon, fleet):
     assert lines[start + 3].split()[:4] == ["embed", "1", "2", "1"] and "2 cores of node 1 beside rerank" in lines[start + 3]
     assert "[i1 8+24 9+25] [i2 10+26 11+27]" in result.stdout
     row = next(line.split() for line in lines if line.strip().startswith("2  rerank"))
-    assert row[:4] == ["2", "rerank", "8102", "1"]
+    assert row[:4] == ["2", "rerank", "2.sock", "1"]
     assert "planned 45 GiB of 45.2 GiB (MemTotal - 2 GiB reserve)" in result.stdout  # node 1: both models, one budget
 
 

@@ -1,6 +1,6 @@
 """bench/proxy_bench.py's before/after: the baseline is a git ref's own vsup package, measured in
 turn with this tree in one run (real proxies, real upstream processes), and its figures per small
-request, per chunk and per streamed request reach the result file and the README's block."""
+request, per chunk and per streamed request reach the result file and docs/measured.md's block."""
 
 from __future__ import annotations
 

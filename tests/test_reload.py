@@ -182,7 +182,7 @@ def test_a_replacement_starts_beside_the_old_one_when_its_cores_are_free(vsup):
     assert result.returncode == 0, result.stderr
     record = json.loads(result.stdout)
     (step,) = record["steps"]
-    assert step["how"] == f"beside, on port {run.spare_base_port}: its CPUs 1 are free"
+    assert step["how"] == "beside, on socket 0b.sock: its CPUs 1 are free"  # vllm.listen: unix
     assert min(load.ready_counts) == 1 and set(load.proxy_ready) == {200} and load.failed == []
     (new,) = run.status()["instances"]
     assert new["name"] == "0b" and new["port"] == run.spare_base_port and new["cpus"] == [1]

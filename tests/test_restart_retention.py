@@ -37,7 +37,7 @@ def census() -> Counter:
 
 async def test_a_hundred_kills_keep_no_more_tasks_objects_or_memory(tmp_path, restore_subreaper):
     raw = make_config(tmp_path).model_dump(mode="json")
-    raw["restart"].update(crash_loop_failures=100_000, initial_delay=0, jitter=0)
+    raw["restart"].update(max_failures=100_000, max_delay=0.001)
     config = VsupConfig.model_validate(raw)
     ops = FakeOps(load_time=0.5)
     sup = Supervisor(config, plan(make_machine(cores_per_node=4), settings_from_config(config)),

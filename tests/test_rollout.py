@@ -77,11 +77,10 @@ def test_keys_a_running_vsup_cannot_change_and_the_ones_it_applies_at_once():
     assert live_changes(old, new) == ["health.warmup.prompt", "log.level", "proxy.policy"]
     assert fixed_changes(old, old) == [] and live_changes(old, old) == []
     # taken, but not acted on by a running vsup: reported as such, not as applied
-    later = config(start={"mode": "parallel"}, tune={"input_len": 64}, proxy={"connect_timeout": 1.0})
+    later = config(start={"mode": "parallel"}, proxy={"connect_timeout": 1.0})
     assert live_changes(old, later) == ["proxy.connect_timeout"] and fixed_changes(old, later) == []
     assert unapplied_changes(old, later) == [
-        "start.mode (read when `vsup run` starts; a reload leaves the change for the next start)",
-        "tune.input_len (`vsup run` does not read it)"]
+        "start.mode (read when `vsup run` starts; a reload leaves the change for the next start)"]
 
 
 def test_a_step_with_an_unknown_action_is_an_error_not_a_skip():

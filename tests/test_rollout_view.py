@@ -20,8 +20,8 @@ def test_a_finished_reload_is_one_line_unless_asked_for_the_steps():
         "  instance 0: replace (command line +--dtype bfloat16), in place, on port 8100: its CPUs 0 are in use: done — ready again as pid 4301",
         "  instance 1: replace (command line +--dtype bfloat16), in place, on port 8100: its CPUs 0 are in use: done — ready again as pid 4302",
         "  applied at once: proxy.policy"]
-    assert render_rollout(record(not_applied=["tune.input_len (`vsup run` does not read it)"]), steps=False)[1:] == [
-        "  not applied by the running vsup: tune.input_len (`vsup run` does not read it)"]
+    assert render_rollout(record(not_applied=["start.mode (read when `vsup run` starts)"]), steps=False)[1:] == [
+        "  not applied by the running vsup: start.mode (read when `vsup run` starts)"]
     assert render_rollout(None) == []
 
 
@@ -55,3 +55,14 @@ def test_a_follow_up_reload_waiting_or_reading_never_reads_done():
         "reload (SIGHUP) pending: the file is re-read once the last change has ended"]
     assert render_rollout(record(state="running", steps=[], step=0), steps=False) == [
         "reload (SIGHUP) running for 41s: reading and checking the file"]
+
+
+def test_under_unix_sockets_the_lines_name_the_socket_not_a_port():
+    step = {**STEP, "index": 1, "state": "running", "how": "beside, on socket 1b.sock: its CPUs 2-3 are free",
+            "new": {"name": "1b", "port": 8201, "at": "socket 1b.sock", "pid": 99, "state": "warming"}}
+    lines = render_rollout(record(state="running", step=1, steps=[step]), steps=True)
+    assert lines[1].endswith("beside, on socket 1b.sock: its CPUs 2-3 are free: running — 1b on socket 1b.sock is warming")
+    assert "port" not in lines[1]
+    changing = render_changing([{"index": 1, "name": "1b", "port": 8201, "address": "/run/vsup/instances-8000/1b.sock",
+                                 "pid": 99, "state": "warming"}])
+    assert changing == ["  instance 1 (1b, /run/vsup/instances-8000/1b.sock, pid 99): warming (its replacement)"]

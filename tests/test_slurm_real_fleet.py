@@ -1,6 +1,6 @@
 """`vsup export slurm` of a fleet under a real Slurm (22.05, scripts/slurm-sim: two hosts on this
 machine): two models, each with its step on every host; the front proxy answers each model from
-that model's vsups only, an unknown model with 404 model_not_found, and a `scancel --batch` leaves
+that model's vsups only, an unknown model with 404 model_not_found, and a `scancel --batch --signal=TERM` leaves
 nothing running. Marked `slurm`; needs root and Debian's slurmctld slurmd slurm-client munge."""
 
 from __future__ import annotations

@@ -210,8 +210,7 @@ def test_kill9_of_the_api_server_restarts_it_and_removes_its_orphans_while_the_o
 
 def test_backoff_grows_and_is_capped_then_a_crash_loop_fails_only_that_instance(vsup):
     run = vsup(faults={1: {"CRASH_AT_START": 3}},
-               restart={"initial_delay": 0.2, "multiplier": 2, "max_delay": 1.0, "jitter": 0,
-                        "crash_loop_failures": 5, "crash_loop_window": 120})
+               restart={"max_delay": 2.0, "max_failures": 5})
     # (parallel start: on a loaded box instance 0 may still be loading when instance 1 gives up)
     status = run.wait_for(lambda s: s["instances"][1]["state"] == "failed" and s["instances"][0]["state"] == "ready",
                           60, "instance 1 failed while instance 0 is ready")
@@ -220,12 +219,11 @@ def test_backoff_grows_and_is_capped_then_a_crash_loop_fails_only_that_instance(
     left = transitions(one, "backoff", "starting")
     assert len(entered) == len(left) == 4  # the 5th failure is the crash loop
     waited = [b["at"] - a["at"] for a, b in zip(entered, left, strict=True)]
-    planned = [0.2, 0.4, 0.8, 1.0]  # doubling from 0.2, capped at 1.0 (1.6 uncapped)
+    # 1 s plus up to 1 s of jitter, then doubling (2, 4, 8 s) capped at max_delay 2 s
+    planned = [float(t["reason"].split()[3].removesuffix("s")) for t in entered]
+    assert 1.0 <= planned[0] <= 2.0 and planned[1:] == [2.0, 2.0, 2.0], planned
     for got, want in zip(waited, planned, strict=True):
-        assert want - 0.02 <= got <= want + 1.0, (waited, planned)
-    assert waited[2] > waited[0] + 0.3  # it grows ...
-    assert waited[3] < 1.6  # ... and stops at the cap
-    assert [t["reason"].split(" (")[0] for t in entered] == [f"next start in {d:.2f}s" for d in planned]
+        assert want - 0.02 <= got <= want + 1.0, (waited, planned)  # + 1 s for a loaded box
     assert "code 3" in one["last_exit"]
     assert transitions(one, "stopping", "failed")[0]["event"] == "crash_loop"
     assert zero["state"] == "ready" and not transitions(zero, "ready")  # the other kept serving

@@ -245,7 +245,7 @@ async def test_reload_replaces_changed_instances_one_at_a_time_in_place_when_no_
     assert record["state"] == "done" and record["unchanged"] == [] and record["error"] is None
     assert [(s["index"], s["action"], s["state"]) for s in record["steps"]] == [(0, "replace", "done"), (1, "replace", "done")]
     assert record["steps"][0]["why"] == "command line -float32 +bfloat16"
-    assert record["steps"][0]["how"].startswith("in place, on port 41000: its CPUs")
+    assert record["steps"][0]["how"].startswith("in place, on socket 0.sock: its CPUs")  # vllm.listen: unix
     new = [i.child for i in f.sup.instances]
     assert all(n is not o for n, o in zip(new, old, strict=True)) and all(o.returncode is not None for o in old)
     assert all(n.argv[-2:] == ["--dtype", "bfloat16"] for n in new)
@@ -268,7 +268,7 @@ async def test_reload_starts_a_replacement_beside_the_old_one_when_its_cores_are
     assert record["state"] == "done", record
     (step,) = record["steps"]
     assert step["why"].startswith("CPUs 0-3 -> 4-7; memory nodes 0 -> 1")
-    assert step["how"] == "beside, on port 41100: its CPUs 4-7 are free"
+    assert step["how"] == "beside, on socket 0b.sock: its CPUs 4-7 are free"
     (new,) = f.sup.instances
     assert new is not old and new.name == "0b" and new.port == 41100 and new.state is State.READY
     assert old.state is State.STOPPED and old not in f.sup.fleet.drivers
@@ -322,7 +322,7 @@ async def test_a_changed_instance_count_adds_and_removes_the_same_way(fleet):
     # three instances split the nodes 2 + 1: instance 1 moves beside itself onto node 0's free cores,
     # then instance 2 is added on node 1
     assert [(s["index"], s["action"], s["how"]) for s in record["steps"]] == [
-        (1, "replace", "beside, on port 41101: its CPUs 2-3 are free"), (2, "add", "on port 41002")]
+        (1, "replace", "beside, on socket 1b.sock: its CPUs 2-3 are free"), (2, "add", "on socket 2.sock")]
     assert record["steps"][0]["why"].startswith("CPUs 4-5 -> 2-3; memory nodes 1 -> 0") and record["unchanged"] == [0]
     assert [i.state for i in f.sup.instances] == [State.READY] * 3 and min(f.rotation) >= 2
     f.write(instances=1, placement={"cores_per_instance": 2})

@@ -76,7 +76,7 @@ def test_security_exposure(tmp_path, analyze, vsup_path):
     assert match, out.stdout + out.stderr
     exposure = float(match.group(1))
     assert exposure <= MAX_EXPOSURE, f"exposure {exposure} > {MAX_EXPOSURE}:\n{out.stdout}"
-    # The README quotes docs/bench/systemd_security.json (bench/systemd_security.py): the unit of
+    # docs/systemd.md quotes docs/bench/systemd_security.json (bench/systemd_security.py): the unit of
     # this tree must rate the same under the same systemd, and never worse under another one.
     recorded = json.loads((REPO / "docs" / "bench" / "systemd_security.json").read_text())["figures"]
     version = subprocess.run([analyze, "--version"], capture_output=True, text=True, timeout=30).stdout.splitlines()[0]

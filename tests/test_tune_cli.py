@@ -50,7 +50,7 @@ class Tuning:
                           "overhead_gib": 0.25, "memory_reserve_gib": 0.5},
             "vllm": {"command": command or [str(WRAPPER), "serve"], "args": ["--max-num-seqs", "8"]},
             "health": {"interval": 0.3, "startup_timeout": 30},
-            "restart": {"initial_delay": 0.2, "jitter": 0},
+            "restart": {"max_delay": 0.2},
             "stop": {"timeout": 5},
             "proxy": {"drain_timeout": 1},
             **config,
@@ -250,24 +250,61 @@ def test_a_bad_workload_line_names_the_file_and_line(tmp_path):
     assert f"--workload {workload}:2: max_tokens: None is not a whole number of at least 1" in out.stderr
 
 
-def test_a_workload_from_the_config_is_read_and_its_errors_name_the_key(tmp_path):
-    workload = tmp_path / "w.jsonl"
+def test_a_workload_from_the_settings_file_is_read_from_its_folder_and_its_errors_name_the_key(tmp_path):
+    (tmp_path / "in").mkdir()
+    workload = tmp_path / "in" / "w.jsonl"
     workload.write_text('{"prompt": "hi", "max_tokens": 4}\n{"prompt": "hi"}\n')
     config = tmp_path / "c.yaml"
-    config.write_text(f"model: m\ntune:\n  workload: {workload}\n")
-    out = subprocess.run([*VSUP, "tune", "-c", str(config), "--dry-run"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    config.write_text("model: m\n")
+    settings = tmp_path / "in" / "tune.yaml"
+    settings.write_text("concurrency: [4]\nworkload: w.jsonl\n")
+    out = subprocess.run([*VSUP, "tune", "-c", str(config), "--settings", str(settings), "--dry-run"],
+                         capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
-    assert f"vsup: error: {config}:3: tune.workload {workload}:2: max_tokens: None is not a whole number" in out.stderr
+    assert f"vsup: error: {settings}:2: workload {workload}:2: max_tokens: None is not a whole number" in out.stderr
 
 
-@pytest.mark.parametrize(("tune", "message"), [
-    ("  concurrency: [0, 8]\n", "{config}:3: tune.concurrency: [0, 8] is not valid: every value must be at least 1"),
-    ("  omp_threads: [all, most]\n", "{config}:3: tune.omp_threads[1]: 'most' is not valid: Input should be a valid integer or 'all' or 'half'"),
-    ("  smt: [1]\n", "{config}:3: tune.smt[0]: 1 is not valid: Input should be a valid boolean"),
+@pytest.mark.parametrize(("text", "message"), [
+    ("concurrency: [0, 8]\n", "{settings}:1: concurrency: [0, 8] is not valid: every value must be at least 1"),
+    ("smt: [off]\nomp_threads: [all, most]\n", "{settings}:2: omp_threads[1]: 'most' is not valid: Input should be a valid integer or 'all' or 'half'"),
+    ("smt: [1]\n", "{settings}:1: smt[0]: 1 is not valid: Input should be a valid boolean"),
+    ("concurency: [8]\n", "{settings}:1: concurency: unknown key (check the spelling; `vsup config --tune-settings` lists every key)"),
+    ("tune:\n  concurrency: [8]\n", "{settings}:1: tune: a settings file holds the keys at its top level"),
+    ("- 8\n", "{settings}: expected a mapping of vsup tune's settings"),
 ])
-def test_a_bad_tune_section_is_one_line_naming_the_key_and_line(tmp_path, tune, message):
+def test_a_bad_settings_file_is_one_line_naming_the_key_and_line(tmp_path, text, message):
     config = tmp_path / "c.yaml"
-    config.write_text(f"model: m\ntune:\n{tune}")
-    out = subprocess.run([*VSUP, "tune", "-c", str(config), "--dry-run"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    config.write_text("model: m\n")
+    settings = tmp_path / "tune.yaml"
+    settings.write_text(text)
+    out = subprocess.run([*VSUP, "tune", "-c", str(config), "--settings", str(settings), "--dry-run"],
+                         capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
-    assert out.stderr.startswith("vsup: error: " + message.format(config=config)), out.stderr
+    assert out.stderr.startswith("vsup: error: " + message.format(settings=settings)), out.stderr
+
+
+def test_a_tune_section_in_the_run_file_says_where_it_went(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("model: m\ninstances: 1\ntune:\n  concurrency: [4]\n")
+    for command in (["tune", "-c", str(config), "--dry-run"], ["plan", "--config", str(config)]):
+        out = subprocess.run([*VSUP, *command], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+        assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+        assert out.stderr.startswith(f"vsup: error: {config}:3: tune: `vsup tune`'s settings left the run file"), out.stderr
+        assert "--settings FILE" in out.stderr
+
+
+def test_flags_override_the_settings_file(tmp_path):
+    root = build_sysfs(tmp_path / "m", nodes=(4,), smt=2, node_memory=16 * GIB)
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"model": "m", "placement": {"model_size_gib": 1, "kvcache_gib": 1, "launcher": "numactl"}}))
+    settings = tmp_path / "tune.yaml"
+    settings.write_text("instances_per_node: [1]\nsmt: [false]\nhousekeeping_core: [false]\nomp_threads: [all]\n")
+
+    def layouts(*args: str) -> set[str]:
+        out = subprocess.run([*VSUP, "tune", "-c", str(config), "--fsroot", str(root), "--dry-run", "--settings", str(settings), *args],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        return {line.split()[0] for line in out.stdout.splitlines() if line.startswith("  i")}
+
+    assert layouts() == {"i1"}
+    assert layouts("--instances-per-node", "2") == {"i2"}

@@ -88,8 +88,7 @@ def test_the_load_generator_against_the_fake_measures_every_streamed_token(fake_
 
 def test_a_candidate_config_replaces_placement_flags_and_preload_and_nothing_else():
     base = {"model": "/m", "instances": 2, "placement": {"kvcache_gib": 2, "smt": True},
-            "vllm": {"args": ["--dtype", "float32", "--max-num-seqs=32"], "env": {"HF_HUB_OFFLINE": "1"}},
-            "tune": {"concurrency": [4]}}
+            "vllm": {"args": ["--dtype", "float32", "--max-num-seqs=32"], "env": {"HF_HUB_OFFLINE": "1"}}}
     cand = Candidate(instances=1, omp_threads=3, preload="tcmalloc", max_num_seqs=8, kvcache_gib=KV_MAX)
     data = configs.apply_candidate(base, cand, {"tcmalloc": "/usr/lib/libtcmalloc_minimal.so.4"})
     assert data["instances"] == 1

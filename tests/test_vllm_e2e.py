@@ -234,7 +234,7 @@ def served_config(tmp: Path, model: Path, instances: int | None = None) -> dict:
     # stall_timeout: test_a_sigstopped_engine_... waits it out (the default 60 s would only make it longer)
     config["proxy"] = {**config.get("proxy", {}), "port": proxy_port, "drain_timeout": 5, "stall_timeout": 20}
     config["health"] = {"interval": 1.0, "timeout": 10.0, "failures": 3, "startup_timeout": STARTUP_TIMEOUT}
-    config["restart"] = {"initial_delay": 0.5, "max_delay": 5.0, "jitter": 0.0, "crash_loop_failures": 20}
+    config["restart"] = {"max_delay": 5.0, "max_failures": 20}
     config["stop"] = {"timeout": 30}
     config["log"] = {"dir": str(tmp / "logs"), "echo": True}
     config["control"] = {"socket": str(tmp / "control.sock")}

@@ -100,7 +100,7 @@ def fleet_config(venv: Path, model: Path, tmp: Path) -> dict:
         ],
         "proxy": {"host": "127.0.0.1", "port": proxy_port, "drain_timeout": 5},
         "health": {"interval": 1.0, "timeout": 10.0, "failures": 3, "startup_timeout": STARTUP_TIMEOUT},
-        "restart": {"initial_delay": 0.5, "max_delay": 5.0, "jitter": 0.0, "crash_loop_failures": 20},
+        "restart": {"max_delay": 5.0, "max_failures": 20},
         "start": {"mode": "parallel"},
         "stop": {"timeout": 30},
         "log": {"dir": str(tmp / "logs"), "echo": True},

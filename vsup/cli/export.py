@@ -11,7 +11,7 @@ from vsup.cli.options import fsroot_option
 from vsup.errors import VsupError
 
 config_option = click.option("--config", "-c", "config_path", required=True, type=click.Path(dir_okay=False),
-                             help="The vsup YAML the export is planned from (configs/vsup.yaml documents every key).")
+                             help="The vsup YAML the export is planned from (`vsup config --example --all` lists every key).")
 hosts_option = click.option("--hosts", type=click.IntRange(1), default=1, show_default=True,
                             help="How many hosts of this type run vsup.")
 output_option = click.option("--output-dir", "-o", type=click.Path(file_okay=False), default=None,

@@ -67,7 +67,7 @@ def main() -> None:
     vsup proxy --upstream …  the proxy alone, in front of servers started elsewhere
     vsup tune --config FILE  measure layouts on this machine, pick the best
     vsup doctor              check this machine against what vLLM CPU needs
-    vsup config --example    the commented example configuration (every key)
+    vsup config --example    the commented example configuration (--all: every key)
     vsup install-systemd     install vsup as a systemd service
     vsup export kubernetes   manifests + kubelet config from the plan (export slurm: sbatch)
     """

@@ -74,7 +74,7 @@ def _node_list(text: str) -> tuple[int, ...] | None:
 @click.option("--efficiency-cores", type=_choice("housekeeping", "instances", "unused"), default=None,
               help="Hybrid CPUs: what efficiency cores do besides the reserve. [default: housekeeping]")
 @click.option("--base-port", type=_Checked(_at_least(1), "a TCP port, 1-65535"), default=None,
-              help="Port of instance 0; instance i listens on base port + i. [default: 8100]")
+              help="With vllm.listen: tcp, the port of instance 0; instance i listens on base port + i. [default: 8100]")
 @click.option("--format", "output_format", type=_choice("table", "json", "shell"), default="table", show_default=True,
               help="table: core map per node; json: the plan; shell: runnable launch lines.")
 def plan_command(instances, fsroot, config_path, model, model_size_gib, kvcache_gib, cores_per_instance, omp_threads,
@@ -127,5 +127,5 @@ def plan_command(instances, fsroot, config_path, model, model_size_gib, kvcache_
     elif output_format == "shell":
         click.echo(render_shell(the_plan, cfg, os.environ), nl=False)
     else:
-        click.echo(render_table(machine, the_plan, fleet=is_fleet(cfg)), nl=False)
+        click.echo(render_table(machine, the_plan, fleet=is_fleet(cfg), listen=cfg.vllm.listen, proxy_port=cfg.proxy.port), nl=False)
 

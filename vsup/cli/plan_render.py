@@ -23,8 +23,10 @@ EFFICIENCY_CHOICE = {
 }
 
 
-def render_table(machine: Machine, plan: Plan, *, fleet: bool = False) -> str:
-    """`fleet`: the plan of a file with `models:` (a MODEL column, a line per model)."""
+def render_table(machine: Machine, plan: Plan, *, fleet: bool = False, listen: str = "unix", proxy_port: int = 8000) -> str:
+    """`fleet`: the plan of a file with `models:` (a MODEL column, a line per model). `listen`
+    (vllm.listen): unix shows each instance's socket, tcp its port; `proxy_port` names the
+    sockets' folder."""
     lines: list[str] = []
     s = plan.settings
     launcher = s.launcher + (f" (--membind {s.membind})" if s.launcher == "numactl" else "")
@@ -41,7 +43,7 @@ def render_table(machine: Machine, plan: Plan, *, fleet: bool = False) -> str:
         lines.append("")
     lines.extend(_core_map(machine, plan))
     lines.append("")
-    lines.extend(_instance_table(plan, fleet))
+    lines.extend(_instance_table(plan, fleet, listen, proxy_port))
     lines.append("")
     reserved = plan.reserved_cpus
     lines.append(f"reserved for vsup, the proxy and the OS: {format_list(reserved) if reserved else 'none'}")
@@ -135,14 +137,15 @@ def _model_lines(plan: Plan) -> list[str]:
     return ["models:"] + ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1] for row in rows]
 
 
-def _instance_table(plan: Plan, fleet: bool = False) -> list[str]:
+def _instance_table(plan: Plan, fleet: bool = False, listen: str = "unix", proxy_port: int = 8000) -> list[str]:
     kinds = any(inst.kind for inst in plan.instances)
-    header = ("#",) + (("model",) if fleet else ()) + ("port", "nodes", "cores", "threads", "OpenMP CPUs", "affinity mask", "weights", "KV", "memory") + (("kind",) if kinds else ())
+    unix = listen == "unix"
+    header = ("#",) + (("model",) if fleet else ()) + ("socket" if unix else "port", "nodes", "cores", "threads", "OpenMP CPUs", "affinity mask", "weights", "KV", "memory") + (("kind",) if kinds else ())
     rows = [header]
     for inst in plan.instances:
         rows.append(
             (str(inst.index),) + ((inst.model,) if fleet else ()) + (
-                str(inst.port),
+                f"{inst.index}.sock" if unix else str(inst.port),
                 ",".join(map(str, inst.nodes)) or "-",
                 str(len(inst.cores)),
                 str(len(inst.omp_cpus)),
@@ -157,6 +160,8 @@ def _instance_table(plan: Plan, fleet: bool = False) -> list[str]:
     lines = ["instances:"]
     for row in rows:
         lines.append("  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+    if unix:
+        lines.append(f"sockets: <runtime dir>/instances-{proxy_port}/<i>.sock (vllm.listen: unix; tcp: 127.0.0.1:<base_port + i>)")
     prefixes = [(inst.index, " ".join(inst.argv)) for inst in plan.instances if inst.argv]
     if prefixes:
         lines.append("launch prefixes:")

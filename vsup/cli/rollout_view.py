@@ -47,7 +47,7 @@ def _rollout_lines(record: dict | None, *, steps: bool) -> list[str]:
             line += f": {MARK.get(step['state'], step['state'])}"
             new = step.get("new")
             if step["state"] == "running" and new:
-                line += f" — {new['name']} on port {new['port']} is {new['state']}"
+                line += f" — {new['name']} on {new.get('at') or 'port ' + str(new['port'])} is {new['state']}"
             elif step.get("detail") and step["state"] != "failed":
                 line += f" — {step['detail']}"
             lines.append(line)
@@ -61,7 +61,7 @@ def _rollout_lines(record: dict | None, *, steps: bool) -> list[str]:
 def render_changing(entries: list[dict]) -> list[str]:
     """Instances outside the fleet for a moment: a replacement starting beside the instance it
     replaces, or a replaced one draining."""
-    return [printable(f"  instance {e['index']} ({e['name']}, port {e['port']}, pid {e['pid'] or '-'}): {e['state']}"
+    return [printable(f"  instance {e['index']} ({e['name']}, {e.get('address') or 'port ' + str(e['port'])}, pid {e['pid'] or '-'}): {e['state']}"
             + (" (being replaced)" if e["state"] in ("draining", "stopping") else " (its replacement)"))
             for e in entries]
 

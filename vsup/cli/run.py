@@ -65,7 +65,7 @@ def check_port_free(host: str, port: int, what: str) -> None:
 
 @click.command("run")
 @click.option("--config", "-c", "config_path", required=True, type=click.Path(dir_okay=False),
-              help="The YAML configuration (configs/vsup.yaml documents every key).")
+              help="The YAML configuration (`vsup config --example --all` lists every key).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default=None,
               help="Overrides log.level.")
 @click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True,

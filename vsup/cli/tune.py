@@ -13,6 +13,7 @@ import yaml
 from vsup.cli.options import Checked, fsroot_option
 from vsup.config.fleet import is_fleet, models_of, view_of
 from vsup.config.schema import VsupConfig, load_config, where
+from vsup.config.tune_settings import LocatedSettings, load_tune_settings
 from vsup.errors import VsupError
 
 
@@ -68,6 +69,9 @@ class _SloType(click.ParamType):
 @click.command("tune")
 @click.option("--config", "-c", "config_path", required=True, type=click.Path(dir_okay=False),
               help="Your vsup YAML: the model, vLLM's flags and the placement the candidates start from.")
+@click.option("--settings", "settings_path", default=None, type=click.Path(dir_okay=False),
+              help="A YAML file of tune settings (what to try, the load): each key of `vsup config --tune-settings`; "
+                   "a flag overrides its key.")
 @click.option("--model", "model_name", default=None, metavar="NAME",
               help="With a config of several models (models:): the one to tune, on the CPUs the plan gives it, "
                    "the others' held as planned.")
@@ -77,15 +81,15 @@ class _SloType(click.ParamType):
 @click.option("--slo", type=_SloType(), default=None,
               help="Limits a winner must meet at every load level, e.g. ttft_p99=2s,itl_p99=200ms (ttft/tpot/itl/e2el × mean/p50/p90/p99).")
 @click.option("--workload", type=click.Path(dir_okay=False), default=None,
-              help="JSONL of {\"prompt\"|\"messages\", \"max_tokens\"} per line. [default: tune.workload, else synthetic prompts]")
+              help="JSONL of {\"prompt\"|\"messages\", \"max_tokens\"} per line. [default: the --settings file's workload, else synthetic prompts]")
 @click.option("--input-len", type=Checked(_count, "a whole number of tokens, at least 1"), default=None,
-              help="Synthetic prompts: input tokens, sized with the server's /tokenize. [default: tune.input_len = 128]")
+              help="Synthetic prompts: input tokens, sized with the server's /tokenize. [default: --settings' input_len, else 128]")
 @click.option("--output-len", type=Checked(_count, "a whole number of tokens, at least 1"), default=None,
-              help="Synthetic prompts: output tokens per request. [default: tune.output_len = 64]")
+              help="Synthetic prompts: output tokens per request. [default: --settings' output_len, else 64]")
 @click.option("--concurrency", type=_list(_count, "a comma list of whole numbers, e.g. 8,32"), default=None,
-              help="Closed-loop levels: requests kept in flight. [default: tune.concurrency = 8,32]")
+              help="Closed-loop levels: requests kept in flight. [default: --settings' concurrency, else 8,32]")
 @click.option("--request-rate", type=_list(_rate, "a comma list of requests per second, e.g. 2,4.5"), default=None,
-              help="Open-loop levels in requests/s (Poisson arrivals). [default: tune.request_rate, none]")
+              help="Open-loop levels in requests/s (Poisson arrivals). [default: --settings' request_rate, else none]")
 @click.option("--budget", type=Checked(_seconds, "a duration, e.g. 30m, 1h, 900s"), default="30m", show_default=True,
               help="Wall-clock time for the whole search, start-ups included.")
 @click.option("--min-duration", type=Checked(_seconds, "a duration, e.g. 10s"), default="10s", show_default=True,
@@ -93,21 +97,21 @@ class _SloType(click.ParamType):
 @click.option("--max-duration", type=Checked(_seconds, "a duration, e.g. 5m"), default="5m", show_default=True,
               help="Longest load time per level and run (a large budget ends early rather than run longer).")
 @click.option("--instances-per-node", type=_list(_count, "a comma list of whole numbers, e.g. 1,2"), default=None,
-              help="Instances per NUMA node to try. [default: tune.instances_per_node, else 1,2,4,… while each keeps a core]")
+              help="Instances per NUMA node to try. [default: --settings' instances_per_node, else 1,2,4,… while each keeps a core]")
 @click.option("--omp-threads", type=_list(_threads, "a comma list of all, half or thread counts, e.g. all,half,3"), default=None,
-              help="OpenMP threads per instance to try. [default: tune.omp_threads, else all,half]")
+              help="OpenMP threads per instance to try. [default: --settings' omp_threads, else all,half]")
 @click.option("--smt", type=_list(_switch, "off, on or off,on"), default=None,
-              help="SMT settings to try. [default: tune.smt, else off,on where cores have siblings]")
+              help="SMT settings to try. [default: --settings' smt, else off,on where cores have siblings]")
 @click.option("--housekeeping-core", type=_list(_switch, "off, on or off,on"), default=None,
-              help="Housekeeping-core settings to try. [default: tune.housekeeping_core, else off,on]")
+              help="Housekeeping-core settings to try. [default: --settings' housekeeping_core, else off,on]")
 @click.option("--preload", type=_list(_preload, "a comma list of none, tcmalloc, iomp, tcmalloc+iomp"), default=None,
-              help="LD_PRELOAD sets to try on the best layout. [default: tune.preload, else none and the installed ones]")
+              help="LD_PRELOAD sets to try on the best layout. [default: --settings' preload, else none and the installed ones]")
 @click.option("--max-num-seqs", type=_list(_count, "a comma list of whole numbers"), default=None,
-              help="vLLM --max-num-seqs values to try on the best layout. [default: tune.max_num_seqs]")
+              help="vLLM --max-num-seqs values to try on the best layout. [default: --settings' max_num_seqs, else half the busiest level's requests per instance]")
 @click.option("--max-num-batched-tokens", type=_list(_count, "a comma list of whole numbers"), default=None,
-              help="vLLM --max-num-batched-tokens values to try on the best layout. [default: tune.max_num_batched_tokens]")
+              help="vLLM --max-num-batched-tokens values to try on the best layout. [default: --settings' max_num_batched_tokens, else none]")
 @click.option("--kvcache-gib", type=_list(_rate, "a comma list of positive GiB"), default=None,
-              help="KV cache sizes per instance to try on the best layout. [default: tune.kvcache_gib]")
+              help="KV cache sizes per instance to try on the best layout. [default: --settings' kvcache_gib, else the largest that fits]")
 @click.option("--report", "report_dir", type=click.Path(file_okay=False), default="vsup-tune", show_default=True,
               help="Folder for results.jsonl, summary.md, chart.png, the candidates' YAML and logs.")
 @click.option("--resume", is_flag=True, help="Continue the search recorded in REPORT/results.jsonl.")
@@ -116,7 +120,7 @@ class _SloType(click.ParamType):
 @click.option("--dry-run", is_flag=True, help="List the candidates and the pruned ones (with why), measure nothing.")
 @click.option("--no-roofline", is_flag=True, help="Skip the memory-bandwidth triad (no roofline figures).")
 @fsroot_option
-def tune_command(config_path, model_name, objective, slo, workload, input_len, output_len, concurrency, request_rate, budget,
+def tune_command(config_path, settings_path, model_name, objective, slo, workload, input_len, output_len, concurrency, request_rate, budget,
                  min_duration, max_duration, instances_per_node, omp_threads, smt, housekeeping_core, preload, max_num_seqs,
                  max_num_batched_tokens, kvcache_gib, report_dir, resume, write_config, dry_run, no_roofline, fsroot) -> None:
     """Measure layouts of this machine with this model through `vsup run`, pick the best.
@@ -126,6 +130,7 @@ def tune_command(config_path, model_name, objective, slo, workload, input_len, o
     core) runs a short load; the better half runs again, longer, until one wins; then
     LD_PRELOAD and vLLM's batch flags are tried on it. Prints a ranked table; leaves
     results.jsonl, summary.md and chart.png in --report. docs/tune.md explains the method.
+    What to try and the load come from the flags, or a file of their own (--settings).
     """
     from rich.console import Console
 
@@ -136,7 +141,7 @@ def tune_command(config_path, model_name, objective, slo, workload, input_len, o
     cfg = load_config(config_path)
     data = yaml.safe_load(Path(config_path).read_text())
     cfg, data, cpus = model_to_tune(cfg, data, model_name, config_path, fsroot)
-    t = cfg.tune
+    t = load_tune_settings(settings_path) if settings_path is not None else LocatedSettings()
     if min_duration > max_duration:
         raise VsupError(f"--min-duration {min_duration:g}s is longer than --max-duration {max_duration:g}s")
     space = Space(
@@ -157,7 +162,7 @@ def tune_command(config_path, model_name, objective, slo, workload, input_len, o
         output_len=output_len or t.output_len, budget_s=budget, min_duration_s=min_duration, max_duration_s=max_duration,
         report_dir=Path(report_dir), resume=resume, write_config=Path(write_config) if write_config else None,
         dry_run=dry_run, roofline=not no_roofline, fsroot=fsroot,
-        workload_origin="--workload" if workload else where(cfg, "tune.workload"), cpus=cpus,
+        workload_origin="--workload" if workload else where(t, "workload"), cpus=cpus,
     )
     if not dry_run:  # before anything is measured: a search must not end in an unwritable report
         check_writable(options.report_dir, "--report", folder=True)

@@ -39,7 +39,7 @@ def read_text(path: Path) -> str:
         raise ConfigError(f"{path}: cannot read the configuration: {exc.strerror or exc}") from None
     if len(raw) > MAX_FILE_BYTES:
         raise ConfigError(f"{path}: larger than {MAX_FILE_BYTES // MiB} MiB; a vsup configuration is a few KiB "
-                          "(configs/vsup.yaml lists every key)")
+                          "(`vsup config --example --all` lists every key)")
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -175,18 +175,30 @@ def _clip(text: str, limit: int = 80) -> str:
     return text if len(text) <= limit else f"{text[:limit - 3]}..."
 
 
-# Keys that were replaced, with what to write instead: refused with that line, not as unknown (an
-# old config must not run with a meaning it did not ask for).
+# Keys that were replaced or removed, by "section.key" ("key" at the top level), with what to write
+# instead: refused with that line, not as unknown (an old config must not run with a meaning it did
+# not ask for, and its author learns where the setting went).
+_DERIVED = "; remove this key (restart.max_delay sets the longest wait; docs/supervisor.md, \"Restart policy\")"
 REPLACED = {
-    "affinity_max_imbalance": "replaced by proxy.affinity_load_factor (bounded-load hashing: no instance above ceil((1 + ε) x the mean"
-                              " load), default 0.25; docs/proxy.md): remove this key, and set that one if the default does not fit",
+    "proxy.affinity_max_imbalance": "replaced by proxy.affinity_load_factor (bounded-load hashing: no instance above ceil((1 + ε) x the"
+                                    " mean load), default 0.25; docs/proxy.md): remove this key, and set that one if the default does not fit",
+    "restart.initial_delay": "derived now: the first restart waits 1 s (at most restart.max_delay)" + _DERIVED,
+    "restart.multiplier": "derived now: each further failure in a row doubles the wait, up to restart.max_delay" + _DERIVED,
+    "restart.jitter": "derived now: up to 1 s at random is added to each wait" + _DERIVED,
+    "restart.crash_loop_failures": "replaced by restart.max_failures (failures in a row, with no start ready restart.stable_after"
+                                   " seconds between them, that mark an instance failed): rename this key",
+    "restart.crash_loop_window": "replaced by restart.stable_after: failures count until a start stays ready that long, not"
+                                 " within a window; remove this key (restart.max_failures says how many make a crash loop)",
+    "tune": "`vsup tune`'s settings left the run file (`vsup run` never read them): give them as `vsup tune` flags, or move"
+            " this section's keys to a file of their own, `vsup tune --settings FILE` (docs/tune.md)",
 }
 _UNION_MEMBERS = {"int", "float", "str"}  # what pydantic names the members of `int | float | str` unions
 
 
-def describe(exc: ValidationError, root: Any, origin: str) -> str:
+def describe(exc: ValidationError, root: Any, origin: str, *, listing: str = "`vsup config --example --all` lists every key") -> str:
     """One entry per bad key: "<file>:<line>: <dotted.key>: <value> is not valid: <why>"; several
-    are joined with "; " (the CLI prints one line), at most MAX_PROBLEMS of them."""
+    are joined with "; " (the CLI prints one line), at most MAX_PROBLEMS of them. `listing`: where
+    an unknown key's author finds the keys there are."""
     problems: dict[str, tuple[str, list[str]]] = {}  # key -> (start of the entry, reasons)
     for error in exc.errors():
         # drop the union member names pydantic adds to the location ("int", "literal['auto']")
@@ -194,10 +206,10 @@ def describe(exc: ValidationError, root: Any, origin: str) -> str:
         key = _clip("".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or "(top level)")
         line = _line_of(root, loc)
         where = f"{origin}:{line}" if line else origin
-        if error["type"] == "extra_forbidden" and loc and loc[-1] in REPLACED:
-            problems.setdefault(key, (f"{where}: {key}: {REPLACED[str(loc[-1])]}", []))
+        if error["type"] == "extra_forbidden" and _replaced(loc) in REPLACED:
+            problems.setdefault(key, (f"{where}: {key}: {REPLACED[_replaced(loc)]}", []))
         elif error["type"] == "extra_forbidden":
-            problems.setdefault(key, (f"{where}: {key}: unknown key (check the spelling; `vsup config --example` lists every key)", []))
+            problems.setdefault(key, (f"{where}: {key}: unknown key (check the spelling; {listing})", []))
         elif error["type"] == "missing":
             problems.setdefault(key, (f"{where}: {key}: required key is missing", []))
         else:
@@ -214,6 +226,14 @@ def describe(exc: ValidationError, root: Any, origin: str) -> str:
     if len(entries) > MAX_PROBLEMS:
         entries = entries[:MAX_PROBLEMS] + [f"and {len(entries) - MAX_PROBLEMS} more"]
     return "; ".join(entries)
+
+
+def _replaced(loc: list) -> str:
+    """The REPLACED entry a key's location names: "section.key", or "key" at the top level (and
+    for a key of a list's entry, `models[1].tune`)."""
+    if len(loc) >= 2 and isinstance(loc[-2], str):
+        return f"{loc[-2]}.{loc[-1]}"
+    return str(loc[-1]) if loc else ""
 
 
 def _reason(error: Mapping[str, Any], value: Any) -> str:

@@ -24,7 +24,6 @@ class Reload(StrEnum):
     RELAUNCH = "relaunch"  # re-planned: instances whose launch changes are replaced one at a time
     FIXED = "fixed"  # built into what vsup holds open: a reload that changes it is refused
     START = "start"  # read when `vsup run` starts: a reload takes the file, the value waits for the next start
-    UNUSED = "unused"  # `vsup run` does not read it (other commands do)
 
 
 # What each class means, as the configuration reference's legend and `vsup reload` word it.
@@ -33,12 +32,10 @@ MEANING = {
     Reload.RELAUNCH: "a reload replaces, one at a time, the instances whose command, environment, CPUs or memory nodes change",
     Reload.FIXED: "a reload that changes it is refused: restart vsup",
     Reload.START: "read when `vsup run` starts; a reload leaves the change for the next start",
-    Reload.UNUSED: "`vsup run` does not read it",
 }
 
 LIVE: JsonDict = {"reload": Reload.LIVE.value}
 START: JsonDict = {"reload": Reload.START.value}
-UNUSED: JsonDict = {"reload": Reload.UNUSED.value}
 
 
 def relaunch(plan: str | None = None) -> JsonDict:

@@ -4,10 +4,13 @@
 value and its line ("configs/x.yaml:7: proxy.port: 70000 is not valid: ..."). Unknown keys,
 duplicate keys and values of the wrong type (`instances: true`) are errors, so nothing silently
 falls back to a default or is coerced; reading the file is bounded (vsup/config/loader.py). Each
-field's `description` is the key's documentation: `vsup config --example` (vsup/config/example.py)
-renders them as the commented example, configs/vsup.yaml, and the README's configuration
-reference is that same text. Each field's `json_schema_extra` says how a change reaches a running
-vsup (vsup/config/reloading.py: live, relaunch, fixed, start, unused); `RELOAD` is that table.
+field's `description` is the key's documentation: `vsup config --example --all`
+(vsup/config/example.py) renders them as the configuration reference (docs/configuration.md).
+Each field's `json_schema_extra` says how a change reaches a running vsup
+(vsup/config/reloading.py: live, relaunch, fixed, start); `RELOAD` is that table. The keys a user
+sets carry `basic(comment, ...)` there too: `vsup config --example` (configs/vsup.yaml) shows only
+them, each with that short comment. `vsup tune`'s settings are not here: they have a file of
+their own (vsup/config/tune_settings.py), and a `tune:` section is refused naming it.
 """
 
 from __future__ import annotations
@@ -28,12 +31,13 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic.config import JsonDict
 
 from vsup.config import proxy_routes
 from vsup.config.loader import describe, load_yaml, read_text
 from vsup.config.loader import quote as quote  # re-exported: callers name keys and values with them
 from vsup.config.loader import where as where
-from vsup.config.reloading import LIVE, START, UNUSED, KeyReload, fixed, relaunch, reload_table
+from vsup.config.reloading import LIVE, START, KeyReload, fixed, relaunch, reload_table
 from vsup.errors import ConfigError
 
 GiB = 1024**3
@@ -48,6 +52,15 @@ FLEET_MODEL = "(each entry of models names its model)"
 SPARE_PORT_OFFSET = 100
 # restart.max_rss as a number: a multiple of the planned memory, at most this.
 MAX_RSS_FACTOR = 10.0
+# The json_schema_extra entry of a key `vsup config --example` shows: its short comment there.
+BASIC = "basic"
+
+
+def basic(comment: str, extra: JsonDict | None = None) -> JsonDict:
+    """Marks a key (or section) `vsup config --example` shows: what a user sets, with `comment`, a few
+    words that say what it does and why (a line of that example is at most 100 characters; the
+    description is the key's full documentation, in `vsup config --example --all`)."""
+    return {**(extra or {}), BASIC: comment}
 
 
 class _Section(BaseModel):
@@ -56,18 +69,18 @@ class _Section(BaseModel):
 
 
 class PlacementConfig(_Section):
-    model_size_gib: float | None = Field(None, gt=0, description="weights per instance; null: size of the local model dir's weight files", json_schema_extra=relaunch(plan="model_size_bytes"))
-    kvcache_gib: float | None = Field(None, gt=0, description="KV cache per instance (whole GiB -> VLLM_CPU_KVCACHE_SPACE, < 1 GiB -> --kv-cache-memory-bytes); null: largest equal whole-GiB share that fits", json_schema_extra=relaunch(plan="kvcache_gib"))
+    model_size_gib: float | None = Field(None, gt=0, description="weights per instance; null: size of the local model dir's weight files", json_schema_extra=basic("weights per instance; null: the model folder's files", relaunch(plan="model_size_bytes")))
+    kvcache_gib: float | None = Field(None, gt=0, description="KV cache per instance (whole GiB -> VLLM_CPU_KVCACHE_SPACE, < 1 GiB -> --kv-cache-memory-bytes); null: largest equal whole-GiB share that fits", json_schema_extra=basic('KV cache per instance; null: the largest that fits', relaunch(plan="kvcache_gib")))
     overhead_gib: float = Field(1.5, ge=0, description="fixed per-instance memory besides weights and KV cache", json_schema_extra=relaunch())
     memory_reserve_gib: float = Field(2.0, ge=0, description="per node, left to the OS and page cache", json_schema_extra=relaunch())
-    reserve_cores: int | Literal["auto"] = Field("auto", description="physical cores kept for vsup, the proxy and the OS; auto: one when the instances leave one free, else none (with a warning)", json_schema_extra=relaunch(plan="reserve_cores"))
+    reserve_cores: int | Literal["auto"] = Field("auto", description="physical cores kept for vsup, the proxy and the OS; auto: one when the instances leave one free, else none (with a warning)", json_schema_extra=basic('cores left to vsup and the OS; auto: one when free', relaunch(plan="reserve_cores")))
     housekeeping_core: bool = Field(False, description="give each instance one core for its API server/EngineCore, outside OpenMP", json_schema_extra=relaunch(plan="housekeeping_core"))
-    smt: bool = Field(False, description="one OpenMP thread per hardware thread instead of one per physical core", json_schema_extra=relaunch(plan="smt"))
-    cores_per_instance: int | None = Field(None, ge=1, description="OpenMP cores per instance; null: split all usable cores", json_schema_extra=relaunch(plan="cores_per_instance"))
-    omp_threads: int | None = Field(None, ge=1, description="OpenMP threads per instance (OMP_NUM_THREADS), at most its OpenMP CPUs; they take one CPU per core first, the CPUs left over stay in its mask, idle for its API server/EngineCore (decode runs out of memory bandwidth before it runs out of cores; `vsup tune` measures it); null: one thread per OpenMP CPU", json_schema_extra=relaunch(plan="omp_threads"))
+    smt: bool = Field(False, description="one OpenMP thread per hardware thread instead of one per physical core", json_schema_extra=basic('true: an OpenMP thread on each SMT sibling too', relaunch(plan="smt")))
+    cores_per_instance: int | None = Field(None, ge=1, description="OpenMP cores per instance; null: split all usable cores", json_schema_extra=basic('null: all usable cores, split among the instances', relaunch(plan="cores_per_instance")))
+    omp_threads: int | None = Field(None, ge=1, description="OpenMP threads per instance (OMP_NUM_THREADS), at most its OpenMP CPUs; they take one CPU per core first, the CPUs left over stay in its mask, idle for its API server/EngineCore (decode runs out of memory bandwidth before it runs out of cores; `vsup tune` measures it); null: one thread per OpenMP CPU", json_schema_extra=basic('threads per instance; null: one per core (`vsup tune`)', relaunch(plan="omp_threads")))
     membind: Literal["bind", "preferred"] = Field("bind", description="numactl memory policy: bind (strict) or preferred (fall back to other nodes)", json_schema_extra=relaunch(plan="membind"))
     launcher: Literal["auto", "numactl", "taskset", "none"] = Field("auto", description="numactl, taskset or none; auto: numactl when installed, else taskset", json_schema_extra=relaunch(plan="launcher"))
-    nodes: list[int] | None = Field(None, min_length=1, description="only place instances on these NUMA nodes, e.g. [0, 1]; null: every node with usable CPUs", json_schema_extra=relaunch(plan="nodes"))
+    nodes: list[int] | None = Field(None, min_length=1, description="only place instances on these NUMA nodes, e.g. [0, 1]; null: every node with usable CPUs", json_schema_extra=basic('only these NUMA nodes, e.g. [0, 1]; null: all', relaunch(plan="nodes")))
     efficiency_cores: Literal["housekeeping", "instances", "unused"] = Field("housekeeping", description="hybrid CPUs, efficiency cores left after the reserve: housekeeping (in the instances' masks, outside OpenMP, for the API server and EngineCore), instances (teams of their own), unused; never inside a performance-core OpenMP team", json_schema_extra=relaunch(plan="efficiency_cores"))
 
     @field_validator("reserve_cores")
@@ -80,9 +93,9 @@ class PlacementConfig(_Section):
 
 class VllmConfig(_Section):
     command: list[str] | None = Field(None, description="argv of the server, e.g. [vllm, serve]; null: `vllm serve`, or vLLM's api_server module for the vllm-cpu distribution", json_schema_extra=relaunch())
-    venv: Path | None = Field(None, strict=False, description="virtualenv where vLLM is installed (scripts/vllm-env prints one), used when command is null; null: vsup's own, then `vllm` on PATH", json_schema_extra=relaunch())
-    args: list[str] = Field(default_factory=list, description='extra vLLM options, e.g. [--dtype, float32, --max-model-len, "4096"] (not --host/--port/--uds: vsup sets those)', json_schema_extra=relaunch())
-    env: dict[str, str] = Field(default_factory=dict, description="extra environment for every instance (placement variables come from the plan)", json_schema_extra=relaunch())
+    venv: Path | None = Field(None, strict=False, description="virtualenv where vLLM is installed (scripts/vllm-env prints one), used when command is null; null: vsup's own, then `vllm` on PATH", json_schema_extra=basic("vLLM's venv; null: vsup's own, then `vllm` on PATH", relaunch()))
+    args: list[str] = Field(default_factory=list, description='extra vLLM options, e.g. [--dtype, float32, --max-model-len, "4096"] (not --host/--port/--uds: vsup sets those)', json_schema_extra=basic('more `vllm serve` flags, e.g. [--max-model-len, "8192"]', relaunch()))
+    env: dict[str, str] = Field(default_factory=dict, description="extra environment for every instance (placement variables come from the plan)", json_schema_extra=basic('more environment, e.g. {HF_HUB_OFFLINE: "1"}', relaunch()))
     listen: Literal["unix", "tcp"] = Field("unix", description="where the instances listen: unix (a socket in vsup's private runtime directory, <runtime dir>/instances-<proxy.port>/<i>.sock: no other user can reach an instance or answer in its name) or tcp (127.0.0.1:<base_port + i>, which any local user can reach without the API key; before an instance counts as ready vsup checks that the port's listener is the instance's own process tree, and refuses to route to it otherwise)", json_schema_extra=fixed("the instances' addresses are set when vsup starts"))
     base_port: int = Field(8100, ge=1, le=65535, description="with listen: tcp, instance i listens on 127.0.0.1:<base_port + i> (unused with listen: unix)", json_schema_extra=relaunch(plan="base_port"))
     access_log: Literal["clients", "all", "off"] = Field("clients", description="vLLM's per-request access log lines: clients (all but vsup's own polls of /health and /metrics), all, or off (--disable-uvicorn-access-log); a --disable-access-log-for-endpoints or --disable-uvicorn-access-log in args wins", json_schema_extra=relaunch())
@@ -124,10 +137,10 @@ class ApiKeyConfig(_Section):
 
 
 class ProxyConfig(_Section):
-    host: str = Field("127.0.0.1", description="address the proxy listens on (0.0.0.0: every interface)", json_schema_extra=fixed("the proxy listens there"))
-    port: int = Field(8000, ge=0, le=65535, description="port clients use (http://host:port/v1); not one of the instances' ports", json_schema_extra=fixed("the proxy listens there"))
-    api_key: str | None = Field(None, description="Bearer token clients must send; env VSUP_API_KEY overrides; null: no auth", json_schema_extra=LIVE)
-    policy: Literal["round_robin", "least_outstanding", "prefix_affinity", "least_loaded", "kv_aware"] = Field("round_robin", description="round_robin, least_outstanding (fewest requests in flight through the proxy), least_loaded (the lowest load by vLLM's own running, waiting and KV-cache figures with the proxy's in-flight requests on top), prefix_affinity (requests that share a prompt prefix or a session go to the same instance, whose prefix cache holds it, within a bounded load; docs/proxy.md), or kv_aware (the instance whose prefix cache holds the longest part of the prompt, known exactly from vLLM's KV-cache events, which vsup then turns on for the model's instances, within the same bounded load; docs/kv-events.md)", json_schema_extra=LIVE)
+    host: str = Field("127.0.0.1", description="address the proxy listens on (0.0.0.0: every interface)", json_schema_extra=basic('0.0.0.0: other machines too (then set an API key)', fixed("the proxy listens there")))
+    port: int = Field(8000, ge=0, le=65535, description="port clients use (http://host:port/v1); not one of the instances' ports", json_schema_extra=basic('clients use http://host:port/v1', fixed("the proxy listens there")))
+    api_key: str | None = Field(None, description="Bearer token clients must send; env VSUP_API_KEY overrides; null: no auth", json_schema_extra=basic('Bearer token clients send; null: none (VSUP_API_KEY wins)', LIVE))
+    policy: Literal["round_robin", "least_outstanding", "prefix_affinity", "least_loaded", "kv_aware"] = Field("round_robin", description="round_robin, least_outstanding (fewest requests in flight through the proxy), least_loaded (the lowest load by vLLM's own running, waiting and KV-cache figures with the proxy's in-flight requests on top), prefix_affinity (requests that share a prompt prefix or a session go to the same instance, whose prefix cache holds it, within a bounded load; docs/proxy.md), or kv_aware (the instance whose prefix cache holds the longest part of the prompt, known exactly from vLLM's KV-cache events, which vsup then turns on for the model's instances, within the same bounded load; docs/kv-events.md)", json_schema_extra=basic('round_robin; prefix_affinity keeps shared prompts on one cache', LIVE))
     affinity_prefix_chars: int = Field(2048, ge=16, description="prefix_affinity: how many leading characters of a request pick its instance (chat: the messages up to the first user message; completions: the prompt); requests alike in these share an instance", json_schema_extra=LIVE)
     affinity_load_factor: float = Field(0.25, ge=0, le=10, description="prefix_affinity: the ε of bounded-load hashing: an instance takes a request only while its load after it stays within ceil((1 + ε) x the mean load); beyond, the request's next instance in its hash order takes it (0: as even as whole requests allow; larger: more affinity, more imbalance; 1 suits many conversations on few instances, where an escape is a whole-prefix miss, 0.25 one prompt in front of most requests: docs/proxy.md). Replaces affinity_max_imbalance", json_schema_extra=LIVE)
     load_interval: float = Field(1.0, ge=0.05, le=60, description="least_loaded and prefix_affinity: seconds between two samples of each ready instance's /metrics (running, waiting, KV usage); a sample older than 3 intervals, or a failed one, counts for nothing and the proxy's in-flight counts decide", json_schema_extra=LIVE)
@@ -136,7 +149,7 @@ class ProxyConfig(_Section):
     reserved_slots: int = Field(0, ge=0, description="of each instance's max_in_flight_per_instance, slots only the highest priority in use (of api_keys and priority_header_values) may take, so it never waits behind a batch; must leave at least one slot", json_schema_extra=LIVE)
     queue_max: int = Field(256, ge=0, description="requests that may wait for one model; one more gets 429 (a higher-priority arrival takes the place of the newest lowest-priority waiter, which gets the 429)", json_schema_extra=LIVE)
     queue_timeout: float = Field(60.0, gt=0, description="seconds a request may wait for an instance; then 503 with Retry-After", json_schema_extra=LIVE)
-    api_keys: list[ApiKeyConfig] = Field(default_factory=list, description="named Bearer keys, each [{name, key or key_env, priority, requests_per_minute, tokens_per_minute}] (over their limit: 429 with Retry-After and x-ratelimit-* headers); api_key still works beside them, as a key of priority 0 without limits", json_schema_extra=LIVE)
+    api_keys: list[ApiKeyConfig] = Field(default_factory=list, description="named Bearer keys, each [{name, key or key_env, priority, requests_per_minute, tokens_per_minute}] (over their limit: 429 with Retry-After and x-ratelimit-* headers); api_key still works beside them, as a key of priority 0 without limits", json_schema_extra=basic('named keys, priorities, rate limits (docs/proxy.md)', LIVE))
     priority_header: str | None = Field(None, description="a request header that picks the request's priority from priority_header_values (another value: 400); a named key's own priority is the highest it can pick; null: none", json_schema_extra=LIVE)
     priority_header_values: dict[str, int] = Field(default_factory=dict, description="priority_header's allowed values and the priority each means, e.g. {interactive: 10, batch: -10}", json_schema_extra=LIVE)
     max_body_bytes: int = Field(8 * MiB, ge=1024, description="larger request bodies get 413", json_schema_extra=fixed("the proxy's request parser is built with it"))
@@ -206,20 +219,17 @@ class HealthConfig(_Section):
     interval: float = Field(5.0, gt=0, description="seconds between /health polls of a ready instance", json_schema_extra=LIVE)
     timeout: float = Field(5.0, gt=0, description="seconds one /health poll may take; longer counts as a failed poll", json_schema_extra=LIVE)
     failures: int = Field(3, ge=1, description="consecutive failed polls that make a ready instance unhealthy (-> restart)", json_schema_extra=LIVE)
-    startup_timeout: float = Field(600.0, gt=0, description="seconds a model load may take before the start counts as failed", json_schema_extra=LIVE)
+    startup_timeout: float = Field(600.0, gt=0, description="seconds a model load may take before the start counts as failed", json_schema_extra=basic('seconds a model may take to load; raise for big ones', LIVE))
     warmup: WarmupConfig = Field(default_factory=WarmupConfig, description="the warm-up request: the first requests after a (re)start are slow, so the instance gets one before clients do")
 
 
 class RestartConfig(_Section):
-    initial_delay: float = Field(1.0, ge=0, description="seconds before the first restart after a failure", json_schema_extra=LIVE)
-    max_delay: float = Field(60.0, gt=0, description="cap on the delay between restarts (jitter included)", json_schema_extra=LIVE)
-    multiplier: float = Field(2.0, ge=1, description="each further failure multiplies the delay by this", json_schema_extra=LIVE)
-    jitter: float = Field(1.0, ge=0, description="up to this many random seconds added to each delay", json_schema_extra=LIVE)
-    stable_after: float = Field(300.0, ge=0, description="ready this many seconds resets the backoff and the crash count", json_schema_extra=LIVE)
-    crash_loop_failures: int = Field(5, ge=1, description="this many failures within crash_loop_window -> failed (until `vsup restart N`)", json_schema_extra=LIVE)
-    crash_loop_window: float = Field(600.0, gt=0, description="seconds over which crash_loop_failures are counted", json_schema_extra=LIVE)
-    max_rss: float | str | None = Field(None, examples=[1.2], description='memory watchdog: an instance whose process tree (API server, EngineCore, Worker) stays above this resident memory for max_rss_for seconds is drained and restarted; bytes with a unit ("6GiB", "500MB"), or a number: that multiple of the instance\'s planned memory (weights + KV cache + overhead, `vsup plan`); null: off', json_schema_extra=LIVE)
-    max_rss_for: float = Field(60.0, gt=0, description="seconds the tree must stay above max_rss before the watchdog acts (short peaks pass)", json_schema_extra=LIVE)
+    # The rest of the policy is derived (vsup/supervisor/backoff.py): the first restart waits 1 s, each further failure doubles it.
+    stable_after: float = Field(300.0, ge=0, description="a start counts once the instance has stayed ready this many seconds: the failures before it are forgotten and the next restart waits 1 s again", json_schema_extra=LIVE)
+    max_failures: int = Field(5, ge=1, description="failures in a row (any exit, startup timeout, failed warm-up, unhealthy) with no start that counted between them (stable_after) that make a crash loop: the instance is marked failed and left down until `vsup restart N` or a reload", json_schema_extra=LIVE)
+    max_delay: float = Field(60.0, gt=0, description="the longest wait before a restart: the first waits 1 s, each further failure in a row doubles it, plus up to 1 s at random so instances that failed together do not restart together", json_schema_extra=LIVE)
+    max_rss: float | str | None = Field(None, examples=[1.2], description='memory watchdog: an instance whose process tree (API server, EngineCore, Worker) stays above this resident memory for max_rss_for seconds is drained and restarted; bytes with a unit ("6GiB", "500MB"), or a number: that multiple of the instance\'s planned memory (weights + KV cache + overhead, `vsup plan`); null: off', json_schema_extra=basic('restart an instance above 1.2x its planned memory; default off', LIVE))
+    max_rss_for: float = Field(60.0, gt=0, description="seconds the tree must stay above max_rss before the watchdog acts (short peaks pass)", json_schema_extra=basic('... for this many seconds (short peaks pass)', LIVE))
 
     @field_validator("max_rss")
     @classmethod
@@ -249,7 +259,7 @@ class StopConfig(_Section):
 
 
 class LogConfig(_Section):
-    dir: Path | None = Field(None, strict=False, description="per-instance rotating logs <dir>/i<N>.log; null: ./vsup-logs, or $LOGS_DIRECTORY (/var/log/vsup) under systemd", json_schema_extra=fixed("the instances' log files are open"))
+    dir: Path | None = Field(None, strict=False, description="per-instance rotating logs <dir>/i<N>.log; null: ./vsup-logs, or $LOGS_DIRECTORY (/var/log/vsup) under systemd", json_schema_extra=basic('instance logs; null: ./vsup-logs (systemd: /var/log/vsup)', fixed("the instances' log files are open")))
     max_bytes: int = Field(50 * MiB, ge=4096, description="rotate an instance log at this size", json_schema_extra=fixed("the instances' log files are open"))
     backups: int = Field(5, ge=0, description="rotated files kept per instance", json_schema_extra=fixed("the instances' log files are open"))
     echo: bool = Field(True, description="copy instance output to vsup's own log, prefixed [i<N>]", json_schema_extra=fixed("the instances' log files are open"))
@@ -268,45 +278,6 @@ class MetricsConfig(_Section):
 
 class NotifyConfig(_Section):
     ready_when: Literal["all", "any"] = Field("all", description="READY=1 once all instances are ready (those in a crash loop aside), or any: once one is", json_schema_extra=LIVE)
-
-
-class TuneConfig(_Section):
-    """`vsup tune`: what it may try and the load it measures with (docs/tune.md); the command line overrides each key."""
-
-    instances_per_node: list[int] | None = Field(None, min_length=1, description="instances per NUMA node to try, e.g. [1, 2]; null: 1, 2, 4, ... while every instance of the smallest node keeps a physical core", json_schema_extra=UNUSED)
-    omp_threads: list[int | Literal["all", "half"]] | None = Field(None, min_length=1, description="OpenMP threads per instance to try (placement.omp_threads): all (one per OpenMP CPU), half (of the smallest instance's OpenMP CPUs, where that leaves one idle) or a count, e.g. [all, half, 3]; null: [all, half]", json_schema_extra=UNUSED)
-    smt: list[bool] | None = Field(None, min_length=1, description="placement.smt values to try, e.g. [false]; null: [false, true] where cores have SMT siblings, else [false]", json_schema_extra=UNUSED)
-    housekeeping_core: list[bool] | None = Field(None, min_length=1, description="placement.housekeeping_core values to try, e.g. [false]; null: [false, true]", json_schema_extra=UNUSED)
-    preload: list[Literal["none", "tcmalloc", "iomp", "tcmalloc+iomp"]] | None = Field(None, min_length=1, description="LD_PRELOAD sets tried on the best layout: none, tcmalloc, iomp (Intel OpenMP) or tcmalloc+iomp; a set that is not installed is pruned; null: none, and every installed library together", json_schema_extra=UNUSED)
-    max_num_seqs: list[int] | None = Field(None, min_length=1, description="vLLM --max-num-seqs values tried on the best layout, besides the config's own (or vLLM's default); null: half the busiest load level's requests per instance, when that is 2 or more", json_schema_extra=UNUSED)
-    max_num_batched_tokens: list[int] | None = Field(None, min_length=1, description="vLLM --max-num-batched-tokens values tried on the best layout, besides the config's own (or vLLM's default); null: none", json_schema_extra=UNUSED)
-    kvcache_gib: list[float] | None = Field(None, min_length=1, description="KV cache sizes per instance, in GiB (whole GiB, or below 1), tried on the best layout besides placement.kvcache_gib; sizes that do not fit are pruned; null: the largest that fits, when placement.kvcache_gib sets a size", json_schema_extra=UNUSED)
-    concurrency: list[int] = Field(default_factory=lambda: [8, 32], min_length=1, description="closed-loop load levels: requests kept in flight, each level measured in every run", json_schema_extra=UNUSED)
-    request_rate: list[float] = Field(default_factory=list, description="open-loop load levels, in requests per second (Poisson arrivals), e.g. [0.5, 2.0]; []: closed loop only", json_schema_extra=UNUSED)
-    input_len: int = Field(128, ge=1, description="synthetic prompts: input tokens per request, sized with the server's own /tokenize (not used with a workload)", json_schema_extra=UNUSED)
-    output_len: int = Field(64, ge=1, description="synthetic prompts: output tokens per request (max_tokens, generated in full; not used with a workload)", json_schema_extra=UNUSED)
-    workload: Path | None = Field(None, strict=False, description='JSONL file of requests, one per line: {"prompt": ..., "max_tokens": N} or {"messages": [...], "max_tokens": N}; a relative path is from the current directory; null: synthetic prompts of input_len/output_len tokens', json_schema_extra=UNUSED)
-
-    @field_validator("instances_per_node", "max_num_seqs", "max_num_batched_tokens", "concurrency")
-    @classmethod
-    def _positive_counts(cls, value: list[int] | None) -> list[int] | None:
-        if value is not None and any(v < 1 for v in value):
-            raise ValueError("every value must be at least 1")
-        return value
-
-    @field_validator("omp_threads")
-    @classmethod
-    def _positive_threads(cls, value: list | None) -> list | None:
-        if value is not None and any(isinstance(v, int) and v < 1 for v in value):
-            raise ValueError("a thread count must be at least 1 (or all, half)")
-        return value
-
-    @field_validator("kvcache_gib", "request_rate")
-    @classmethod
-    def _positive_numbers(cls, value: list[float] | None) -> list[float] | None:
-        if value is not None and any(not v > 0 for v in value):
-            raise ValueError("every value must be positive")
-        return value
 
 
 class _ModelKeys(_Section):
@@ -341,21 +312,20 @@ class ModelConfig(_ModelKeys):
 
 
 class VsupConfig(_ModelKeys):
-    model: str = Field(..., min_length=1, examples=["/srv/models/my-model"], description="local model directory or hub name, as `vllm serve` takes it; a local path (/, ./, ~) must exist (with `models:`, each entry names its own and this key is left out)", json_schema_extra=relaunch())
-    served_model_name: str | None = Field(None, description='the name clients send as "model"; null: the model path/name itself', json_schema_extra=relaunch())
-    instances: int | Literal["auto"] = Field("auto", description="a number, or auto: one per NUMA node with usable cores", json_schema_extra=relaunch(plan="instances"))
-    placement: PlacementConfig = Field(default_factory=PlacementConfig, description="how cores and memory are split among the instances (docs/placement.md)")
-    vllm: VllmConfig = Field(default_factory=VllmConfig, description="vsup runs `<launcher> <command> <model> --uds <socket> <args>` (listen: tcp: `--host 127.0.0.1 --port P`)")
-    proxy: ProxyConfig = Field(default_factory=ProxyConfig, description="the one OpenAI-compatible endpoint in front of the ready instances")
-    health: HealthConfig = Field(default_factory=HealthConfig, description="when an instance counts as ready, and when as unhealthy")
-    restart: RestartConfig = Field(default_factory=RestartConfig, description="restart policy after a failure (any exit, code 0 too; startup timeout; failed warm-up; unhealthy), and the memory watchdog")
+    model: str = Field(..., min_length=1, examples=["/srv/models/my-model"], description="local model directory or hub name, as `vllm serve` takes it; a local path (/, ./, ~) must exist (with `models:`, each entry names its own and this key is left out)", json_schema_extra=basic('REQUIRED: a local model folder or a hub name', relaunch()))
+    served_model_name: str | None = Field(None, description='the name clients send as "model"; null: the model path/name itself', json_schema_extra=basic('the name clients send as "model"; null: the model itself', relaunch()))
+    instances: int | Literal["auto"] = Field("auto", description="a number, or auto: one per NUMA node with usable cores", json_schema_extra=basic('auto: one per NUMA node; or a number', relaunch(plan="instances")))
+    placement: PlacementConfig = Field(default_factory=PlacementConfig, description="how cores and memory are split among the instances (docs/placement.md)", json_schema_extra=basic('how cores and memory are split (docs/placement.md)'))
+    vllm: VllmConfig = Field(default_factory=VllmConfig, description="vsup runs `<launcher> <command> <model> --uds <socket> <args>` (listen: tcp: `--host 127.0.0.1 --port P`)", json_schema_extra=basic('how each instance runs `vllm serve`'))
+    proxy: ProxyConfig = Field(default_factory=ProxyConfig, description="the one OpenAI-compatible endpoint in front of the ready instances", json_schema_extra=basic('the one OpenAI-compatible endpoint'))
+    health: HealthConfig = Field(default_factory=HealthConfig, description="when an instance counts as ready, and when as unhealthy", json_schema_extra=basic('when an instance counts as ready, or as sick'))
+    restart: RestartConfig = Field(default_factory=RestartConfig, description="restart policy after a failure (any exit, code 0 too; startup timeout; failed warm-up; unhealthy), and the memory watchdog", json_schema_extra=basic('the memory watchdog (docs/supervisor.md)'))
     start: StartConfig = Field(default_factory=StartConfig, description="how the instances start")
     stop: StopConfig = Field(default_factory=StopConfig, description="how the instances stop (vsup stopping, `vsup restart N`, a failure)")
-    log: LogConfig = Field(default_factory=LogConfig, description="the instances' output and vsup's own log")
+    log: LogConfig = Field(default_factory=LogConfig, description="the instances' output and vsup's own log", json_schema_extra=basic("the instances' output"))
     control: ControlConfig = Field(default_factory=ControlConfig, description="where `vsup status`, `vsup restart` and `vsup reload` reach a running vsup")
     metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="what vsup collects about each instance in the background (docs/metrics.md)")
     notify: NotifyConfig = Field(default_factory=NotifyConfig, description="systemd Type=notify (no-op outside systemd)")
-    tune: TuneConfig = Field(default_factory=TuneConfig, description="what `vsup tune` tries and the load it measures with (docs/tune.md); its command-line options override each key; `vsup run` ignores this section")
     models: list[ModelConfig] | None = Field(None, min_length=1, description="several models behind the one endpoint (the second form below): each entry its model, served_model_name, instances, share, and the placement/vllm/proxy/warmup keys that differ from the top level; the proxy routes each request by its \"model\"; null: the one model of the top-level keys", json_schema_extra=relaunch())
 
     # Where each key was written (file and YAML tree), for error lines; not a key.

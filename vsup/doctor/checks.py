@@ -71,7 +71,7 @@ def run_doctor(config_path: str | None, fsroot: str = "/", environ: Mapping[str,
         try:
             cfg = load_config(config_path)
         except VsupError as exc:
-            results.append(Result("config", FAIL, str(exc), "fix the configuration (configs/vsup.yaml documents every key)"))
+            results.append(Result("config", FAIL, str(exc), "fix the configuration (`vsup config --example --all` lists every key)"))
         else:
             results.append(Result("config", PASS, f"{config_path} is valid"))
 

@@ -116,7 +116,7 @@ def _config_text(shape: PodShape) -> str:
         config["proxy"] = {k: v for k, v in config["proxy"].items() if k != "api_key"}  # from a Secret instead
     return yamltext.comment(
         f"vsup inside one pod: {shape.instances} instance(s) on one NUMA node's share "
-        "(written by `vsup export kubernetes`; configs/vsup.yaml documents every key)"
+        "(written by `vsup export kubernetes`; `vsup config --example --all` lists every key)"
     ) + yamltext.dump(config)
 
 

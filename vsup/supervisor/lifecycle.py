@@ -510,10 +510,10 @@ class Instance:
             now = self.ops.now()
             decision = self.policy.on_failure(now, self._ready_since)
             if decision.delay is None:  # give up (decision.give_up)
-                window = self.config.restart.crash_loop_window
+                stable = self.config.restart.stable_after
                 self._fire(
                     Event.CRASH_LOOP,
-                    f"crash loop: {decision.failures_in_window} failures within {window:g}s "
+                    f"crash loop: {decision.attempt} failures in a row, no start ready for {stable:g}s "
                     f"(last: {self.last_exit}); `vsup restart {self.name}` gives it a new chance",
                 )
             else:

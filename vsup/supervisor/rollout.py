@@ -6,11 +6,15 @@ run (`Launch`: argv, env, CPUs, memory nodes). Unchanged instances keep running;
 `Step`s, carried out one at a time, in index order:
 
 - replace, **beside**: when the new instance's CPUs are used by no running instance (and the
-  memory of both fits the plan's budgets), it starts on its other port (`base_port + i` or
-  `spare_base_port + i`, whichever the old one does not use), is warmed up and joins the rotation;
+  memory of both fits the plan's budgets), it starts in its other slot (under vllm.listen: unix
+  the socket `<i>b.sock` or `<i>.sock`, under tcp the port `spare_base_port + i` or
+  `base_port + i`, whichever the old one does not use), is warmed up and joins the rotation;
   then the old one is drained and stopped. The number of ready instances never drops.
 - replace, **in place**: otherwise the old one is drained and stopped first (its cores are needed),
-  then the new one starts on the same port. One instance fewer is ready meanwhile.
+  then the new one starts in the same slot. One instance fewer is ready meanwhile.
+
+The record and the lines `vsup reload` prints name a slot as it is: `socket 0b.sock`, or
+`port 8200` under vllm.listen: tcp (`at`).
 - add: a new index starts (warm-up included) and joins the rotation; remove: drained and stopped.
 
 A step whose new instance does not become ready (its first start fails) ends the rollout: what
@@ -34,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from vsup.config.fleet import is_fleet, models_of
 from vsup.config.reloading import MEANING, Reload, changed
 from vsup.config.schema import RELOAD, VsupConfig
+from vsup.proxy.address import socket_path
 from vsup.supervisor.lifecycle import Instance
 from vsup.supervisor.ports import port_is_free
 from vsup.supervisor.states import State
@@ -137,6 +142,17 @@ def config_changes(old: VsupConfig, new: VsupConfig) -> list[tuple[str, str, tup
     return out
 
 
+def at(url: str, port: int) -> str:
+    """How rollout lines name an instance's slot: `socket 0b.sock` (vllm.listen: unix), or `port 8200`."""
+    path = socket_path(url)
+    return f"socket {path.rsplit('/', 1)[-1]}" if path is not None else f"port {port}"
+
+
+def _on_tcp(url: str) -> bool:
+    """The slot is a TCP port, which something else may hold (a Unix socket's folder is vsup's own)."""
+    return socket_path(url) is None
+
+
 def fixed_changes(old: VsupConfig, new: VsupConfig) -> list[str]:
     """Changes a running vsup cannot apply, one phrase each."""
     return [f"{shown} ({_short(a)} -> {_short(b)}): {FIXED_KEYS[key]}"
@@ -150,9 +166,9 @@ def live_changes(old: VsupConfig, new: VsupConfig) -> list[str]:
 
 def unapplied_changes(old: VsupConfig, new: VsupConfig) -> list[str]:
     """Changed keys a reload takes but a running vsup does not act on, one phrase each (start.mode:
-    read when vsup starts; tune.*: only `vsup tune` reads them)."""
+    read when vsup starts)."""
     return [f"{shown} ({MEANING[RELOAD[key].reload]})" for shown, key, _ in config_changes(old, new)
-            if RELOAD[key].reload in (Reload.START, Reload.UNUSED)]
+            if RELOAD[key].reload is Reload.START]
 
 
 def _short(value: Any) -> str:
@@ -180,7 +196,8 @@ class Step:
         entry: dict[str, Any] = {"index": self.index, "action": self.action, "why": self.why, "how": self.how,
                                  "state": self.state, "detail": self.detail}
         if self.new is not None:
-            entry["new"] = {"name": self.new.name, "port": self.new.port, "pid": self.new.pid, "state": self.new.state.value}
+            entry["new"] = {"name": self.new.name, "port": self.new.port, "at": at(self.new.url, self.new.port),
+                            "pid": self.new.pid, "state": self.new.state.value}
         return entry
 
 
@@ -300,12 +317,13 @@ class Rollout:
         beside, why = surge_room(plan, fleet.live_plans(), fleet.plan)
         # which slot the old one is in, by its address: under vllm.listen: unix a socket, which a
         # changed base_port does not move
-        at = next((port for port in slots if fleet.address(plan, port) == old.url), None)
-        other = slots[1] if at == slots[0] else slots[0]
-        if beside and not port_is_free(other):
+        now = next((port for port in slots if fleet.address(plan, port) == old.url), None)
+        other = slots[1] if now == slots[0] else slots[0]
+        other_at = at(fleet.address(plan, other), other)
+        if beside and _on_tcp(fleet.address(plan, other)) and not port_is_free(other):
             beside, why = False, f"its other port {other} is taken"
         if beside:
-            step.how = f"beside, on port {other}: {why}"
+            step.how = f"beside, on {other_at}: {why}"
             new = fleet.create(plan, other)
             step.new = new
             new.start()
@@ -316,13 +334,13 @@ class Rollout:
                                f"and instance {old.name} keeps running its old command")
                 return False
             fleet.swap(step.index, new)
-            await old.retire(f"replaced by {new.name} on port {new.port} ({self.record.kind})")
+            await old.retire(f"replaced by {new.name} on {at(new.url, new.port)} ({self.record.kind})")
             fleet.forget(old)
-            step.detail = f"{new.name} ready on port {new.port}; the old one drained and stopped"
+            step.detail = f"{new.name} ready on {at(new.url, new.port)}; the old one drained and stopped"
             return True
-        port = at if at is not None else plan.port
-        step.how = f"in place, on port {port}: {why}"
-        if at is not None:
+        port = now if now is not None else plan.port
+        step.how = f"in place, on {at(fleet.address(plan, port), port)}: {why}"
+        if now is not None:
             argv, env = fleet.launch(plan, port)
             old.relaunch(argv, env)
             fleet.adopt(old, plan)
@@ -333,15 +351,16 @@ class Rollout:
                 return False
             step.detail = f"ready again as pid {old.pid}"
             return True
-        await old.retire(f"{self.record.kind}: replaced on port {port}")
+        await old.retire(f"{self.record.kind}: replaced on {at(fleet.address(plan, port), port)}")
         fleet.forget(old)
         return await self._start_in_slot(step, plan, port)
 
     async def _add(self, step: Step) -> bool:
         plan = step.plan
         assert plan is not None
-        port = plan.port if port_is_free(plan.port) else self.fleet.spare_port(step.index)
-        step.how = f"on port {port}"
+        tcp = _on_tcp(self.fleet.address(plan, plan.port))
+        port = plan.port if not tcp or port_is_free(plan.port) else self.fleet.spare_port(step.index)
+        step.how = f"on {at(self.fleet.address(plan, port), port)}"
         return await self._start_in_slot(step, plan, port)
 
     async def _start_in_slot(self, step: Step, plan: InstancePlan, port: int) -> bool:
@@ -353,7 +372,7 @@ class Rollout:
         if not await self._ready(new):
             step.detail = self._not_ready(new)
             return False
-        step.detail = f"ready on port {port}"
+        step.detail = f"ready on {at(new.url, port)}"
         return True
 
     async def _remove(self, step: Step) -> bool:
