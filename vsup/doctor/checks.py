@@ -39,9 +39,10 @@ from vsup.doctor.vllm_env import check_torch_extras, check_vllm, probe_python, v
 from vsup.errors import VsupError
 from vsup.observe.bandwidth import cpus_per_node, cpus_per_node_of, measure_bandwidth
 from vsup.supervisor.launch import vllm_command
-from vsup.supervisor.vllm_command import resolve_vllm_command
+from vsup.supervisor.vllm_command import build_needs, environment_of, resolve_vllm_command
 from vsup.topology.errors import PlanError, TopologyError
 from vsup.topology.fsroot import FsRoot
+from vsup.topology.isa import AVX2_FLOOR, BuildNeeds
 from vsup.topology.model import Machine
 from vsup.topology.plan_model import Plan
 from vsup.topology.sysfs import read_machine
@@ -58,6 +59,19 @@ def _check_plan(cfg: VsupConfig, fsroot: str) -> tuple[list[Result], Machine | N
     for warning in plan.warnings:
         results.append(Result("plan-warning", WARN, warning))
     return results, machine, plan
+
+
+def _build_needs(cfg: VsupConfig | None, environ: Mapping[str, str]) -> BuildNeeds:
+    """What the installed vLLM build executes on any CPU, found as `vsup plan`/`run` find it (the
+    strictest of a fleet's models); a command that does not resolve is the vllm check's to report."""
+    needs = []
+    for config in [view.config for view in models_of(cfg)] if cfg is not None else [None]:
+        try:
+            command = vllm_command(config, environ) if config is not None else resolve_vllm_command(None, environ=environ)
+        except VsupError:
+            continue
+        needs.append(build_needs(environment_of(command, environ)))
+    return max(needs, key=lambda n: len(n.flags), default=AVX2_FLOOR)
 
 
 def run_doctor(config_path: str | None, fsroot: str = "/", environ: Mapping[str, str] = os.environ,
@@ -95,7 +109,7 @@ def run_doctor(config_path: str | None, fsroot: str = "/", environ: Mapping[str,
         except TopologyError as exc:
             results.append(Result("topology", FAIL, str(exc)))
     if machine is not None:
-        results.insert(0, check_isa(machine.isa))
+        results.insert(0, check_isa(machine.isa, _build_needs(cfg, environ)))
     numa_nodes = len(machine.nodes) if machine is not None else 1
 
     path_env = environ.get("PATH", os.defpath)
