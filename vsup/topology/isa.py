@@ -89,6 +89,11 @@ def refusal(isa: Isa, needs: BuildNeeds = AVX2_FLOOR, source: str = "") -> str |
     return f"this CPU cannot run vLLM{f' (CPU flags from {source})' if source else ''}: {problem}; {fix} (vsup doctor checks the machine)"
 
 
+# What an instance killed by SIGILL died of, in its description (vsup/supervisor/lifecycle.py).
+SIGILL_CAUSE = ("the CPU lacks an instruction this vLLM build uses (AVX2, or AVX-512 for a build made for it; "
+                "on an AMX CPU also bf16 with --enforce-eager: --dtype float32); see vsup doctor")
+
+
 def parse_cpuinfo(text: str) -> tuple[frozenset[str], str]:
     """(flags of the first CPU, a guess at `uname -m`) from /proc/cpuinfo text."""
     flags: frozenset[str] = frozenset()
