@@ -38,6 +38,7 @@ from vsup.doctor.result import FAIL, PASS, SKIP, WARN, Result
 from vsup.doctor.vllm_env import check_torch_extras, check_vllm, probe_python, vllm_python
 from vsup.errors import VsupError
 from vsup.observe.bandwidth import cpus_per_node, cpus_per_node_of, measure_bandwidth
+from vsup.supervisor import preload
 from vsup.supervisor.launch import vllm_command
 from vsup.supervisor.vllm_command import build_needs, environment_of, resolve_vllm_command
 from vsup.topology.errors import PlanError, TopologyError
@@ -72,6 +73,18 @@ def _build_needs(cfg: VsupConfig | None, environ: Mapping[str, str]) -> BuildNee
             continue
         needs.append(build_needs(environment_of(command, environ)))
     return max(needs, key=lambda n: len(n.flags), default=AVX2_FLOOR)
+
+
+def _check_preload(fs: FsRoot, cache: Mapping[str, str], probe: dict, arch: str, cfg: VsupConfig | None,
+                   command: list[str] | None, environ: Mapping[str, str]) -> Result:
+    """The preload libraries against what vsup preloads under the configuration (vllm.preload; its
+    default, auto, without one). A listed library that is not there fails here as it fails `vsup run`."""
+    config = cfg if cfg is not None and not is_fleet(cfg) else VsupConfig(model="MODEL")
+    try:
+        preloaded = preload.resolve(config, command, environ).libraries if command else ()
+    except VsupError as exc:
+        return Result("preload-libs", FAIL, str(exc), "fix vllm.preload in the configuration")
+    return check_preload(fs, cache, probe, arch, config.vllm.env, preloaded)
 
 
 def run_doctor(config_path: str | None, fsroot: str = "/", environ: Mapping[str, str] = os.environ,
@@ -143,7 +156,7 @@ def run_doctor(config_path: str | None, fsroot: str = "/", environ: Mapping[str,
         cache = ldconfig_paths()
         results.append(check_native_libs(native_extensions(probe), fs, cache, probe.get("prefix")))
         arch = machine.isa.arch if machine is not None else platform.machine()
-        results.append(check_preload(fs, cache, probe, arch, cfg.vllm.env if cfg is not None else {}))
+        results.append(_check_preload(fs, cache, probe, arch, cfg, command, environ))
         if bandwidth and machine is not None:
             groups = cpus_per_node(plan) if plan is not None else cpus_per_node_of(machine)
             results.append(check_memory_bandwidth(groups, lambda g: measure_bandwidth(g, seconds=0.5)))

