@@ -268,10 +268,13 @@ def test_preload_libraries_found_in_the_venv_and_the_system(tmp_path):
     write(root, "usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "")
     result = check_preload(FsRoot(root), {}, {"prefix": str(venv)}, "x86_64", {})
     assert result.status == PASS
-    assert "LD_PRELOAD" in result.fix and str(venv / "lib" / "libiomp5.so") in result.fix
+    assert "vllm.preload" in result.fix and str(venv / "lib" / "libiomp5.so") in result.fix
     preloaded = check_preload(FsRoot(root), {}, {"prefix": str(venv)}, "x86_64",
                                 {"LD_PRELOAD": "libtcmalloc_minimal.so.4:libiomp5.so"})
-    assert preloaded.status == PASS and "preloaded" in preloaded.summary
+    assert preloaded.status == PASS and preloaded.summary.startswith("preloaded through vllm.env")
+    by_vsup = check_preload(FsRoot(root), {}, {"prefix": str(venv)}, "x86_64", {},
+                            [str(root / "usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"), str(venv / "lib" / "libiomp5.so")])
+    assert by_vsup.status == PASS and by_vsup.summary.startswith("preloaded through vllm.preload: ")
 
 
 def test_preload_libraries_missing_warn(tmp_path):

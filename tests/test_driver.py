@@ -12,7 +12,7 @@ import pytest
 from tests.lifecycle_fakes import FakeOps
 from vsup.config.schema import VsupConfig
 from vsup.supervisor import backoff
-from vsup.supervisor.lifecycle import STARTUP_POLL, Instance
+from vsup.supervisor.lifecycle import STARTUP_POLL, Instance, describe_exit
 from vsup.supervisor.states import AFTER_STOP, ON_INTENT, TRANSITIONS, Event, Intent, State, next_state
 
 pytestmark = pytest.mark.timeout(10)
@@ -264,6 +264,40 @@ async def test_failures_far_apart_still_make_a_crash_loop_when_no_start_counted(
         d.ops.current.exit(1)
         await d.until(lambda: d.inst.state in (State.BACKOFF, State.FAILED), "handled")
     assert d.inst.state is State.FAILED
+
+
+async def test_an_instance_killed_by_sigill_is_failed_at_once_and_never_restarted_on_its_own(driven):
+    d = driven(load_time=1e9)
+    d.inst.start()
+    await d.until(lambda: d.inst.state is State.STARTING and d.ops.current is not None, "started")
+    await d.clock.advance(2.0)
+    doomed = d.ops.current
+    doomed.exit(-signal.SIGILL)  # vLLM's x86 build on a CPU without AVX2, importing its kernels
+    await d.until_state(State.FAILED)
+    assert d.path == [("stopped", "start", "starting"), ("starting", "exited", "stopping"),
+                      ("stopping", "unrunnable", "failed")]
+    assert d.inst.last_exit == describe_exit(-signal.SIGILL)
+    assert d.inst.last_exit.startswith("killed by SIGILL (illegal instruction): the CPU lacks an instruction this vLLM build uses")
+    assert d.inst.history[-1].reason == f"not restarted: {d.inst.last_exit}; `vsup restart 0` tries again"
+    assert d.ops.stopped == [doomed.pid]  # its tree was swept like any other
+    assert d.inst.next_start_at is None and d.inst.policy.attempt == 0  # no backoff was planned
+    await d.clock.advance(10_000)
+    assert d.inst.state is State.FAILED and d.inst.starts == 1 and len(d.ops.processes) == 1  # no crash loop
+    # `vsup restart 0` (say after a reload to another build): a new chance, and a SIGILL of a
+    # ready instance (bf16 on AMX at its first request) is failed at once too
+    d.ops.load_time = 1.0
+    d.inst.start()
+    await d.until_state(State.READY)
+    assert d.inst.history[-3].reason == "restart requested: a new chance after its last exit"
+    d.ops.current.exit(-signal.SIGILL)
+    await d.until_state(State.FAILED)
+    assert d.path[-2:] == [("ready", "exited", "stopping"), ("stopping", "unrunnable", "failed")]
+    # another exit of the next run is an ordinary failure again: backoff, not failed
+    d.inst.start()
+    await d.until_state(State.READY)
+    d.ops.current.exit(1)
+    await d.until_state(State.BACKOFF)
+    assert d.path[-1] == ("stopping", "cleaned_up", "backoff")
 
 
 async def test_failures_after_starts_that_counted_never_make_a_crash_loop(driven):

@@ -43,6 +43,7 @@ draining exited stopping
 draining stop stopping
 stopping cleaned_up backoff
 stopping crash_loop failed
+stopping unrunnable failed
 stopping restart starting
 stopping halted stopped
 backoff delay_over starting
@@ -139,6 +140,10 @@ def test_describe_exit_says_code_zero_is_a_failure_and_names_signals():
     assert describe_exit(3) == "exited with code 3"
     assert describe_exit(-signal.SIGKILL).startswith("killed by SIGKILL")
     assert describe_exit(-signal.SIGTERM) == "killed by SIGTERM"
+    # SIGILL: what it is, and the cause behind it on a vLLM server (the words of vsup/topology/isa.py)
+    assert describe_exit(-signal.SIGILL) == (
+        "killed by SIGILL (illegal instruction): the CPU lacks an instruction this vLLM build uses (AVX2, or AVX-512 "
+        "for a build made for it; on an AMX CPU also bf16 with --enforce-eager: --dtype float32); see vsup doctor")
 
 
 def config(**overrides) -> RestartConfig:

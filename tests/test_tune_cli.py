@@ -134,7 +134,8 @@ def test_the_known_best_layout_wins_preload_becomes_the_default_and_the_written_
     _machine, plan = plan_from_config(cfg, t.fsroot)
     [inst] = plan.instances
     assert inst.cpus == (0, 1) and inst.omp_cpus == (0,)
-    assert "libtcmalloc_minimal.so.4" in cfg.vllm.env["LD_PRELOAD"]
+    [library] = cfg.vllm.preload  # the winning preload, as vllm.preload (the user's vllm.env untouched)
+    assert library == str(t.fsroot / "usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4") and "LD_PRELOAD" not in cfg.vllm.env
     assert cfg.vllm.args == ["--max-num-seqs", "8"]
 
     # the report: a real PNG and a summary that names the winner

@@ -94,7 +94,10 @@ def test_a_candidate_config_replaces_placement_flags_and_preload_and_nothing_els
     assert data["instances"] == 1
     assert data["placement"] == {"kvcache_gib": None, "smt": False, "omp_threads": 3, "housekeeping_core": False}
     assert data["vllm"]["args"] == ["--dtype", "float32", "--max-num-seqs", "8"]
-    assert data["vllm"]["env"] == {"HF_HUB_OFFLINE": "1", "LD_PRELOAD": "/usr/lib/libtcmalloc_minimal.so.4"}
+    assert data["vllm"]["env"] == {"HF_HUB_OFFLINE": "1"}  # the user's own
+    assert data["vllm"]["preload"] == ["/usr/lib/libtcmalloc_minimal.so.4"]
+    # the "none" set is measured without any preload, not with vllm.preload's default (auto)
+    assert configs.apply_candidate(base, Candidate(instances=1), {"tcmalloc": "/x.so"})["vllm"]["preload"] == "none"
     assert base["placement"] == {"kvcache_gib": 2, "smt": True}  # the user's data is not touched
     runtime = configs.for_measurement(data, proxy_port=9000, base_port=9100, log_dir="/r/logs", socket="/tmp/s.sock")
     parsed = parse_config(configs.render(runtime, ["a comment"]))

@@ -13,6 +13,7 @@ import asyncio
 import itertools
 import json
 import os
+import resource
 import signal
 import socket
 import sys
@@ -715,6 +716,18 @@ def _loop_factory():
     return uvloop.new_event_loop
 
 
+def _die_by(sig: signal.Signals) -> None:
+    """End by `sig`'s default action, as the kernel ends a process that executes an instruction the
+    CPU lacks (SIGILL) - before EngineCore exists, like vLLM importing its kernels. No core file."""
+    _, hard = resource.getrlimit(resource.RLIMIT_CORE)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, hard))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    signal.signal(sig, signal.SIG_DFL)
+    signal.raise_signal(sig)
+    os._exit(1)  # not reached
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
@@ -731,6 +744,9 @@ def main(argv: list[str] | None = None) -> int:
     log("INFO", "api_server.py", f"vLLM API server version {VERSION} (fakevllm)")
     log("INFO", "utils.py", f"non-default args: model={args.model!r} host={args.host!r} port={args.port} "
         f"served_model_name={list(args.served_model_names)} ignored={list(args.ignored)}")
+    if faults.sigill_at_start:
+        server.events.emit("sigill_at_start")
+        _die_by(signal.SIGILL)
     # Signals before the event loop takes over: ignored, or remembered and acted on once it runs.
     for sig in (signal.SIGTERM, signal.SIGINT):
         if faults.ignore_sigterm:

@@ -19,6 +19,7 @@ class Faults:
     name: str | None = None  # FAKE_VLLM_NAME: instance name in X-Fake-Instance (default: port)
     start_delay: float = 0.0  # seconds of "model load" before the port opens
     crash_at_start: int | None = None  # exit code instead of binding
+    sigill_at_start: bool = False  # die by SIGILL before anything else, as vLLM's x86 build on a CPU without AVX2
     crash_after: int | None = None  # crash when the Nth completion request arrives
     crash_code: int = 1
     crash_mid_stream: bool = False  # ... after crash_after_tokens tokens of that request instead
@@ -101,6 +102,7 @@ def load_faults(env: Mapping[str, str] = os.environ) -> Faults:
         name=env.get("FAKE_VLLM_NAME") or None,
         start_delay=default(num("FAKE_VLLM_START_DELAY"), 0.0),
         crash_at_start=crash_at_start,
+        sigill_at_start=_flag(env, "FAKE_VLLM_SIGILL_AT_START", False),
         crash_after=num("FAKE_VLLM_CRASH_AFTER", int, 1, "3"),
         crash_code=crash_code,
         crash_mid_stream=_flag(env, "FAKE_VLLM_CRASH_MID_STREAM", False),

@@ -14,6 +14,7 @@ from vsup.cli.plan_render import render_shell, render_table
 from vsup.config.fleet import is_fleet
 from vsup.config.schema import VsupConfig, load_config
 from vsup.errors import VsupError
+from vsup.supervisor.launch import instance_preload
 from vsup.supervisor.preflight import checked_plan
 
 
@@ -122,10 +123,15 @@ def plan_command(instances, fsroot, config_path, model, model_size_gib, kvcache_
     planned |= {key for key, value in (("instances", instances), ("base_port", base_port)) if value is not None}
     machine, the_plan = checked_plan(cfg, fsroot, os.environ, flags=flags, planned=frozenset(planned),
                                      runs_here=Path(fsroot).resolve() == Path("/"))
+    preloads = {inst.index: instance_preload(inst, cfg, os.environ) for inst in the_plan.instances}  # vllm.preload
     if output_format == "json":
-        click.echo(json.dumps(the_plan.to_json(), indent=2))
+        data = the_plan.to_json()
+        for inst in data["instances"]:
+            inst["preload"] = preloads[inst["index"]].to_json()
+        click.echo(json.dumps(data, indent=2))
     elif output_format == "shell":
         click.echo(render_shell(the_plan, cfg, os.environ), nl=False)
     else:
-        click.echo(render_table(machine, the_plan, fleet=is_fleet(cfg), listen=cfg.vllm.listen, proxy_port=cfg.proxy.port), nl=False)
+        click.echo(render_table(machine, the_plan, fleet=is_fleet(cfg), listen=cfg.vllm.listen, proxy_port=cfg.proxy.port,
+                                preloads=preloads), nl=False)
 

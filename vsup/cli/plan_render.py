@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from vsup.config.fleet import is_fleet, models_of
 from vsup.config.schema import VsupConfig
 from vsup.supervisor.launch import PLACEMENT_VARIABLES, build_command
+from vsup.supervisor.preload import Preload
 from vsup.topology.cpulist import format_list
 from vsup.topology.model import EFFICIENCY, PERFORMANCE, UNIFORM, Core, Machine
 from vsup.topology.plan_model import Plan, format_gib
@@ -23,10 +24,11 @@ EFFICIENCY_CHOICE = {
 }
 
 
-def render_table(machine: Machine, plan: Plan, *, fleet: bool = False, listen: str = "unix", proxy_port: int = 8000) -> str:
+def render_table(machine: Machine, plan: Plan, *, fleet: bool = False, listen: str = "unix", proxy_port: int = 8000,
+                 preloads: Mapping[int, Preload] | None = None) -> str:
     """`fleet`: the plan of a file with `models:` (a MODEL column, a line per model). `listen`
     (vllm.listen): unix shows each instance's socket, tcp its port; `proxy_port` names the
-    sockets' folder."""
+    sockets' folder. `preloads`: what each instance preloads, by index (launch.instance_preload)."""
     lines: list[str] = []
     s = plan.settings
     launcher = s.launcher + (f" (--membind {s.membind})" if s.launcher == "numactl" else "")
@@ -44,6 +46,7 @@ def render_table(machine: Machine, plan: Plan, *, fleet: bool = False, listen: s
     lines.extend(_core_map(machine, plan))
     lines.append("")
     lines.extend(_instance_table(plan, fleet, listen, proxy_port))
+    lines.extend(_preload_lines(preloads or {}))
     lines.append("")
     reserved = plan.reserved_cpus
     lines.append(f"reserved for vsup, the proxy and the OS: {format_list(reserved) if reserved else 'none'}")
@@ -169,6 +172,23 @@ def _instance_table(plan: Plan, fleet: bool = False, listen: str = "unix", proxy
     return lines
 
 
+def _preload_lines(preloads: Mapping[int, Preload]) -> list[str]:
+    """LD_PRELOAD per instance; instances that preload the same for the same reason share a line.
+    No line when nothing is preloaded because vLLM's environment is unknown (a wrapper command, a
+    plan for another machine without vLLM here; the JSON still says so)."""
+    groups: dict[Preload, list[int]] = defaultdict(list)
+    for index, preload in sorted(preloads.items()):
+        groups[preload].append(index)
+    if all(preload.unknown for preload in groups):
+        return []
+    lines = []
+    for preload, indexes in groups.items():
+        who = "every instance" if len(groups) == 1 else "#" + format_list(indexes)
+        what = " ".join(preload.libraries) if preload.libraries else "nothing"
+        lines.append(f"preload (LD_PRELOAD) of {who}: {what}  ({preload.why})")
+    return lines
+
+
 def render_shell(plan: Plan, cfg: VsupConfig, environ: Mapping[str, str]) -> str:
     """One runnable line per instance: `env [-u VAR] K=V … numactl … vllm serve MODEL …`. Only the
     variables vsup sets are written out; placement variables the plan leaves unset are removed. A
@@ -181,6 +201,8 @@ def render_shell(plan: Plan, cfg: VsupConfig, environ: Mapping[str, str]) -> str
         for inst in plan.of_model(view.name) if fleet else plan.instances:
             argv, env = build_command(inst, view.config, environ)
             shown = {**inst.env_dict(), **view.config.vllm.env}
+            if "LD_PRELOAD" in env and env["LD_PRELOAD"] != environ.get("LD_PRELOAD"):  # vllm.preload's libraries
+                shown["LD_PRELOAD"] = env["LD_PRELOAD"]
             unset = [key for key in PLACEMENT_VARIABLES if key not in shown]
             words = ["env", *(w for key in unset for w in ("-u", key)), *(f"{k}={v}" for k, v in shown.items() if env.get(k) == v), *argv]
             lines.append(shlex.join(words))

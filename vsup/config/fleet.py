@@ -23,7 +23,7 @@ from vsup.errors import ConfigError, VsupError
 PER_MODEL: dict[str, frozenset[str]] = {
     "placement": frozenset({"model_size_gib", "kvcache_gib", "overhead_gib", "housekeeping_core", "smt",
                             "cores_per_instance", "omp_threads", "membind", "nodes"}),
-    "vllm": frozenset({"command", "venv", "args", "env", "access_log"}),
+    "vllm": frozenset({"command", "venv", "args", "env", "preload", "access_log"}),
     "proxy": frozenset({"policy", "affinity_prefix_chars", "affinity_load_factor",
                         "max_in_flight_per_instance", "reserved_slots", "queue_max", "queue_timeout"}),
 }

@@ -50,6 +50,8 @@ FLEET_MODEL = "(each entry of models names its model)"
 
 # vllm.spare_base_port when null: this far above vllm.base_port.
 SPARE_PORT_OFFSET = 100
+# The libraries vllm.preload names without a path (vsup/supervisor/preload.py finds them).
+PRELOAD_NAMES = ("tcmalloc", "iomp")
 # restart.max_rss as a number: a multiple of the planned memory, at most this.
 MAX_RSS_FACTOR = 10.0
 # The json_schema_extra entry of a key `vsup config --example` shows: its short comment there.
@@ -96,6 +98,7 @@ class VllmConfig(_Section):
     venv: Path | None = Field(None, strict=False, description="virtualenv where vLLM is installed (scripts/vllm-env prints one), used when command is null; null: vsup's own, then `vllm` on PATH", json_schema_extra=basic("vLLM's venv; null: vsup's own, then `vllm` on PATH", relaunch()))
     args: list[str] = Field(default_factory=list, description='extra vLLM options, e.g. [--dtype, float32, --max-model-len, "4096"] (not --host/--port/--uds: vsup sets those)', json_schema_extra=basic('more `vllm serve` flags, e.g. [--max-model-len, "8192"]', relaunch()))
     env: dict[str, str] = Field(default_factory=dict, description="extra environment for every instance (placement variables come from the plan)", json_schema_extra=basic('more environment, e.g. {HF_HUB_OFFLINE: "1"}', relaunch()))
+    preload: Literal["auto", "none"] | list[str] = Field("auto", description="LD_PRELOAD of every instance, ahead of any in env: auto (what vLLM's CPU docs advise, where vLLM's environment, the venv or prefix its command runs in, has it: tcmalloc, libtcmalloc_minimal.so.4 from its lib/ or the system's library directories, and Intel OpenMP, its lib/libiomp5.so; nothing when vLLM's environment is not found), none, or a list of tcmalloc, iomp (found as auto finds them) and absolute paths of libraries; one that is not there is an error. `vsup plan` shows what each instance preloads", json_schema_extra=relaunch())
     listen: Literal["unix", "tcp"] = Field("unix", description="where the instances listen: unix (a socket in vsup's private runtime directory, <runtime dir>/instances-<proxy.port>/<i>.sock: no other user can reach an instance or answer in its name) or tcp (127.0.0.1:<base_port + i>, which any local user can reach without the API key; before an instance counts as ready vsup checks that the port's listener is the instance's own process tree, and refuses to route to it otherwise)", json_schema_extra=fixed("the instances' addresses are set when vsup starts"))
     base_port: int = Field(8100, ge=1, le=65535, description="with listen: tcp, instance i listens on 127.0.0.1:<base_port + i> (unused with listen: unix)", json_schema_extra=relaunch(plan="base_port"))
     access_log: Literal["clients", "all", "off"] = Field("clients", description="vLLM's per-request access log lines: clients (all but vsup's own polls of /health and /metrics), all, or off (--disable-uvicorn-access-log); a --disable-access-log-for-endpoints or --disable-uvicorn-access-log in args wins", json_schema_extra=relaunch())
@@ -117,6 +120,27 @@ class VllmConfig(_Section):
     @classmethod
     def _expand_venv(cls, value: Path | None) -> Path | None:
         return value.expanduser() if value is not None else None
+
+    @field_validator("preload")
+    @classmethod
+    def _preload(cls, value: str | list[str]) -> str | list[str]:
+        if isinstance(value, str):
+            return value
+        if not value:
+            raise ValueError("must name a library; for no preload write none")
+        out = []
+        for item in value:
+            library = item if item in PRELOAD_NAMES else os.path.expanduser(item)
+            if library not in PRELOAD_NAMES and not os.path.isabs(library):
+                raise ValueError(f"{item!r} is neither {' nor '.join(PRELOAD_NAMES)} nor an absolute path (a relative one would depend on each instance's working directory)")
+            if len(library) > 4095:
+                raise ValueError(f"{quote(item)} is longer than a path may be (4095 bytes)")
+            if re.search(r"[\s:]", library):
+                raise ValueError(f"{item!r} has a colon or a space, which LD_PRELOAD takes as a separator")
+            if library in out:
+                raise ValueError(f"{item!r} is listed twice")
+            out.append(library)
+        return out
 
 
 class ApiKeyConfig(_Section):

@@ -38,10 +38,12 @@ from vsup.doctor.result import FAIL, PASS, SKIP, WARN, Result
 from vsup.doctor.vllm_env import check_torch_extras, check_vllm, probe_python, vllm_python
 from vsup.errors import VsupError
 from vsup.observe.bandwidth import cpus_per_node, cpus_per_node_of, measure_bandwidth
+from vsup.supervisor import preload
 from vsup.supervisor.launch import vllm_command
-from vsup.supervisor.vllm_command import resolve_vllm_command
+from vsup.supervisor.vllm_command import build_needs, environment_of, resolve_vllm_command
 from vsup.topology.errors import PlanError, TopologyError
 from vsup.topology.fsroot import FsRoot
+from vsup.topology.isa import AVX2_FLOOR, BuildNeeds
 from vsup.topology.model import Machine
 from vsup.topology.plan_model import Plan
 from vsup.topology.sysfs import read_machine
@@ -58,6 +60,31 @@ def _check_plan(cfg: VsupConfig, fsroot: str) -> tuple[list[Result], Machine | N
     for warning in plan.warnings:
         results.append(Result("plan-warning", WARN, warning))
     return results, machine, plan
+
+
+def _build_needs(cfg: VsupConfig | None, environ: Mapping[str, str]) -> BuildNeeds:
+    """What the installed vLLM build executes on any CPU, found as `vsup plan`/`run` find it (the
+    strictest of a fleet's models); a command that does not resolve is the vllm check's to report."""
+    needs = []
+    for config in [view.config for view in models_of(cfg)] if cfg is not None else [None]:
+        try:
+            command = vllm_command(config, environ) if config is not None else resolve_vllm_command(None, environ=environ)
+        except VsupError:
+            continue
+        needs.append(build_needs(environment_of(command, environ)))
+    return max(needs, key=lambda n: len(n.flags), default=AVX2_FLOOR)
+
+
+def _check_preload(fs: FsRoot, cache: Mapping[str, str], probe: dict, arch: str, cfg: VsupConfig | None,
+                   command: list[str] | None, environ: Mapping[str, str]) -> Result:
+    """The preload libraries against what vsup preloads under the configuration (vllm.preload; its
+    default, auto, without one). A listed library that is not there fails here as it fails `vsup run`."""
+    config = cfg if cfg is not None and not is_fleet(cfg) else VsupConfig(model="MODEL")
+    try:
+        preloaded = preload.resolve(config, command, environ).libraries if command else ()
+    except VsupError as exc:
+        return Result("preload-libs", FAIL, str(exc), "fix vllm.preload in the configuration")
+    return check_preload(fs, cache, probe, arch, config.vllm.env, preloaded)
 
 
 def run_doctor(config_path: str | None, fsroot: str = "/", environ: Mapping[str, str] = os.environ,
@@ -95,7 +122,7 @@ def run_doctor(config_path: str | None, fsroot: str = "/", environ: Mapping[str,
         except TopologyError as exc:
             results.append(Result("topology", FAIL, str(exc)))
     if machine is not None:
-        results.insert(0, check_isa(machine.isa))
+        results.insert(0, check_isa(machine.isa, _build_needs(cfg, environ)))
     numa_nodes = len(machine.nodes) if machine is not None else 1
 
     path_env = environ.get("PATH", os.defpath)
@@ -129,7 +156,7 @@ def run_doctor(config_path: str | None, fsroot: str = "/", environ: Mapping[str,
         cache = ldconfig_paths()
         results.append(check_native_libs(native_extensions(probe), fs, cache, probe.get("prefix")))
         arch = machine.isa.arch if machine is not None else platform.machine()
-        results.append(check_preload(fs, cache, probe, arch, cfg.vllm.env if cfg is not None else {}))
+        results.append(_check_preload(fs, cache, probe, arch, cfg, command, environ))
         if bandwidth and machine is not None:
             groups = cpus_per_node(plan) if plan is not None else cpus_per_node_of(machine)
             results.append(check_memory_bandwidth(groups, lambda g: measure_bandwidth(g, seconds=0.5)))

@@ -15,14 +15,9 @@ from pathlib import Path
 
 from vsup.doctor.elfinfo import version_defs, version_needs
 from vsup.doctor.result import FAIL, PASS, SKIP, WARN, Result
+from vsup.supervisor.preload import IOMP_NAMES, LIB_DIRS, TCMALLOC_NAMES
 from vsup.topology.fsroot import FsRoot
 
-LIB_DIRS = (
-    "usr/lib/x86_64-linux-gnu", "lib/x86_64-linux-gnu", "usr/lib/aarch64-linux-gnu", "lib/aarch64-linux-gnu",
-    "usr/lib/powerpc64le-linux-gnu", "usr/lib64", "lib64", "usr/local/lib", "usr/lib", "lib",
-)
-TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
-IOMP_NAMES = ("libiomp5.so",)
 # the system libraries vLLM's native extension is linked against, with the package that has them
 NATIVE_DEPS = {"libstdc++.so.6": "libstdc++6", "libc.so.6": "libc6", "libnuma.so.1": "libnuma1"}
 
@@ -64,7 +59,9 @@ def find_library(names: Iterable[str], fs: FsRoot, cache: Mapping[str, str], ext
     return None
 
 
-def check_preload(fs: FsRoot, cache: Mapping[str, str], probe: dict, arch: str, vllm_env: Mapping[str, str]) -> Result:
+def check_preload(fs: FsRoot, cache: Mapping[str, str], probe: dict, arch: str, vllm_env: Mapping[str, str],
+                  preloaded: Iterable[str] = ()) -> Result:
+    """`preloaded`: what vsup preloads under the configuration (vllm.preload, vsup/supervisor/preload.py)."""
     prefix_lib = [os.path.join(probe["prefix"], "lib")] if probe.get("prefix") else []
     tcmalloc = find_library(TCMALLOC_NAMES, fs, cache, prefix_lib)
     x86 = arch in ("x86_64", "amd64", "")
@@ -80,12 +77,15 @@ def check_preload(fs: FsRoot, cache: Mapping[str, str], probe: dict, arch: str, 
             "; ".join(fix for _, fix in missing),
         )
     libs = [lib for lib in (tcmalloc, iomp) if lib]
-    preload = vllm_env.get("LD_PRELOAD", "")
+    preloaded = list(preloaded)
+    preload = ":".join([*preloaded, vllm_env.get("LD_PRELOAD", "")])
     if all(os.path.basename(lib) in preload for lib in libs):
-        return Result("preload-libs", PASS, f"preloaded through vllm.env: {preload}")
+        through = " and ".join(name for name, value in (("vllm.preload", preloaded), ("vllm.env", vllm_env.get("LD_PRELOAD"))) if value)
+        return Result("preload-libs", PASS, f"preloaded through {through}: {preload.strip(':')}")
     return Result(
         "preload-libs", PASS, f"found {', '.join(libs)}",
-        f"to preload them, add to the configuration: vllm: {{env: {{LD_PRELOAD: \"{':'.join(libs)}\"}}}}",
+        "vllm.preload: auto preloads them where vLLM's environment has them; to preload (LD_PRELOAD) these, "
+        f"list them: vllm: {{preload: [{', '.join(libs)}]}}",
     )
 
 

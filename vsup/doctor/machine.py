@@ -20,6 +20,7 @@ from vsup.doctor.result import FAIL, PASS, SKIP, WARN, Result
 from vsup.supervisor.placement import status_fields
 from vsup.topology.cpulist import format_list, parse_list
 from vsup.topology.fsroot import FsRoot
+from vsup.topology.isa import AVX2_FLOOR, X86_ARCHES, BuildNeeds, shortfall
 from vsup.topology.model import Isa
 
 RECOMMENDED_NOFILE = 65536
@@ -28,17 +29,20 @@ MIN_SHM_BYTES = 1024**3
 
 # ---------------------------------------------------------------- CPU, kernel, limits
 
-def check_isa(isa: Isa) -> Result:
+def check_isa(isa: Isa, needs: BuildNeeds = AVX2_FLOOR) -> Result:
+    """The CPU against what the installed vLLM build executes (`needs`, read by
+    vsup.supervisor.vllm_command.build_needs); the words are the ones `vsup plan`/`run`/`reload`
+    refuse with (vsup.topology.isa.shortfall)."""
     arch = isa.arch or platform.machine()
-    if arch and arch not in ("x86_64", "i686", "amd64"):
+    if arch and arch not in X86_ARCHES:
         return Result("cpu-isa", PASS, f"{arch}: the AVX2 requirement is x86-only (vLLM has {arch} CPU builds)")
-    if not isa.avx2:
-        return Result(
-            "cpu-isa", FAIL, "no AVX2: vLLM's x86 CPU build stops with \"illegal instruction\"",
-            "run vLLM on a CPU with AVX2 (Haswell / Zen 1 or newer); on a VM, expose the host CPU flags (e.g. -cpu host)",
-        )
+    missing = shortfall(isa, needs)
+    if missing is not None:
+        return Result("cpu-isa", FAIL, *missing)
     faster = [name for name, present in (("AVX-512", isa.avx512f), ("AVX512-BF16", isa.avx512_bf16), ("AMX", isa.amx_bf16 and isa.amx_tile)) if present]
     summary = "AVX2 present" + (f"; faster paths: {', '.join(faster)}" if faster else "; no AVX-512/AMX (AVX2 kernels, slower)")
+    if needs.flags != AVX2_FLOOR.flags:
+        summary += f"; {needs.build} needs {', '.join(needs.flags)}: present"
     if isa.amx_bf16:
         summary += "; if bf16 crashes on AMX, use --dtype float32"
     return Result("cpu-isa", PASS, summary)

@@ -4,6 +4,7 @@
                                                                  --host 127.0.0.1 --port P  (tcp)
            [--served-model-name NAME] [access-log options] <plan's vLLM args> <vllm.args>
     env  = inherited env - systemd's per-service variables + the plan's variables + vllm.env
+           + LD_PRELOAD: vllm.preload's libraries first (vsup/supervisor/preload.py)
 
 The model goes right after the vLLM command: `vllm serve MODEL`, or `python -m
 vllm.entrypoints.openai.api_server --model MODEL` (vsup/supervisor/vllm_command.py explains why the
@@ -29,6 +30,7 @@ from vsup.config.fleet import is_fleet, models_of, view_of
 from vsup.config.schema import VsupConfig, quote, spare_base_port, where
 from vsup.errors import ConfigError
 from vsup.proxy.address import SUN_PATH_MAX, host_port, socket_path, unix_url
+from vsup.supervisor import preload
 from vsup.supervisor.rundir import instance_dir
 from vsup.supervisor.vllm_command import API_SERVER_MODULE, resolve_vllm_command
 from vsup.topology.plan_model import InstancePlan
@@ -97,8 +99,12 @@ def build_command(instance: InstancePlan, cfg: VsupConfig, base_env: Mapping[str
         env.pop(key, None)
     env.update(plan_env)
     env.update(cfg.vllm.env)
+    command = vllm_command(cfg, base_env)
+    libraries = preload.resolve(cfg, command, base_env).libraries
+    if libraries:
+        env["LD_PRELOAD"] = preload.merged(libraries, env.get("LD_PRELOAD", ""))
 
-    argv = [*instance.argv, *vllm_command(cfg, base_env), cfg.model, *address_args(instance_url(instance, cfg, base_env))]
+    argv = [*instance.argv, *command, cfg.model, *address_args(instance_url(instance, cfg, base_env))]
     if cfg.served_model_name:
         argv += ["--served-model-name", cfg.served_model_name]
     argv += [*access_log_args(cfg), *instance.vllm_args, *kv_events_args(instance, cfg, base_env), *cfg.vllm.args]
@@ -106,6 +112,12 @@ def build_command(instance: InstancePlan, cfg: VsupConfig, base_env: Mapping[str
 
 
 KV_EVENTS_OPTION = "--kv-events-config"
+
+
+def instance_preload(instance: InstancePlan, cfg: VsupConfig, environ: Mapping[str, str]) -> preload.Preload:
+    """What `instance` preloads under `cfg` (a fleet: its model's view), and why (`vsup plan`)."""
+    config = model_config(cfg, instance)
+    return preload.resolve(config, vllm_command(config, environ), environ)
 
 
 def kv_events_endpoint(instance: InstancePlan, cfg: VsupConfig, environ: Mapping[str, str]) -> str:

@@ -17,7 +17,8 @@ instance before they stop it.
 `stopping` always runs `stop_tree` (also after the process exited by itself: it removes the
 orphaned EngineCore/Worker and their /dev/shm files), then leaves by one of four events chosen
 by why the instance stopped: `cleaned_up` (a failure: wait out the backoff), `crash_loop` (too
-many failures: `failed`), `restart` (asked for: start again at once), `halted` (asked to stop).
+many failures: `failed`), `unrunnable` (an exit every restart would repeat, SIGILL: `failed` at
+once), `restart` (asked for: start again at once), `halted` (asked to stop).
 A failure is any exit (code 0 too: vLLM exits 0 when its EngineCore dies), a startup timeout,
 a failed warm-up, or `health.failures` failed /health polls in a row. Only `ready` is in the
 proxy's rotation; ready requires a live process, /health 200 and a warm-up that answered.
@@ -58,6 +59,7 @@ from vsup.supervisor.states import (
     next_state,
 )
 from vsup.supervisor.warmup import warmup_body, warmup_kind
+from vsup.topology.isa import SIGILL_CAUSE
 
 if TYPE_CHECKING:
     from vsup.proxy.health import HealthResult
@@ -82,7 +84,14 @@ def describe_exit(status: int | None, sigkill: Callable[[], str] | None = None) 
         name = f"signal {-status}"
     if status == -signal.SIGKILL:
         return sigkill() if sigkill is not None else oomkill.UNKNOWN
+    if status == -signal.SIGILL:
+        return f"killed by SIGILL (illegal instruction): {SIGILL_CAUSE}"
     return f"killed by {name}"
+
+
+# Exit statuses every restart would repeat: the instance goes to `failed` at once (no backoff, no
+# crash loop). SIGILL: the CPU lacks an instruction the build executes; it does not grow one.
+UNRUNNABLE_EXITS = frozenset({-signal.SIGILL})
 
 
 class Wake(Enum):
@@ -143,6 +152,7 @@ class Instance:
         self.intent_why: str | None = None  # the reason given with it (named by the transition it fires)
         self.launch: tuple[list[str], dict[str, str]] | None = None  # argv and env for the next start (reload)
         self.failure: str | None = None  # why the current run is ending, if it failed (None: on request)
+        self.unrunnable = False  # the current run ended by an exit every restart would repeat (UNRUNNABLE_EXITS)
         self.child: Process | None = None
         self.started_at: float | None = None  # when the current process was started
         self.starts = 0  # how many times the process was started
@@ -258,6 +268,7 @@ class Instance:
         if new is State.STARTING:
             self.starts += 1
             self.failure = None
+            self.unrunnable = False
             self._ready_since = None
         elif new is State.READY:
             self._ready_since = now
@@ -322,6 +333,7 @@ class Instance:
     def _interrupted(self, wake: Wake, value: Any) -> bool:
         """Handle an exit or an intent that arrived while the process runs; True when the state changed."""
         if wake is Wake.EXITED:
+            self.unrunnable = value in UNRUNNABLE_EXITS
             self._fail(Event.EXITED, describe_exit(value, self.child.sigkill_cause if self.child is not None else None))
             return True
         if wake is Wake.ASKED:
@@ -355,7 +367,8 @@ class Instance:
                 why = ASKED_FOR[Intent.RESTART]  # from here a plain start is a restart of the instance
             if self.state is State.FAILED:
                 self.policy.reset()
-                reason = f"{why}: a new chance after the crash loop"
+                after = "the crash loop" if self.history[-1].event is Event.CRASH_LOOP else "its last exit"
+                reason = f"{why}: a new chance after {after}"
             else:
                 reason = f"{why}: skipping the rest of the backoff delay"
         else:
@@ -506,6 +519,8 @@ class Instance:
         event = AFTER_STOP.get(intent) if intent is not None else None
         if event is not None:
             self._fire(event, why or ("stopped on request" if event is Event.HALTED else "restart requested"))
+        elif self.unrunnable:  # a restart would die the same way: no backoff, no crash loop
+            self._fire(Event.UNRUNNABLE, f"not restarted: {self.last_exit}; `vsup restart {self.name}` tries again")
         else:
             now = self.ops.now()
             decision = self.policy.on_failure(now, self._ready_since)

@@ -1,7 +1,8 @@
 """The checks `vsup plan`, `vsup run` and `vsup reload` share, so that a configuration one accepts
 the others do not reject: the model path, the plan, the instances' (and their spare) ports against
-the proxy's, the memory watchdog's limit, and every instance's launch line (vllm.args, vllm.env,
-vllm.command/venv)."""
+the proxy's, the memory watchdog's limit, every instance's launch line (vllm.args, vllm.env,
+vllm.command/venv), and the CPU against what the installed vLLM build executes (a CPU without AVX2
+would only die by SIGILL; the words are `vsup doctor`'s, vsup.topology.isa)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from vsup.config.fleet import is_fleet, models_of
 from vsup.config.planning import plan_from_config
 from vsup.config.schema import VsupConfig
 from vsup.errors import VsupError
-from vsup.supervisor.launch import build_command
+from vsup.supervisor.launch import build_command, vllm_command
+from vsup.supervisor.vllm_command import build_needs, environment_of
+from vsup.topology.isa import refusal
 from vsup.topology.model import Machine
 from vsup.topology.plan_model import Plan
 
@@ -34,6 +37,7 @@ def checked_plan(cfg: VsupConfig, fsroot: str, environ: Mapping[str, str], *, ru
         for view in views:
             check_model_path(view.config, flags.get("model"))
     machine, plan = plan_from_config(cfg, fsroot, flags=planned, running=running)
+    check_isa(machine, cfg, environ)
     if cfg.vllm.listen == "tcp":  # under unix the instances have sockets, no ports
         check_instance_ports(cfg, len(plan.instances), flags.get("vllm.base_port"))
     for view in views:
@@ -42,6 +46,16 @@ def checked_plan(cfg: VsupConfig, fsroot: str, environ: Mapping[str, str], *, ru
         for instance in mine:
             build_command(instance, view.config, environ)
     return machine, plan
+
+
+def check_isa(machine: Machine, cfg: VsupConfig, environ: Mapping[str, str]) -> None:
+    """Refuse a CPU that lacks an instruction set the installed vLLM build executes (each model's
+    build: a fleet's models may run different venvs), before anything starts."""
+    for view in models_of(cfg):
+        needs = build_needs(environment_of(vllm_command(view.config, environ), environ))
+        refused = refusal(machine.isa, needs, dict(machine.sources).get("isa", ""))
+        if refused is not None:
+            raise VsupError(f"{view.key} ({view.name}): {refused}" if is_fleet(cfg) else refused)
 
 
 def check_programs(argv: list[str], prefix_len: int) -> None:

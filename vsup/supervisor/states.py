@@ -23,7 +23,7 @@ class State(StrEnum):
     DRAINING = "draining"  # out of the rotation, alive: its requests in flight finish, then it stops
     STOPPING = "stopping"  # stop_tree running (SIGTERM, grace, SIGKILL, sweep, /dev/shm)
     BACKOFF = "backoff"  # after a failure, waiting before the next start
-    FAILED = "failed"  # crash loop: left down until `vsup restart` gives it a new chance
+    FAILED = "failed"  # crash loop, or an exit a restart would repeat (SIGILL): left down until `vsup restart` gives it a new chance
 
 
 class Event(StrEnum):
@@ -40,6 +40,7 @@ class Event(StrEnum):
     STOP = "stop"  # a stop was asked for (shutdown, restart) or follows from unhealthy
     CLEANED_UP = "cleaned_up"  # stopped after a failure: back off
     CRASH_LOOP = "crash_loop"  # stopped after a failure, too many failures in the window
+    UNRUNNABLE = "unrunnable"  # stopped after an exit every restart would repeat (SIGILL: the CPU lacks an instruction the build uses)
     RESTART = "restart"  # stopped because a restart was asked for: start again now
     HALTED = "halted"  # stopped because a stop was asked for
     DELAY_OVER = "delay_over"  # the backoff delay elapsed
@@ -68,6 +69,7 @@ TRANSITIONS: dict[tuple[State, Event], State] = {
     (S.DRAINING, E.STOP): S.STOPPING,
     (S.STOPPING, E.CLEANED_UP): S.BACKOFF,
     (S.STOPPING, E.CRASH_LOOP): S.FAILED,
+    (S.STOPPING, E.UNRUNNABLE): S.FAILED,
     (S.STOPPING, E.RESTART): S.STARTING,
     (S.STOPPING, E.HALTED): S.STOPPED,
     (S.BACKOFF, E.DELAY_OVER): S.STARTING,
@@ -142,7 +144,8 @@ ON_INTENT: dict[tuple[State, Intent], Event | None] = {
     (S.DRAINING, I.HALT): E.STOP,
 }
 # How `stopping` ends, by the intent held when the tree is gone; with none (or RUN) the stop was a
-# failure, and the restart policy chooses between CLEANED_UP and CRASH_LOOP.
+# failure: UNRUNNABLE after an exit every restart would repeat (lifecycle.UNRUNNABLE_EXITS), else
+# the restart policy chooses between CLEANED_UP and CRASH_LOOP.
 AFTER_STOP: dict[Intent, Event] = {I.HALT: E.HALTED, I.RETIRE: E.HALTED, I.RESTART: E.RESTART, I.RECYCLE: E.RESTART}
 RUNNING = frozenset({S.STARTING, S.WARMING, S.READY, S.UNHEALTHY, S.DRAINING})  # a process exists
 # The reason a transition names when an intent fires it without a reason of its own.

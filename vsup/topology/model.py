@@ -61,6 +61,8 @@ class Isa:
     amx_bf16: bool = False
     amx_tile: bool = False
     arch: str = ""  # uname machine: x86_64, aarch64, ppc64le...
+    avx512_vnni: bool = False
+    flags_known: bool = False  # a flags line was read; False: every flag above is unknown, not absent
 
 
 @dataclass(frozen=True)

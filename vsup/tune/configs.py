@@ -1,5 +1,5 @@
 """A candidate as a vsup YAML (pure dict edits): the user's configuration with the candidate's
-placement, vLLM flags and LD_PRELOAD, plus the run-time settings of one measurement (free ports,
+placement, vLLM flags and preload (`vllm.preload`), plus the run-time settings of one measurement (free ports,
 its own log folder and control socket). The winner is written the same way, without those."""
 
 from __future__ import annotations
@@ -56,11 +56,10 @@ def apply_candidate(data: Mapping[str, Any], candidate: Candidate, libraries: Ma
         if value is not None:
             args = [*_without_flag(args, flag), flag, str(value)]
     vllm["args"] = args
+    # the set as vllm.preload, explicit either way: "none" measures no preload (not vllm.preload's
+    # default auto, which would preload what the other sets try); vllm.env's LD_PRELOAD stays the user's
     libs = [libraries[name] for name in PRELOAD_SETS[candidate.preload]]
-    if libs:
-        env = dict(vllm.get("env") or {})
-        env["LD_PRELOAD"] = ":".join([*libs, *(p for p in str(env.get("LD_PRELOAD", "")).split(":") if p and p not in libs)])
-        vllm["env"] = env
+    vllm["preload"] = libs or "none"
     out["vllm"] = vllm
     return out
 
