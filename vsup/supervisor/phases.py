@@ -226,7 +226,7 @@ class StartWatch:
         self.moved_by = "start"  # what it was: "phase", "output", "cpu", "io"
         self.weights_bytes = weights_bytes  # the model's weight files (the plan's), to measure the load against
         self.output = Output()
-        self.judged = False  # a reading had the tree's CPU time: a start without progress can be told
+        self.judged = False  # the last reading had the tree's CPU time: a start without progress can be told
         self.durations: dict[Phase, float] = {}  # phase -> seconds spent in it (the current one not yet)
         self._last: Progress | None = None
         self._last_at = now
@@ -251,8 +251,7 @@ class StartWatch:
             moved.append("phase")
         if output.lines > self.output.lines:
             moved.append("output")
-        if progress.cpu_seconds is not None:
-            self.judged = True
+        self.judged = progress.cpu_seconds is not None
         if last is not None:
             if _grew(last.cpu_seconds, progress.cpu_seconds, CPU_MOVING * max(now - self._last_at, 0.0)):
                 moved.append("cpu")

@@ -69,6 +69,9 @@ def instance_status(sup: Supervisor, inst: Instance) -> dict[str, Any]:
         "nodes": list(plan.nodes),
         "uptime": round(now - inst.started_at, 3) if inst.pid is not None and inst.started_at is not None else None,
         "in_state_for": round(now - inst.since, 3),
+        # starting or warming: where the start is and since when, the load's progress, when it last
+        # moved, a waiting line of vLLM's explained (phases.StartWatch); None otherwise
+        "phase": inst.watch.to_json(now) if inst.watch is not None and inst.state in (State.STARTING, State.WARMING) else None,
         "restarts": inst.restarts,
         "last_exit": inst.last_exit,
         "placement_ok": None if drift is None else not drift,
