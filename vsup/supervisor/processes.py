@@ -20,7 +20,8 @@ child, not the process: spawn runs on the main thread (the event loop's), which 
 vsup, and refuses to run on another.
 
 `stop_tree`: SIGTERM to the group (and to members that left it), `timeout` seconds of grace for
-all of them, SIGKILL for what is left (again for anything forked meanwhile), reap the orphans
+all of them (`ORPHAN_GRACE` when the leader is already dead: nothing of the tree can drain any
+more), SIGKILL for what is left (again for anything forked meanwhile), reap the orphans
 handed to us, then remove the /dev/shm files the tree had mapped or open and Intel OpenMP's files
 named after its pids (shm.py). It works as well when
 the leader is already dead. See docs/processes.md.
@@ -51,6 +52,10 @@ from vsup.topology.fsroot import FsRoot
 logger = logging.getLogger("vsup.processes")
 
 KILL_WAIT = 5.0  # seconds to wait for SIGKILLed processes to disappear (D state can delay it)
+# SIGTERM's grace for the rest of a tree whose leader (the API server) is already dead: nothing of
+# it serves or drains any more (vLLM's EngineCore and Worker lose their only client with it), so
+# waiting stop.timeout for them only keeps their memory and cores from the next start.
+ORPHAN_GRACE = 1.0
 OUTPUT_WAIT = 2.0  # seconds to wait for the last output after the tree is gone
 _STREAMS = {1: "stdout", 2: "stderr"}
 
@@ -345,11 +350,14 @@ class StopReport:
 
 
 async def stop_tree(child: Child, timeout: float, *, shm_dir: str | Path = shm.SHM_DIR) -> StopReport:
-    """Stop the instance's whole tree; safe when the leader has already exited."""
+    """Stop the instance's whole tree; safe when the leader has already exited (what is left of the
+    tree then gets ORPHAN_GRACE of `timeout`: it is gone within about a second and a half)."""
     began = time.monotonic()
     leader = child.pid
     escaped: set[int] = set()
     shm_files = set(child.shm_seen)
+    if child.returncode is not None:
+        timeout = min(timeout, ORPHAN_GRACE)
 
     def note(found: dict[int, proctree.ProcStat]) -> None:
         # before they are signalled: /dev/shm names carry no pid
