@@ -37,7 +37,8 @@ def test_each_starts_phases_show_in_vsup_status_as_they_happen(vsup, tmp_path):
     (model / "model.safetensors").write_bytes(os.urandom(6 << 20))
     # a boot longer than a reading's interval (2 s): the load's bytes count from a reading after Python's imports
     phases = {"PHASES": "boot:2.5,load:3,compile:12,profile:0.3", "SHARDS": "3", "WAIT_LINE_EVERY": "1"}
-    run = vsup(model=str(model), placement={"model_size_gib": None}, health={"startup_timeout": 120}, faults={0: phases, 1: phases})
+    run = vsup(model=str(model), placement={"model_size_gib": None}, health={"startup_timeout": 120}, start={"mode": "auto"},
+               faults={0: phases, 1: phases})
     seen: dict[int, list[str]] = {0: [], 1: []}
     loading: list[dict] = []
     text = json_out = None
@@ -81,6 +82,10 @@ def test_each_starts_phases_show_in_vsup_status_as_they_happen(vsup, tmp_path):
     assert re.search(r"instance [01] compiling: vLLM.*\"No available shared memory broadcast block found in \d+ seconds.*"
                      r"— normal while compiling", text), text
     assert '"name": "compiling"' in json_out and '"waiting": {' in json_out
+    # start.mode auto: these fit together, so both started at once, and the log says why
+    assert "start: parallel (start.mode auto): all 2 instances load at once: their peak" in run.log()
+    first = [next(t["at"] for t in inst["transitions"] if t["to"] == "starting") for inst in status["instances"]]
+    assert abs(first[0] - first[1]) < 1.0
     for inst in status["instances"]:
         assert inst["phase"] is None  # serving: no phase
         (healthy,) = transitions(inst, "healthy")

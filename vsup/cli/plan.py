@@ -15,6 +15,7 @@ from vsup.config.fleet import is_fleet
 from vsup.config.schema import VsupConfig, load_config
 from vsup.errors import VsupError
 from vsup.supervisor.preflight import checked_plan
+from vsup.topology.startmode import choose_start
 
 
 def _at_least(minimum: int):
@@ -122,10 +123,11 @@ def plan_command(instances, fsroot, config_path, model, model_size_gib, kvcache_
     planned |= {key for key, value in (("instances", instances), ("base_port", base_port)) if value is not None}
     machine, the_plan = checked_plan(cfg, fsroot, os.environ, flags=flags, planned=frozenset(planned),
                                      runs_here=Path(fsroot).resolve() == Path("/"))
+    start = choose_start(the_plan, cfg.start.mode)  # what `vsup run` would do (start.mode)
     if output_format == "json":
-        click.echo(json.dumps(the_plan.to_json(), indent=2))
+        click.echo(json.dumps({**the_plan.to_json(), "start": start.to_json()}, indent=2))
     elif output_format == "shell":
         click.echo(render_shell(the_plan, cfg, os.environ), nl=False)
     else:
-        click.echo(render_table(machine, the_plan, fleet=is_fleet(cfg)), nl=False)
+        click.echo(render_table(machine, the_plan, fleet=is_fleet(cfg), start=start), nl=False)
 

@@ -12,6 +12,7 @@ from vsup.supervisor.launch import PLACEMENT_VARIABLES, build_command
 from vsup.topology.cpulist import format_list
 from vsup.topology.model import EFFICIENCY, PERFORMANCE, UNIFORM, Core, Machine
 from vsup.topology.plan_model import Plan, format_gib
+from vsup.topology.startmode import StartChoice
 
 # Owner marks in the core map.
 RESERVED, UNUSED = "reserved", "unused"
@@ -23,8 +24,9 @@ EFFICIENCY_CHOICE = {
 }
 
 
-def render_table(machine: Machine, plan: Plan, *, fleet: bool = False) -> str:
-    """`fleet`: the plan of a file with `models:` (a MODEL column, a line per model)."""
+def render_table(machine: Machine, plan: Plan, *, fleet: bool = False, start: StartChoice | None = None) -> str:
+    """`fleet`: the plan of a file with `models:` (a MODEL column, a line per model); `start`: how
+    `vsup run` would start the instances (start.mode), one line after the memory."""
     lines: list[str] = []
     s = plan.settings
     launcher = s.launcher + (f" (--membind {s.membind})" if s.launcher == "numactl" else "")
@@ -49,6 +51,8 @@ def render_table(machine: Machine, plan: Plan, *, fleet: bool = False) -> str:
     if limit is not None:
         lines.append(f"cgroup memory limit {format_gib(limit.limit_bytes)}: planned {format_gib(limit.demand_bytes)} "
                      f"of {format_gib(limit.budget_bytes)} ({limit.figure})")
+    if start is not None:
+        lines.append(f"start: {start.describe(estimate=False)}")
     by_reason: dict[str, list[int]] = defaultdict(list)
     for cpu, reason in plan.unused_cpus:
         by_reason[reason].append(cpu)
