@@ -145,3 +145,23 @@ async def test_the_watch_shows_the_phase_the_load_and_warming(started):
     await d.until_state(State.WARMING)
     assert d.inst.watch.phase is Phase.WARMING
     await d.until_state(State.READY)
+
+
+def test_systemds_status_line_names_each_starts_phase():
+    from types import SimpleNamespace
+
+    from vsup.supervisor.phases import StartWatch
+    from vsup.supervisor.status import status_line
+
+    def inst(name: str, state: State, phase: Phase | None):
+        watch = None
+        if phase is not None:
+            watch = StartWatch(0.0)
+            watch.enter(phase, 1.0)
+        return SimpleNamespace(name=name, state=state, watch=watch, index=int(name), model="m")
+
+    sup = SimpleNamespace(instances=[inst("0", State.STARTING, Phase.COMPILING), inst("1", State.WARMING, Phase.WARMING),
+                                     inst("2", State.READY, None)],
+                          proxy=None, fleet=SimpleNamespace(plans={}, owner=SimpleNamespace(config=make_config())),
+                          config=make_config(), changes=SimpleNamespace(record=None), stopping=False)
+    assert status_line(sup) == "1/3 instances ready, 0 in flight; starting: 0 (compiling), 1 (warming)"
