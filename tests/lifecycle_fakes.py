@@ -8,8 +8,10 @@ timeout thus take microseconds, and the order of events is exact.
 `FakeOps` plays processes, /health, the warm-up and memory: each spawned `FakeProcess` "loads"
 for `load_time` virtual seconds (its port refuses connections), then answers its `health` (200 by
 default, another status, or "hang": the probe runs into its timeout) and its `warmup` the same
-way after `warmup_time` virtual seconds; `tree_rss` reads its `rss`. The test makes a process exit
-with `process.exit(status)`. `stop_tree` takes `stop_time` virtual seconds and ends the process
+way after `warmup_time` virtual seconds; `tree_rss` reads its `rss`; `progress` reads its output
+(`process.say(line)` feeds it, as the real process's reader is fed) and its tree's CPU time and
+bytes read, which grow at `cpu_rate` CPU seconds and `read_rate` bytes per virtual second (0: a
+tree doing nothing, like a hung one). The test makes a process exit with `process.exit(status)`. `stop_tree` takes `stop_time` virtual seconds and ends the process
 with SIGTERM's status unless it exited on its own meanwhile.
 """
 
@@ -24,6 +26,7 @@ from collections.abc import Callable
 from vsup.errors import VsupError
 from vsup.proxy.health import HealthResult
 from vsup.supervisor import oomkill
+from vsup.supervisor.phases import OutputReader, Progress
 from vsup.supervisor.processes import StopReport
 from vsup.supervisor.warmup import ROUTES
 
@@ -89,7 +92,23 @@ class FakeProcess:
         self.health: int | str = 200
         self.warmup: int | str = 200  # the warm-up's answer: a status, or "hang"
         self.rss = 100 * 2**20  # what tree_rss reads, bytes
+        self.output = OutputReader()
+        self.cpu_rate = 0.0  # CPU seconds its tree uses per virtual second
+        self.read_rate = 0  # bytes its tree reads per virtual second
+        self.counters_readable = True  # False: /proc cannot tell its CPU time (progress says None)
+        self._cpu, self._read, self._counted_at = 0.0, 0, started
         self._exit: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+    def say(self, *lines: str) -> None:
+        """Lines of its output (what the real process's reader is fed)."""
+        self.output.feed(lines)
+
+    def work(self, now: float) -> tuple[float, int]:
+        """(CPU seconds, bytes read) of its tree so far, at the rates of each stretch of time."""
+        elapsed, self._counted_at = max(0.0, now - self._counted_at), now
+        self._cpu += self.cpu_rate * elapsed
+        self._read += int(self.read_rate * elapsed)
+        return self._cpu, self._read
 
     @property
     def returncode(self) -> int | None:
@@ -119,6 +138,7 @@ class FakeOps:
         self.processes: list[FakeProcess] = []
         self.stopped: list[int] = []  # pids stop_tree was called for, in order
         self.probes = 0
+        self.readings = 0  # progress() calls
         self.impostor: str | None = None  # owns_address answers this (someone else holds the address)
         self._pids = itertools.count(1000)
 
@@ -187,3 +207,10 @@ class FakeOps:
 
     async def tree_rss(self, process: FakeProcess) -> int | None:
         return process.rss if process.returncode is None else None
+
+    async def progress(self, process: FakeProcess) -> Progress:
+        self.readings += 1
+        cpu, read = process.work(self.now())
+        if not process.counters_readable:
+            return Progress(process.output.snapshot())
+        return Progress(process.output.snapshot(), cpu, read, 0)

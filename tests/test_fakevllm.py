@@ -131,6 +131,32 @@ def test_start_record_reports_the_environment_and_placement_seen(fake_vllm):
     assert srv.wait_event("started")["engine_pid"] == record["engine_pid"]
 
 
+def test_phases_print_vllms_lines_in_order_read_the_weights_and_bind_after(fake_vllm, tmp_path):
+    from vsup.supervisor.phases import OutputReader, Phase, match
+
+    (tmp_path / "model.safetensors").write_bytes(os.urandom(3 << 20))
+    srv = fake_vllm(model=str(tmp_path), env={"FAKE_VLLM_PHASES": "load:0.6,compile:1.2,profile:0.2",
+                                              "FAKE_VLLM_SHARDS": "3", "FAKE_VLLM_WAIT_LINE_EVERY": "0.5"})
+    srv.wait_ready(timeout=30)
+    lines = srv.output().splitlines()
+    named = [m[0].phase for line in lines if (m := match(line)) and m[0].phase is not None]
+    order = [p for i, p in enumerate(named) if i == 0 or named[i - 1] is not p]
+    assert order == [Phase.LOADING, Phase.PROFILING, Phase.COMPILING, Phase.PROFILING, Phase.OPENING], order
+    reader = OutputReader()
+    reader.feed(lines)
+    assert reader.shards == (3, 3) and reader.percent == 100 and reader.waiting is not None and reader.waiting.count >= 1
+    assert reader.took["weights_loaded"] >= 0.5 and reader.took["engine_ready"] >= 1.9
+    ready = srv.wait_event("ready")["mono"] - srv.wait_event("started")["mono"]
+    assert ready >= 2.0  # the port opened after the phases
+
+
+def test_bad_phases_are_refused_naming_the_variable():
+    assert load_faults({"FAKE_VLLM_PHASES": "load:2, stall:0"}).phases == (("load", 2.0), ("stall", 0.0))
+    for bad in ("load", "nap:3", "load:-1", "load:inf"):
+        with pytest.raises(SettingsError, match="FAKE_VLLM_PHASES="):
+            load_faults({"FAKE_VLLM_PHASES": bad})
+
+
 def test_sigterm_while_loading_exits_0_without_binding(fake_vllm):
     srv = fake_vllm(env={"FAKE_VLLM_START_DELAY": "60"})
     shm = srv.start_record()["shm"]

@@ -25,6 +25,7 @@ EXPECTED = """
 stopped start starting
 starting healthy warming
 starting startup_timeout stopping
+starting stalled stopping
 starting impostor stopping
 starting exited stopping
 starting stop stopping

@@ -362,9 +362,9 @@ def test_units():
 
 def test_status_text_shows_the_figures_and_dashes_where_there_are_none():
     lines = render_instances(SAMPLE_STATUS["instances"])
-    assert lines[0].split()[10:17] == ["TOK/S", "RUN", "WAIT", "KV", "CPU%", "RSS", "LOCAL"]
-    assert lines[1].split()[10:17] == ["12.3", "2", "1", "12%", "97", "3.0G", "90%"]
-    assert lines[2].split()[11:18] == ["-"] * 7  # "backoff (4s)" is two words
+    assert lines[0].split()[11:18] == ["TOK/S", "RUN", "WAIT", "KV", "CPU%", "RSS", "LOCAL"]
+    assert lines[1].split()[11:18] == ["12.3", "2", "1", "12%", "97", "3.0G", "90%"]
+    assert lines[2].split()[12:19] == ["-"] * 7  # "backoff (4s)" is two words
 
 
 def test_top_view_renders_every_instance_and_tolerates_new_fields():

@@ -97,7 +97,7 @@ def test_vsup_status_text_has_a_model_column_and_a_line_per_model():
     lines = render_instances(status["instances"], models=True)
     assert lines[0].split()[:3] == ["IDX", "MODEL", "STATE"]
     assert [line.split()[:3] for line in lines[1:4]] == [["0", "chat", "ready"], ["1", "chat", "backoff"], ["2", "embed", "ready"]]
-    assert lines[1].split()[11:18] == ["12.3", "2", "1", "12%", "97", "3.0G", "90%"]  # the figures moved one column, intact
+    assert lines[1].split()[12:19] == ["12.3", "2", "1", "12%", "97", "3.0G", "90%"]  # after MODEL and PHASE, intact
     assert render_models(status) == [
         "model chat: 1/2 ready (1 backoff), 3 in flight, 12.3 tok/s, instances 0-1",
         "model embed: 1/1 ready, 1 in flight, 0.5 tok/s, instances 2",

@@ -167,10 +167,10 @@ def test_status_shows_the_figures_as_text_and_json(fleet):
     text = subprocess.run([*VSUP, "status", "--socket", run.socket], capture_output=True, text=True, timeout=30,
                           check=True).stdout.splitlines()
     header = text[1].split()  # one model: no MODEL column, no model lines
-    assert header[:2] == ["IDX", "STATE"] and header[10:17] == ["TOK/S", "RUN", "WAIT", "KV", "CPU%", "RSS", "LOCAL"]
+    assert header[:3] == ["IDX", "STATE", "PHASE"] and header[11:18] == ["TOK/S", "RUN", "WAIT", "KV", "CPU%", "RSS", "LOCAL"]
     for line in text[2:4]:
         cells = line.split()
-        assert cells[1] == "ready" and float(cells[10]) > 0 and cells[16] == "100%", line
+        assert cells[1:3] == ["ready", "-"] and float(cells[11]) > 0 and cells[17] == "100%", line
 
 
 # ---- Grafana --------------------------------------------------------------------------------------------

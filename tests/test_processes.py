@@ -498,6 +498,38 @@ async def test_fake_vllm_tree_killed_with_leader_first(tmp_path, instance_log, c
             Path(path).unlink(missing_ok=True)
 
 
+async def test_the_rest_of_a_tree_whose_api_server_died_is_gone_within_2_s_whatever_the_stop_timeout(
+        tmp_path, instance_log, cleanup_pids, subreaper):
+    """vLLM's EngineCore and Worker outlive a SIGKILLed API server; with nothing left to drain they
+    get ORPHAN_GRACE, not stop.timeout: here they even ignore SIGTERM (the slowest case), and
+    stop.timeout is 30 s."""
+    fixtures = pytest.importorskip("tests.fakevllm.fixtures")
+    argv = [*fixtures.fake_command(), "fake-model", "--host", "127.0.0.1", "--port", str(fixtures.free_port())]
+    child = await spawn(argv, base_env(FAKE_VLLM_IGNORE_SIGTERM="1"), log=instance_log)
+    log = tmp_path / "logs" / "i0.log"
+    deadline = time.monotonic() + 60
+    # it binds after the EngineCore handshake, which comes once EngineCore and Worker ignore SIGTERM
+    while "Application startup complete" not in log.read_text() and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    stats = [proctree.read_stat(pid) for pid in tree_pids(child)]
+    cleanup_pids.extend(stats)
+    assert len(stats) == 3
+    shm_paths = fixtures.start_records(log.read_text())[0]["shm"]
+    try:
+        os.kill(child.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        await asyncio.wait_for(child.wait(), 30)
+        report = await stop_tree(child, 30.0)
+        took = time.monotonic() - killed_at
+        assert_gone(stats, strictly=True)
+        assert sorted(report.killed) == sorted(st.pid for st in stats if st.pid != child.pid)  # they ignored SIGTERM
+        assert report.duration < 2.0 and took < 2.5, (report.duration, took)  # ORPHAN_GRACE (1 s), then SIGKILL
+        assert sorted(report.shm_removed) == sorted(shm_paths)
+    finally:
+        for path in shm_paths:
+            Path(path).unlink(missing_ok=True)
+
+
 async def test_reap_orphans_reaps_adopted_zombies_of_a_running_instance(tmp_path, tree_script, instance_log, cleanup_pids, subreaper):
     # Generation 1 exits; generation 0 is adopted by us and then killed by the test: a zombie of
     # ours until reap_orphans() collects it, while the instance (the leader) keeps running.

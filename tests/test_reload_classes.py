@@ -206,6 +206,16 @@ async def test_health_keys_apply_to_the_running_instances(fleet):
     assert any("not healthy after the startup timeout of 50s" in r for r in reasons(zero))
 
 
+async def test_the_stall_time_applies_to_the_next_start(fleet):
+    f = await fleet()
+    record = await reload(f, health={"startup_stall": 20})  # below the fixture's startup_timeout (30)
+    assert record["applied"] == ["health.startup_stall"]
+    zero = f.sup.instances[0]
+    f.ops.load_time = 10_000  # its next start never loads, and its tree does nothing
+    f.ops.process_at(zero.url).exit(1)
+    await f.until(lambda: any(r.startswith("stalled in booting for 20 s") for r in reasons(zero)), "instance 0's stalled start")
+
+
 async def test_warm_up_keys_apply_to_the_next_warm_up(fleet):
     f = await fleet()
     record = await reload(f, health={"warmup": {"prompt": "Hi", "max_tokens": 2, "timeout": 9}})
@@ -362,7 +372,7 @@ async def test_ready_when_applies_to_a_vsup_still_starting(tmp_path):
 def test_every_live_key_has_a_behaviour_test_here_or_in_test_reload_proxy():
     covered = set(test_reload_proxy.COVERED) | {
         "proxy.drain_timeout", "health.interval", "health.timeout", "health.failures", "health.startup_timeout",
-        "health.warmup.enabled", "health.warmup.prompt", "health.warmup.max_tokens", "health.warmup.timeout",
+        "health.startup_stall", "health.warmup.enabled", "health.warmup.prompt", "health.warmup.max_tokens", "health.warmup.timeout",
         *(f"restart.{k}" for k in ("max_delay", "max_failures", "stable_after", "max_rss", "max_rss_for")),
         "stop.timeout", "log.level", "metrics.interval", "metrics.timeout", "metrics.max_series_per_instance",
         "notify.ready_when"}

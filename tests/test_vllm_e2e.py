@@ -373,6 +373,8 @@ def test_each_instance_was_warmed_up_before_it_joined_the_rotation(served):
     for inst in served.run.status()["instances"]:
         warmed = [t for t in inst["transitions"] if t["from"] == "warming" and t["to"] == "ready"]
         assert warmed and warmed[-1]["reason"].startswith("warm-up answered"), inst["transitions"]
+        healthy = [t for t in inst["transitions"] if t["event"] == "healthy"]  # its start phases, read from vLLM's own lines
+        assert healthy and "opening" in healthy[-1]["reason"].split("(", 1)[1], healthy
         log = (served.run.tmp / "logs" / f"i{inst['index']}.log").read_text(errors="replace")
         assert '"POST /v1/completions HTTP/1.1" 200' in log  # the warm-up reached vLLM itself
 

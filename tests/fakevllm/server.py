@@ -30,6 +30,7 @@ from .events import EventLog
 from .kv_events import KvEventPublisher
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import VllmMetrics
+from .phases import Start
 from .prefix_cache import PrefixCache
 from .settings import Faults, SettingsError, load_faults
 from .tree import EngineCore, SharedMemoryFiles
@@ -198,11 +199,22 @@ class FakeVllm:
         engine_ready = loop.create_future()
         if self.engine is not None:
             fd = self.engine.ready_fd
-            loop.add_reader(fd, lambda: engine_ready.done() or engine_ready.set_result(None))
+
+            def engine_answered() -> None:
+                # once: the byte stays unread until wait_ready(), and a reader left on a readable fd
+                # would spin the loop (a busy CPU while "loading": no hung start could be told)
+                loop.remove_reader(fd)
+                if not engine_ready.done():
+                    engine_ready.set_result(None)
+
+            loop.add_reader(fd, engine_answered)
         else:
             engine_ready.set_result(None)
         if self.faults.start_delay > 0:
             await asyncio.wait((self.stop_fut,), timeout=self.faults.start_delay)
+        if self.faults.phases:  # vLLM's start, phase by phase (FAKE_VLLM_PHASES)
+            start = Start(self.args.model, self.faults.shards, self.faults.wait_line_every, self.stop_fut, say)
+            await start.run(self.faults.phases)
         # Like vLLM, the API server binds only after the EngineCore handshake.
         await asyncio.wait((engine_ready, self.stop_fut), return_when=asyncio.FIRST_COMPLETED)
         if self.engine is not None:

@@ -53,6 +53,31 @@ class Faults:
     saturate_threads: int | None = None  # more threads than this add nothing (memory bandwidth)
     busy_penalty: float = 1.0  # step factor when OpenMP takes every CPU of the mask
     preload_speedup: float = 1.0  # step divisor when LD_PRELOAD is set
+    # a start in vLLM's phases, printing its lines (phases.py): ((name, seconds), ...)
+    phases: tuple[tuple[str, float], ...] = ()
+    shards: int = 4  # checkpoint shards a `load` phase reports
+    wait_line_every: float | None = None  # seconds between shm_broadcast's waiting lines in compile/stall phases
+
+
+PHASE_NAMES = ("boot", "load", "profile", "compile", "stall")
+
+
+def _phases(env: Mapping[str, str]) -> tuple[tuple[str, float], ...]:
+    raw = env.get("FAKE_VLLM_PHASES", "").strip()
+    if not raw:
+        return ()
+    phases = []
+    for part in raw.split(","):
+        name, _, seconds = part.strip().partition(":")
+        try:
+            value = float(seconds)
+        except ValueError:
+            value = -1.0
+        if name not in PHASE_NAMES or not 0 <= value < float("inf"):
+            raise SettingsError(f"FAKE_VLLM_PHASES={raw!r}: {part.strip()!r} is not NAME:SECONDS with NAME one of "
+                                f"{', '.join(PHASE_NAMES)} (e.g. FAKE_VLLM_PHASES=load:2,compile:3)")
+        phases.append((name, value))
+    return tuple(phases)
 
 
 def _number(env: Mapping[str, str], key: str, kind: type, low: float, example: str):
@@ -133,4 +158,7 @@ def load_faults(env: Mapping[str, str] = os.environ) -> Faults:
         saturate_threads=num("FAKE_VLLM_SATURATE_THREADS", int, 1, "2"),
         busy_penalty=default(num("FAKE_VLLM_BUSY_PENALTY", low=1, example="1.5"), 1.0),
         preload_speedup=default(num("FAKE_VLLM_PRELOAD_SPEEDUP", low=1, example="1.2"), 1.0),
+        phases=_phases(env),
+        shards=default(num("FAKE_VLLM_SHARDS", int, 1, "4"), 4),
+        wait_line_every=num("FAKE_VLLM_WAIT_LINE_EVERY", low=0.1, example="60"),
     )

@@ -16,6 +16,7 @@ from vsup.config.schema import VsupConfig, load_config
 from vsup.errors import VsupError
 from vsup.supervisor.launch import instance_preload
 from vsup.supervisor.preflight import checked_plan
+from vsup.topology.startmode import choose_start
 
 
 def _at_least(minimum: int):
@@ -124,14 +125,15 @@ def plan_command(instances, fsroot, config_path, model, model_size_gib, kvcache_
     machine, the_plan = checked_plan(cfg, fsroot, os.environ, flags=flags, planned=frozenset(planned),
                                      runs_here=Path(fsroot).resolve() == Path("/"))
     preloads = {inst.index: instance_preload(inst, cfg, os.environ) for inst in the_plan.instances}  # vllm.preload
+    start = choose_start(the_plan, cfg.start.mode)  # what `vsup run` would do (start.mode)
     if output_format == "json":
         data = the_plan.to_json()
         for inst in data["instances"]:
             inst["preload"] = preloads[inst["index"]].to_json()
-        click.echo(json.dumps(data, indent=2))
+        click.echo(json.dumps({**data, "start": start.to_json()}, indent=2))
     elif output_format == "shell":
         click.echo(render_shell(the_plan, cfg, os.environ), nl=False)
     else:
         click.echo(render_table(machine, the_plan, fleet=is_fleet(cfg), listen=cfg.vllm.listen, proxy_port=cfg.proxy.port,
-                                preloads=preloads), nl=False)
+                                preloads=preloads, start=start), nl=False)
 

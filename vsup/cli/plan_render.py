@@ -13,6 +13,7 @@ from vsup.supervisor.preload import Preload
 from vsup.topology.cpulist import format_list
 from vsup.topology.model import EFFICIENCY, PERFORMANCE, UNIFORM, Core, Machine
 from vsup.topology.plan_model import Plan, format_gib
+from vsup.topology.startmode import StartChoice
 
 # Owner marks in the core map.
 RESERVED, UNUSED = "reserved", "unused"
@@ -25,10 +26,11 @@ EFFICIENCY_CHOICE = {
 
 
 def render_table(machine: Machine, plan: Plan, *, fleet: bool = False, listen: str = "unix", proxy_port: int = 8000,
-                 preloads: Mapping[int, Preload] | None = None) -> str:
+                 preloads: Mapping[int, Preload] | None = None, start: StartChoice | None = None) -> str:
     """`fleet`: the plan of a file with `models:` (a MODEL column, a line per model). `listen`
     (vllm.listen): unix shows each instance's socket, tcp its port; `proxy_port` names the
-    sockets' folder. `preloads`: what each instance preloads, by index (launch.instance_preload)."""
+    sockets' folder. `preloads`: what each instance preloads, by index (launch.instance_preload).
+    `start`: how `vsup run` would start the instances (start.mode), one line after the memory."""
     lines: list[str] = []
     s = plan.settings
     launcher = s.launcher + (f" (--membind {s.membind})" if s.launcher == "numactl" else "")
@@ -54,6 +56,8 @@ def render_table(machine: Machine, plan: Plan, *, fleet: bool = False, listen: s
     if limit is not None:
         lines.append(f"cgroup memory limit {format_gib(limit.limit_bytes)}: planned {format_gib(limit.demand_bytes)} "
                      f"of {format_gib(limit.budget_bytes)} ({limit.figure})")
+    if start is not None:
+        lines.append(f"start: {start.describe(estimate=False)}")
     by_reason: dict[str, list[int]] = defaultdict(list)
     for cpu, reason in plan.unused_cpus:
         by_reason[reason].append(cpu)

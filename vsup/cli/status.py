@@ -46,7 +46,7 @@ def render_instances(instances: list[dict], *, models: bool = False) -> list[str
     background collection and read "-" when it is off or has not run yet. `models`: a MODEL column
     after IDX (a status with several models)."""
     named = ("MODEL",) if models else ()
-    header = ("IDX", *named, "STATE", "PID", "ADDRESS", "CPUS", "NODES", "UPTIME", "RESTARTS", "IN-FLIGHT", "PLACEMENT",
+    header = ("IDX", *named, "STATE", "PHASE", "PID", "ADDRESS", "CPUS", "NODES", "UPTIME", "RESTARTS", "IN-FLIGHT", "PLACEMENT",
               *fmt.FIGURE_HEADERS, "LAST EXIT")
     rows = [header]
     for e in instances:
@@ -54,7 +54,7 @@ def render_instances(instances: list[dict], *, models: bool = False) -> list[str
         if state == "backoff" and e.get("next_start_in") is not None:
             state += f" ({e['next_start_in']:.0f}s)"
         rows.append((
-            str(e["index"]), *((str(e.get("model") or "-"),) if models else ()), state, str(e["pid"] or "-"),
+            str(e["index"]), *((str(e.get("model") or "-"),) if models else ()), state, fmt.phase(e), str(e["pid"] or "-"),
             str(e.get("address") or e["port"]), format_list(e["cpus"]) or "-",
             format_list(e["nodes"]) or "-", duration(e.get("uptime")), str(e["restarts"]), str(e.get("in_flight", 0)),
             placement_word(e), *fmt.figures(e).values(), e.get("last_exit") or "-",
@@ -65,6 +65,8 @@ def render_instances(instances: list[dict], *, models: bool = False) -> list[str
     for e in instances:
         for drift in e.get("placement_drift", []):
             lines.append(printable(f"  instance {e['index']} placement drift: {drift}"))
+        if note := fmt.phase_note(e):  # vLLM's own alarming line, explained next to its phase
+            lines.append(printable(f"  instance {e['index']} {(e.get('phase') or {}).get('name')}: {note}"))
     return lines
 
 
@@ -101,7 +103,7 @@ def render_queues(queues: dict) -> list[str]:
 @socket_option
 @format_option("text", "json")
 def status_command(config_path: str | None, socket_path: str | None, output_format: str) -> None:
-    """Show each instance of the running vsup: state, pid, address (socket or port), CPUs, uptime, restarts, placement,
+    """Show each instance of the running vsup: state, start phase, pid, address (socket or port), CPUs, uptime, restarts, placement,
     tokens/s (last minute), requests running/waiting, KV-cache use, CPU %, RSS, node-local memory, last exit."""
     path = socket_for(config_path, socket_path)
     data = asyncio.run(request(path, "GET", "/status", timeout=10))

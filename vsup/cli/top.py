@@ -74,7 +74,7 @@ def header(status: Mapping[str, Any], error: str | None, interval: float) -> Tex
 
 
 COLUMNS: tuple[tuple[str, JustifyMethod], ...] = (
-    ("#", "right"), ("STATE", "left"), ("PID", "right"), ("CPUS", "left"), ("NODE", "left"), ("UP", "right"), ("RST", "right"),
+    ("#", "right"), ("STATE", "left"), ("PHASE", "left"), ("PID", "right"), ("CPUS", "left"), ("NODE", "left"), ("UP", "right"), ("RST", "right"),
     ("INFL", "right"), ("TOK/S", "right"), ("RUN", "right"), ("WAIT", "right"), ("KV", "right"), ("CPU%", "right"),
     ("RSS", "right"), ("LOCAL", "right"), ("PLACE", "left"), ("LAST EXIT", "left"))
 
@@ -114,7 +114,7 @@ def _cells(e: Mapping[str, Any], model: str | None = None) -> list[Text]:
     placement = placement_word(e)
     return [cell if isinstance(cell, Text) else _plain(cell) for cell in (
         str(e.get("index")), *(() if model is None else (model,)),
-        Text(state, style=STATE_STYLES.get(str(e.get("state")), "")), str(e.get("pid") or "-"),
+        Text(state, style=STATE_STYLES.get(str(e.get("state")), "")), fmt.phase(e), str(e.get("pid") or "-"),
         format_list(e.get("cpus", ())) or "-", format_list(e.get("nodes", ())) or "-", duration(e.get("uptime")),
         str(e.get("restarts", 0)), str(e.get("in_flight", 0)), f["tok/s"], f["run"], f["wait"], f["kv"], f["cpu%"],
         f["rss"], f["local"], Text(placement, style="bold red" if placement == "DRIFT" else ""),
@@ -132,7 +132,7 @@ def _model_cells(m: Mapping[str, Any], entries: list[Mapping[str, Any]]) -> list
         return fmt.number(sum(values), digits) if values else "-"
 
     cells = ["", str(m.get("name")), Text(f"{ready}/{total} ready", style="green" if ready == total else "bold red"),
-             "", "", "", "", "", str(m.get("in_flight", 0)), f"{by_model.tokens_per_s(entries):.1f}",
+             "", "", "", "", "", "", str(m.get("in_flight", 0)), f"{by_model.tokens_per_s(entries):.1f}",
              summed("requests_running"), summed("requests_waiting"), "", "", "", "", "", ""]
     return [cell if isinstance(cell, Text) else _plain(cell) for cell in cells]
 
@@ -142,8 +142,16 @@ def _plain(value: object) -> Text:
     return Text(printable(value))
 
 
+def notes(status: Mapping[str, Any]) -> Text | None:
+    """vLLM's alarming waiting lines during a start, each explained next to its phase."""
+    lines = [f"{e.get('index')} {(e.get('phase') or {}).get('name')}: {note}"
+             for e in status.get("instances", ()) if (note := fmt.phase_note(e))]
+    return Text(printable("\n".join(lines), newlines=True), style="yellow") if lines else None
+
+
 def view(status: Mapping[str, Any], error: str | None, interval: float) -> RenderableType:
-    return Group(header(status, error, interval), table(status))
+    below = notes(status)
+    return Group(header(status, error, interval), table(status), *((below,) if below is not None else ()))
 
 
 @contextlib.contextmanager

@@ -243,7 +243,8 @@ class HealthConfig(_Section):
     interval: float = Field(5.0, gt=0, description="seconds between /health polls of a ready instance", json_schema_extra=LIVE)
     timeout: float = Field(5.0, gt=0, description="seconds one /health poll may take; longer counts as a failed poll", json_schema_extra=LIVE)
     failures: int = Field(3, ge=1, description="consecutive failed polls that make a ready instance unhealthy (-> restart)", json_schema_extra=LIVE)
-    startup_timeout: float = Field(600.0, gt=0, description="seconds a model load may take before the start counts as failed", json_schema_extra=basic('seconds a model may take to load; raise for big ones', LIVE))
+    startup_timeout: float = Field(3600.0, gt=0, description="the ceiling of a start that keeps progressing: seconds from the spawn to /health 200 before the start counts as failed; sized for the largest models (a 70B bf16 model from a slow disk: 140 GB at 125 MB/s is 19 min, plus boot and compile, docs/supervisor.md); a start that stops progressing is stopped long before (startup_stall)", json_schema_extra=basic('seconds a load may take at most, if it keeps progressing', LIVE))
+    startup_stall: float = Field(300.0, gt=0, description="seconds a start may go without progress before it is stopped as stalled (a failed start: `stalled in <phase> for N s`); progress is a new phase, a line of output (vLLM's repeated waiting lines aside), or CPU time or bytes read by its process tree (API server, EngineCore, Worker)", json_schema_extra=LIVE)
     warmup: WarmupConfig = Field(default_factory=WarmupConfig, description="the warm-up request: the first requests after a (re)start are slow, so the instance gets one before clients do")
 
 
@@ -275,7 +276,7 @@ class RestartConfig(_Section):
 
 
 class StartConfig(_Section):
-    mode: Literal["staggered", "parallel"] = Field("staggered", description="staggered: the next instance starts when the previous is ready (or its start failed); parallel: all at once", json_schema_extra=START)
+    mode: Literal["auto", "staggered", "parallel"] = Field("auto", description="auto: all at once when each node's memory (and the cgroup limit) holds their load peaks together — an instance's peak, an estimate: its weights twice while it loads (the tensors and the checkpoint pages they come from) or its weights + KV cache once loaded, plus its overhead —, else staggered; vsup's log and `vsup plan` say which and why (docs/supervisor.md); staggered: the next instance starts when the previous is ready (or its start failed); parallel: all at once", json_schema_extra=START)
 
 
 class StopConfig(_Section):
@@ -343,7 +344,7 @@ class VsupConfig(_ModelKeys):
     vllm: VllmConfig = Field(default_factory=VllmConfig, description="vsup runs `<launcher> <command> <model> --uds <socket> <args>` (listen: tcp: `--host 127.0.0.1 --port P`)", json_schema_extra=basic('how each instance runs `vllm serve`'))
     proxy: ProxyConfig = Field(default_factory=ProxyConfig, description="the one OpenAI-compatible endpoint in front of the ready instances", json_schema_extra=basic('the one OpenAI-compatible endpoint'))
     health: HealthConfig = Field(default_factory=HealthConfig, description="when an instance counts as ready, and when as unhealthy", json_schema_extra=basic('when an instance counts as ready, or as sick'))
-    restart: RestartConfig = Field(default_factory=RestartConfig, description="restart policy after a failure (any exit, code 0 too; startup timeout; failed warm-up; unhealthy), and the memory watchdog", json_schema_extra=basic('the memory watchdog (docs/supervisor.md)'))
+    restart: RestartConfig = Field(default_factory=RestartConfig, description="restart policy after a failure (any exit, code 0 too; a stalled start or one past the startup timeout; failed warm-up; unhealthy), and the memory watchdog", json_schema_extra=basic('the memory watchdog (docs/supervisor.md)'))
     start: StartConfig = Field(default_factory=StartConfig, description="how the instances start")
     stop: StopConfig = Field(default_factory=StopConfig, description="how the instances stop (vsup stopping, `vsup restart N`, a failure)")
     log: LogConfig = Field(default_factory=LogConfig, description="the instances' output and vsup's own log", json_schema_extra=basic("the instances' output"))

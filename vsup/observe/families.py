@@ -6,7 +6,7 @@ Units are Prometheus's base units: seconds, bytes, ratios 0..1 (CPU % is the one
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -59,3 +59,29 @@ def dropped_families(counts: Mapping[tuple[str, str], int]) -> Metric:
     for (instance, reason), count in sorted(counts.items()):
         dropped.add_metric([instance, reason], count)
     return dropped
+
+
+def start_families(instances: Iterable[Mapping[str, Any]]) -> list[Metric]:
+    """Where each starting instance is, from the status JSON's instances (their "phase", present
+    while starting or warming: vsup/supervisor/phases.py). Series only for the instances that are
+    starting: a serving instance has none."""
+    labels = ["instance", "model"]
+    phase = GaugeMetricFamily("vsup_instance_start_phase", "1 for the phase a starting instance is in: booting, loading, profiling, compiling, opening, warming", labels=[*labels, "phase"])
+    seconds = GaugeMetricFamily("vsup_instance_start_phase_seconds", "Seconds the starting instance has been in its phase", labels=labels)
+    idle = GaugeMetricFamily("vsup_instance_start_idle_seconds", "Seconds since the start last made progress (a phase, output, CPU time or reads of its tree); health.startup_stall stops it", labels=labels)
+    read = GaugeMetricFamily("vsup_instance_start_read_bytes", "Bytes its tree has read since the load began (while loading; against vsup_instance_start_weights_bytes)", labels=labels)
+    weights = GaugeMetricFamily("vsup_instance_start_weights_bytes", "The model's weight files, what a load reads (while loading, when known)", labels=labels)
+    for entry in instances:
+        p = entry.get("phase")
+        if not isinstance(p, Mapping):
+            continue
+        values = [str(entry.get("name", "")), str(entry.get("model") or "")]
+        phase.add_metric([*values, str(p.get("name"))], 1)
+        seconds.add_metric(values, float(p.get("for") or 0.0))
+        if p.get("judged"):
+            idle.add_metric(values, float(p.get("idle") or 0.0))
+        if p.get("read_bytes") is not None:
+            read.add_metric(values, p["read_bytes"])
+        if p.get("weights_bytes") is not None:
+            weights.add_metric(values, p["weights_bytes"])
+    return [phase, seconds, idle, read, weights]

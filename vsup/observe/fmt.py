@@ -58,3 +58,43 @@ def figures(entry: Mapping[str, Any]) -> dict[str, str]:
 
 
 FIGURE_HEADERS = ("TOK/S", "RUN", "WAIT", "KV", "CPU%", "RSS", "LOCAL")
+
+
+IDLE_SHOWN = 10.0  # a start idle (no progress) this many seconds says so in its phase cell
+
+
+def phase(entry: Mapping[str, Any]) -> str:
+    """Where a starting instance is (the status JSON's "phase"): "loading 31s · 1/2 shards ·
+    2.1G/5.3G read", "compiling 1m12s", "compiling 2m40s · idle 45s"; "-" when it is not starting."""
+    p = entry.get("phase")
+    if not isinstance(p, Mapping):
+        return DASH
+    parts = [f"{p.get('name')} {duration(p.get('for'))}"]
+    shards = p.get("shards")
+    if isinstance(shards, list) and len(shards) == 2:
+        parts.append(f"{shards[0]}/{shards[1]} shards")
+    if p.get("read_bytes") is not None:
+        parts.append(f"{size(p['read_bytes'])}/{size(p['weights_bytes'])} read" if p.get("weights_bytes") else f"{size(p['read_bytes'])} read")
+    idle = p.get("idle")
+    if p.get("judged") and isinstance(idle, (int, float)) and idle >= IDLE_SHOWN:
+        parts.append(f"idle {duration(idle)}")
+    return " · ".join(parts)
+
+
+NOTE_LINE = 100  # characters of a waiting line shown in a note
+
+
+def phase_note(entry: Mapping[str, Any]) -> str | None:
+    """A waiting line of vLLM's during this phase, and what it means: 'vLLM (3×): "No available
+    shared memory broadcast block found in 60 seconds. This…" — normal while compiling: …'. The
+    line is the instance's own text: the caller escapes it (printable, html.escape, rich Text)."""
+    p = entry.get("phase")
+    waiting = p.get("waiting") if isinstance(p, Mapping) else None
+    if not isinstance(waiting, Mapping):
+        return None
+    line = str(waiting.get("line", ""))
+    message = line.split("] ", 1)[1] if "] " in line else line  # after vLLM's "(EngineCore pid=N) INFO ... [file.py:N]"
+    if len(message) > NOTE_LINE:
+        message = message[:NOTE_LINE] + "…"
+    count = waiting.get("count") or 1
+    return f'vLLM{f" ({count}×)" if count > 1 else ""}: "{message}" — {waiting.get("note", "")}'

@@ -26,7 +26,7 @@ MIN_REFRESH = 2  # seconds
 DEFAULT_REFRESH = 5  # when metrics collection is off
 
 MODEL_COLUMNS = ("Model", "Ready", "Not ready", "Instances", "In flight", "Tok/s")
-INSTANCE_COLUMNS = ("#", "State", "PID", "Port", "CPUs", "Nodes", "Uptime", "Restarts", "In flight", "Placement",
+INSTANCE_COLUMNS = ("#", "State", "Phase", "PID", "Port", "CPUs", "Nodes", "Uptime", "Restarts", "In flight", "Placement",
                     "Tok/s", "Running", "Waiting", "KV cache", "CPU %", "RSS", "PSS", "Node-local mem", "Last exit")
 
 
@@ -51,7 +51,8 @@ def instance_row(e: Mapping[str, Any], model: bool = False) -> str:
     placement = {None: "-", True: "ok", False: "DRIFT"}[e.get("placement_ok")]
     backoff = f" ({e['next_start_in']:.0f}s)" if e.get("state") == "backoff" and e.get("next_start_in") is not None else ""
     cells = [
-        _cell(e.get("index")), *([_cell(e.get("model") or "-")] if model else []), _state(str(e.get("state")), backoff), _cell(e.get("pid") or "-", "num"),
+        _cell(e.get("index")), *([_cell(e.get("model") or "-")] if model else []), _state(str(e.get("state")), backoff), _phase(e),
+        _cell(e.get("pid") or "-", "num"),
         _cell(e.get("port"), "num"), _cell(format_list(e.get("cpus", ())) or "-"), _cell(format_list(e.get("nodes", ())) or "-"),
         _cell(duration(e.get("uptime")), "num"), _cell(e.get("restarts", 0), "num"), _cell(e.get("in_flight", 0), "num"),
         f'<td><span class="state {placement}">{placement}</span></td>' if placement == "DRIFT" else _cell(placement),
@@ -60,6 +61,15 @@ def instance_row(e: Mapping[str, Any], model: bool = False) -> str:
         _cell(_local(m), "num"), _cell(e.get("last_exit") or "-", "wrap"),
     ]
     return "<tr>" + "".join(cells) + "</tr>"
+
+
+def _phase(e: Mapping[str, Any]) -> str:
+    """Where a start is; under it, a waiting line of vLLM's and what it means in this phase."""
+    cell = html.escape(printable(fmt.phase(e)))
+    note = fmt.phase_note(e)
+    if note:
+        cell += f'<br><span class="note">{html.escape(printable(note))}</span>'
+    return f'<td class="wrap">{cell}</td>'
 
 
 def _local(m: Mapping[str, Any]) -> str:

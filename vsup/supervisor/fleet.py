@@ -145,7 +145,7 @@ class Fleet:
         )
         instance = Instance(plan.index, argv, env, port=port, url=url, config=config, log=log, ops=owner.ops,
                             on_transition=owner.on_transition, name=name, in_flight=lambda: owner.in_flight(name),
-                            model=plan.model)
+                            model=plan.model, weights_bytes=plan.weights_bytes)
         self.logs[instance] = log
         self.plans[name] = plan
         self.placement[name] = None
@@ -189,6 +189,7 @@ class Fleet:
 
     def adopt(self, inst: Instance, plan: InstancePlan) -> None:
         self.plans[inst.name] = plan
+        inst.weights_bytes = plan.weights_bytes
 
     def swap(self, index: int, inst: Instance | None) -> None:
         if inst is None:

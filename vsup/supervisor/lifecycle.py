@@ -19,8 +19,14 @@ orphaned EngineCore/Worker and their /dev/shm files), then leaves by one of four
 by why the instance stopped: `cleaned_up` (a failure: wait out the backoff), `crash_loop` (too
 many failures: `failed`), `unrunnable` (an exit every restart would repeat, SIGILL: `failed` at
 once), `restart` (asked for: start again at once), `halted` (asked to stop).
-A failure is any exit (code 0 too: vLLM exits 0 when its EngineCore dies), a startup timeout,
-a failed warm-up, or `health.failures` failed /health polls in a row. Only `ready` is in the
+A failure is any exit (code 0 too: vLLM exits 0 when its EngineCore dies), a stalled start, a
+start past the startup timeout, a failed warm-up, or `health.failures` failed /health polls in a row.
+
+`starting` is judged by its progress (vsup/supervisor/phases.py): every `PROGRESS_POLL` seconds
+the instance's phase (from its output) and its tree's CPU time and bytes read are read through
+`Operations.progress`; a start that shows none of them move for `health.startup_stall` seconds is
+stopped as `stalled in <phase> for N s`, one that keeps moving runs up to `health.startup_timeout`,
+the ceiling. `watch` (a `StartWatch`) is what `vsup status` shows of a start. Only `ready` is in the
 proxy's rotation; ready requires a live process, /health 200 and a warm-up that answered.
 
 `Instance` drives one instance through the table from a single asyncio task (`run`). Requests
@@ -47,6 +53,7 @@ from vsup.config.schema import VsupConfig
 from vsup.errors import VsupError
 from vsup.supervisor import oomkill
 from vsup.supervisor.backoff import RestartPolicy
+from vsup.supervisor.phases import Phase, StartWatch
 from vsup.supervisor.states import (
     AFTER_STOP,
     ASKED_FOR,
@@ -105,6 +112,8 @@ class Wake(Enum):
 
 # While starting, /health is polled this often (but never more often than health.interval).
 STARTUP_POLL = 0.5
+# While starting, its progress (phase, the tree's CPU time and bytes read) is read this often.
+PROGRESS_POLL = 2.0
 # While draining, the proxy's in-flight count is read this often.
 DRAIN_POLL = 0.1
 HISTORY = 50  # transitions kept per instance for `vsup status`
@@ -130,8 +139,10 @@ class Instance:
         name: str | None = None,
         in_flight: Callable[[], int] | None = None,
         model: str = "",
+        weights_bytes: int | None = None,
     ) -> None:
         self.index = index
+        self.weights_bytes = weights_bytes  # its model's weight files (the plan's): a load's progress is measured against it
         self.model = model  # the served name of the model it runs (fleet.plans[name].model)
         self.name = name if name is not None else str(index)
         self.argv = argv
@@ -155,6 +166,7 @@ class Instance:
         self.unrunnable = False  # the current run ended by an exit every restart would repeat (UNRUNNABLE_EXITS)
         self.child: Process | None = None
         self.started_at: float | None = None  # when the current process was started
+        self.watch: StartWatch | None = None  # the current run's start: its phase, when it last moved
         self.starts = 0  # how many times the process was started
         self.halts = 0  # how many halts were carried out (stop() waits for the next)
         self.failures = 0  # how many runs ended in a failure (a reload waits for ready or the next)
@@ -397,6 +409,7 @@ class Instance:
         deadline = started + health.startup_timeout
         if self.launch is not None:
             (self.argv, self.env), self.launch = self.launch, None
+        self.watch = StartWatch(started, self.weights_bytes)
         try:
             await self.ops.clear_address(self.url)
             self.child = await self.ops.spawn(self.argv, self.env, self.log)
@@ -408,13 +421,32 @@ class Instance:
         self._exit = asyncio.ensure_future(self.child.wait())
         poll = min(STARTUP_POLL, health.interval)
         last = "no answer yet"
+        reading_due = self.ops.now()
         while True:
-            remaining = deadline - self.ops.now()
-            if remaining <= 0:
+            if self.ops.now() >= reading_due:
+                wake, result = await self._race(self.ops.progress(self.child), None)
+                if self._interrupted(wake, result):
+                    return
+                if wake is Wake.DONE:
+                    self.watch.update(self.ops.now(), result)
+                reading_due = self.ops.now() + PROGRESS_POLL
+            now = self.ops.now()
+            watch = self.watch
+            if now >= deadline:
                 self._fail(Event.STARTUP_TIMEOUT,
-                           f"not healthy after the startup timeout of {health.startup_timeout:g}s (last /health: {last})")
+                           f"not healthy after the startup timeout of {health.startup_timeout:g}s (health.startup_timeout; "
+                           f"in {watch.phase.value} for {now - watch.phase_since:.0f} s, last progress {watch.idle(now):.0f} s ago; "
+                           f"last /health: {last})")
                 return
-            wake, result = await self._race(self.ops.probe(self.url, health.timeout), remaining)
+            if watch.judged and watch.idle(now) >= health.startup_stall:
+                self._fail(Event.STALLED,
+                           f"stalled in {watch.phase.value} for {watch.idle(now):.0f} s: no new phase, output, CPU time or "
+                           f"reads in its process tree (health.startup_stall {health.startup_stall:g}s; last /health: {last})")
+                return
+            remaining = deadline - now
+            if watch.judged:
+                remaining = min(remaining, watch.moved_at + health.startup_stall - now)
+            wake, result = await self._race(self.ops.probe(self.url, health.timeout), max(0.0, remaining))
             if self._interrupted(wake, result):
                 return
             if wake is Wake.DONE:
@@ -425,15 +457,26 @@ class Instance:
                         logger.error("instance %s: %s", self.name, impostor)
                         self._fail(Event.IMPOSTOR, impostor)
                         return
-                    self._fire(Event.HEALTHY, f"pid {self.child.pid} alive and /health 200 after {self.ops.now() - started:.1f}s")
+                    # one last reading: what the output reached since the previous one (the phases named below)
+                    wake, result = await self._race(self.ops.progress(self.child), None)
+                    if self._interrupted(wake, result):
+                        return
+                    now = self.ops.now()
+                    if wake is Wake.DONE:
+                        self.watch.update(now, result)
+                    self._fire(Event.HEALTHY, f"pid {self.child.pid} alive and /health 200 after {now - started:.1f}s "
+                                              f"({self.watch.summary(now)})")
                     return
-            wake, result = await self._race(self.ops.sleep(min(poll, max(0.0, deadline - self.ops.now()))), None)
+            pause = min(poll, max(0.0, deadline - self.ops.now()), max(0.0, reading_due - self.ops.now()))
+            wake, result = await self._race(self.ops.sleep(pause), None)
             if self._interrupted(wake, result):
                 return
 
     async def _warming(self) -> None:
         """One short completion before the instance joins the rotation (health.warmup)."""
         warmup = self.config.health.warmup
+        if self.watch is not None:
+            self.watch.enter(Phase.WARMING, self.ops.now())
         if not warmup.enabled:
             self._fire(Event.WARMED, "warm-up off (health.warmup.enabled: false)")
             return

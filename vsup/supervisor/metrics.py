@@ -1,6 +1,7 @@
 """The metrics collector's life inside `vsup run`: started with the proxy when `metrics.interval`
 is above 0, given a new interval or timeout by a reload, started or stopped by a reload that turns
-it on or off; and what it looks at each round (`targets`). The collecting itself is
+it on or off; and what it looks at each round (`targets`). The starting instances' phases are
+read when /metrics is (`starting`: vsup_instance_start_*, whatever the interval). The collecting itself is
 vsup/observe/collector.py; the proxy appends its cached text to /metrics and serves /status.
 """
 
@@ -12,6 +13,7 @@ from typing import Any
 
 from vsup.config.schema import VsupConfig
 from vsup.observe.collector import Collector, Target
+from vsup.observe.families import start_families
 from vsup.observe.page import status_page
 from vsup.proxy import ProxyServer
 from vsup.proxy.address import Sessions
@@ -40,9 +42,18 @@ class Metrics:
         self._session: Sessions | None = None
 
     def start(self, config: VsupConfig, proxy: ProxyServer, session: Sessions) -> None:
-        """At `vsup run`: the /status page, and the collection when the interval is above 0."""
+        """At `vsup run`: the /status page, the start phases in /metrics, and the collection when
+        the interval is above 0."""
         self._proxy, self._session = proxy, session
+        proxy.metrics.families.append(lambda: start_families(self.starting()))
         self.apply(config)
+
+    def starting(self) -> list[dict[str, Any]]:
+        """Each starting or warming instance's name, model and phase (read at scrape time)."""
+        fleet = self.fleet
+        return [{"name": inst.name, "model": model_of(fleet, inst), "phase": inst.watch.to_json(inst.ops.now())}
+                for inst in [*fleet.instances, *fleet.outside()]
+                if inst.watch is not None and inst.state in (State.STARTING, State.WARMING)]
 
     def apply(self, config: VsupConfig) -> None:
         """`metrics:` as in `config`: a new interval, timeout or series cap applies from the next round; 0 stops

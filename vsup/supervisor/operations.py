@@ -6,9 +6,11 @@ object and of trio's `deliver_cancel` parameter. `SystemOperations` is the real 
 a /health GET, the monotonic clock); the unit tests pass fakes on a virtual clock, so every
 transition and race runs in-process in milliseconds.
 
-Nine operations, and no more: the five the lifecycle started with (spawn, stop_tree, probe, now,
-sleep), the two measurements a feature could not be built without — `warm_up` (the warm-up
-request of `warming`) and `tree_rss` (the memory watchdog's reading) — and the two that keep
+Ten operations, and no more: the five the lifecycle started with (spawn, stop_tree, probe, now,
+sleep), the three measurements a feature could not be built without — `warm_up` (the warm-up
+request of `warming`), `tree_rss` (the memory watchdog's reading) and `progress` (a starting
+instance's phase from its output, and its tree's CPU time and bytes read: a start is judged by
+its progress, vsup/supervisor/phases.py) — and the two that keep
 another user from answering for an instance: `clear_address` before each start and `owns_address`
 before it counts as healthy (vsup/supervisor/listener.py). Draining needs none (the
 proxy's in-flight count is handed to the instance), reload and rolling restart none (they are
@@ -25,7 +27,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from vsup.proxy.address import Sessions, host_port, socket_path
 from vsup.proxy.health import HealthResult, probe_health
 from vsup.supervisor import listener, proctree
-from vsup.supervisor.processes import Child, StopReport, spawn, stop_tree, tree_rss
+from vsup.supervisor.phases import Progress
+from vsup.supervisor.processes import Child, StopReport, spawn, stop_tree, tree_rss, tree_work
 from vsup.supervisor.warmup import WarmupKind, warm_up
 
 if TYPE_CHECKING:
@@ -83,6 +86,11 @@ class Operations(Protocol):
         """Resident memory of the process's whole tree (API server, EngineCore, Worker) in bytes;
         None when it cannot be read (the tree is gone)."""
 
+    async def progress(self, process: Process) -> Progress:
+        """A starting instance now: what its output has said (phase, lines, the load's shards) and
+        the CPU time and bytes read of its whole tree so far (sums that never go down; None where
+        /proc cannot tell)."""
+
 
 class SystemOperations:
     """The real world: child processes, /health over HTTP or the instance's Unix socket, /proc,
@@ -136,3 +144,12 @@ class SystemOperations:
         found, rss = await asyncio.to_thread(tree_rss, process.pid, process.token, dict(process.seen))
         process.seen.update(found)  # a later stop_tree knows these members too
         return rss if found else None
+
+    async def progress(self, process: Process) -> Progress:
+        assert isinstance(process, Child), process
+        # reading /proc for every process on the machine takes a while: not on the proxy's loop
+        found, readings = await asyncio.to_thread(tree_work, process.pid, process.token, dict(process.seen))
+        process.seen.update(found)
+        work = process.work
+        work.add(readings)
+        return Progress(process.output.snapshot(), work.cpu_seconds if readings else None, work.rchar, work.read_bytes)

@@ -20,7 +20,8 @@ child, not the process: spawn runs on the main thread (the event loop's), which 
 vsup, and refuses to run on another.
 
 `stop_tree`: SIGTERM to the group (and to members that left it), `timeout` seconds of grace for
-all of them, SIGKILL for what is left (again for anything forked meanwhile), reap the orphans
+all of them (`ORPHAN_GRACE` when the leader is already dead: nothing of the tree can drain any
+more), SIGKILL for what is left (again for anything forked meanwhile), reap the orphans
 handed to us, then remove the /dev/shm files the tree had mapped or open and Intel OpenMP's files
 named after its pids (shm.py). It works as well when
 the leader is already dead. See docs/processes.md.
@@ -43,6 +44,7 @@ from pathlib import Path
 from vsup.errors import VsupError
 from vsup.supervisor import oomkill, proctree, shm
 from vsup.supervisor.logs import InstanceLog, LineSplitter
+from vsup.supervisor.phases import OutputReader
 from vsup.supervisor.proctree import become_subreaper  # noqa: F401 (re-exported)
 from vsup.supervisor.shm import sweep_stale_shm  # noqa: F401 (re-exported)
 from vsup.topology.fsroot import FsRoot
@@ -50,6 +52,10 @@ from vsup.topology.fsroot import FsRoot
 logger = logging.getLogger("vsup.processes")
 
 KILL_WAIT = 5.0  # seconds to wait for SIGKILLed processes to disappear (D state can delay it)
+# SIGTERM's grace for the rest of a tree whose leader (the API server) is already dead: nothing of
+# it serves or drains any more (vLLM's EngineCore and Worker lose their only client with it), so
+# waiting stop.timeout for them only keeps their memory and cores from the next start.
+ORPHAN_GRACE = 1.0
 OUTPUT_WAIT = 2.0  # seconds to wait for the last output after the tree is gone
 _STREAMS = {1: "stdout", 2: "stderr"}
 
@@ -66,6 +72,8 @@ class _OutputProtocol(asyncio.SubprocessProtocol):
         self._splitters = {fd: LineSplitter() for fd in _STREAMS}
         self._open = set(_STREAMS)
         self._log_failed = False
+        self.reader = OutputReader()  # where a start is, from the same lines (phases.py)
+        self._reader_failed = False
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -88,6 +96,12 @@ class _OutputProtocol(asyncio.SubprocessProtocol):
         if not lines:
             return
         try:
+            self.reader.feed(lines)
+        except Exception:  # a parser bug must not stop the draining either
+            if not self._reader_failed:
+                self._reader_failed = True
+                logger.exception("[%s] reading the start phase from the output failed; the phase stays as it was", self.log.name)
+        try:
             self.log.lines(_STREAMS[fd], lines)
         except Exception:  # a broken log must never stop the draining (the child would block)
             if not self._log_failed:
@@ -96,6 +110,41 @@ class _OutputProtocol(asyncio.SubprocessProtocol):
 
 
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+
+
+class TreeWork:
+    """CPU time and bytes read by a tree so far, from readings of its processes (`tree_work`): each
+    process adds its growth since its previous reading (one first seen adds all it did: the tree
+    started it), so the sums only grow, whatever processes come and go."""
+
+    def __init__(self) -> None:
+        self.cpu_seconds = 0.0
+        self.rchar: int | None = None  # None until a process's /proc/<pid>/io could be read
+        self.read_bytes: int | None = None
+        self._last: dict[tuple[int, int], proctree.Counters] = {}
+
+    def add(self, readings: dict[tuple[int, int], proctree.Counters]) -> None:
+        """`readings`: (pid, start time) -> that process's counters now."""
+        for key, now in readings.items():
+            before = self._last.get(key, proctree.Counters(0.0, 0, 0))
+            self.cpu_seconds += max(0.0, now.cpu_seconds - before.cpu_seconds)
+            if now.rchar is not None:
+                self.rchar = (self.rchar or 0) + max(0, now.rchar - (before.rchar or 0))
+            if now.read_bytes is not None:
+                self.read_bytes = (self.read_bytes or 0) + max(0, now.read_bytes - (before.read_bytes or 0))
+        self._last = dict(readings)  # the gone ones keep what they added
+
+
+def tree_work(leader: int, token: str, known: dict[int, int]) -> tuple[dict[int, int], dict[tuple[int, int], proctree.Counters]]:
+    """(pid -> start time of the tree's live processes, (pid, start time) -> their counters).
+    Touches nothing but /proc, so it may run in a thread."""
+    tree = proctree.find_tree(leader, token=token or None, known=known)
+    readings = {}
+    for pid, st in tree.items():
+        counters = proctree.read_counters(pid)
+        if counters is not None:
+            readings[(pid, st.start)] = counters
+    return {pid: st.start for pid, st in tree.items()}, readings
 
 
 @dataclass
@@ -109,7 +158,13 @@ class Child:
     seen: dict[int, int] = field(default_factory=dict)  # pid -> start time of tree members seen so far
     shm_seen: set[str] = field(default_factory=set)  # /dev/shm files the tree was seen using
     oom_before: oomkill.OomCounts | None = None  # the OOM-kill counters when it started
+    work: TreeWork = field(default_factory=TreeWork)  # CPU time and bytes read by its tree so far
     _protocol: _OutputProtocol = field(repr=False, kw_only=True)  # only spawn() makes a Child
+
+    @property
+    def output(self) -> OutputReader:
+        """What its output has said (the start phase, phases.py)."""
+        return self._protocol.reader
 
     def sigkill_cause(self) -> str:
         """After the leader died of SIGKILL: the kernel's OOM killer, or someone else (oomkill.py)."""
@@ -295,11 +350,14 @@ class StopReport:
 
 
 async def stop_tree(child: Child, timeout: float, *, shm_dir: str | Path = shm.SHM_DIR) -> StopReport:
-    """Stop the instance's whole tree; safe when the leader has already exited."""
+    """Stop the instance's whole tree; safe when the leader has already exited (what is left of the
+    tree then gets ORPHAN_GRACE of `timeout`: it is gone within about a second and a half)."""
     began = time.monotonic()
     leader = child.pid
     escaped: set[int] = set()
     shm_files = set(child.shm_seen)
+    if child.returncode is not None:
+        timeout = min(timeout, ORPHAN_GRACE)
 
     def note(found: dict[int, proctree.ProcStat]) -> None:
         # before they are signalled: /dev/shm names carry no pid

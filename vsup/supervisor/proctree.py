@@ -70,6 +70,39 @@ def read_stat(pid: int) -> ProcStat | None:
         return None
 
 
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True)
+class Counters:
+    """What one process has done so far: CPU time, and bytes read (None where /proc/<pid>/io cannot
+    be read)."""
+
+    cpu_seconds: float  # user + system
+    rchar: int | None  # read() and friends, from the page cache too
+    read_bytes: int | None  # fetched from storage (mmap faults too)
+
+
+def read_counters(pid: int) -> Counters | None:
+    """None when the process does not exist (any more)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            rest = f.read().decode("utf-8", "replace").rpartition(")")[2].split()
+        cpu = (int(rest[11]) + int(rest[12])) / CLK_TCK  # utime, stime: fields 14 and 15
+    except (OSError, IndexError, ValueError):
+        return None
+    io: dict[str, int] = {}
+    try:
+        with open(f"/proc/{pid}/io", "rb") as f:
+            for line in f.read().decode("ascii", "replace").splitlines():
+                key, _, value = line.partition(":")
+                if value.strip().isdigit():
+                    io[key] = int(value)
+    except OSError:
+        pass  # another user's process, or a kernel without task I/O accounting
+    return Counters(cpu, io.get("rchar"), io.get("read_bytes"))
+
+
 def all_pids() -> list[int]:
     """The pid of every process on the machine (zombies included)."""
     return [int(name) for name in os.listdir("/proc") if name.isdigit()]

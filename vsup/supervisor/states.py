@@ -16,7 +16,7 @@ from enum import IntEnum, StrEnum
 
 class State(StrEnum):
     STOPPED = "stopped"  # not running and not meant to (before the first start, after a stop)
-    STARTING = "starting"  # process started, waiting for /health 200 (the model is loading)
+    STARTING = "starting"  # process started, waiting for /health 200 (the model is loading: phases.py)
     WARMING = "warming"  # /health answered; the warm-up request runs (not in the rotation yet)
     READY = "ready"  # alive, healthy and warmed up: in the proxy's rotation
     UNHEALTHY = "unhealthy"  # was ready, /health failed too often: about to be restarted
@@ -33,7 +33,8 @@ class Event(StrEnum):
     WARMUP_FAILED = "warmup_failed"  # the warm-up request failed or timed out: a failed start
     DRAIN = "drain"  # leave the rotation and let the requests in flight finish (recycle, retire)
     DRAINED = "drained"  # nothing in flight any more, or the drain timeout passed
-    STARTUP_TIMEOUT = "startup_timeout"  # not healthy within health.startup_timeout
+    STARTUP_TIMEOUT = "startup_timeout"  # not healthy within health.startup_timeout (the ceiling, progress or not)
+    STALLED = "stalled"  # starting, and no progress for health.startup_stall (phases.py: phase, output, CPU, I/O)
     IMPOSTOR = "impostor"  # /health answered, but what listens at its address is not its own process tree
     UNHEALTHY = "unhealthy"  # health.failures failed polls in a row
     EXITED = "exited"  # the process ended by itself (any exit status)
@@ -51,6 +52,7 @@ TRANSITIONS: dict[tuple[State, Event], State] = {
     (S.STOPPED, E.START): S.STARTING,
     (S.STARTING, E.HEALTHY): S.WARMING,
     (S.STARTING, E.STARTUP_TIMEOUT): S.STOPPING,
+    (S.STARTING, E.STALLED): S.STOPPING,
     (S.STARTING, E.IMPOSTOR): S.STOPPING,
     (S.STARTING, E.EXITED): S.STOPPING,
     (S.STARTING, E.STOP): S.STOPPING,

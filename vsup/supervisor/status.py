@@ -69,6 +69,9 @@ def instance_status(sup: Supervisor, inst: Instance) -> dict[str, Any]:
         "nodes": list(plan.nodes),
         "uptime": round(now - inst.started_at, 3) if inst.pid is not None and inst.started_at is not None else None,
         "in_state_for": round(now - inst.since, 3),
+        # starting or warming: where the start is and since when, the load's progress, when it last
+        # moved, a waiting line of vLLM's explained (phases.StartWatch); None otherwise
+        "phase": inst.watch.to_json(now) if inst.watch is not None and inst.state in (State.STARTING, State.WARMING) else None,
         "restarts": inst.restarts,
         "last_exit": inst.last_exit,
         "placement_ok": None if drift is None else not drift,
@@ -103,7 +106,7 @@ def model_order(config: VsupConfig) -> list[str]:
 
 def status_line(sup: Supervisor) -> str:
     """systemd's STATUS=: how many are ready (per model when there are several), what is starting
-    or failed, a rollout's progress."""
+    (and its phase) or failed, a rollout's progress."""
     instances = sup.instances
     in_flight = sup.proxy.total_in_flight() if sup.proxy is not None else 0
     models = by_model.summarize(({"model": model_of(sup.fleet, inst), "index": inst.index, "state": inst.state.value}
@@ -113,9 +116,10 @@ def status_line(sup: Supervisor) -> str:
     else:
         text = f"{ready_count(instances)}/{len(instances)} instances ready, {in_flight} in flight"
     failed = [inst.name for inst in instances if inst.state is State.FAILED]
-    loading = [inst.name for inst in instances if inst.state in (State.STARTING, State.WARMING)]
-    if loading:
-        text += f"; starting: {','.join(loading)}"
+    loading = [f"{inst.name} ({inst.watch.phase.value})" if inst.watch is not None else inst.name
+               for inst in instances if inst.state in (State.STARTING, State.WARMING)]
+    if loading:  # "starting: 0 (compiling), 1 (loading)": systemctl status shows where the starts are
+        text += f"; starting: {', '.join(loading)}"
     if failed:
         text += f"; failed: {','.join(failed)}"
     record = sup.changes.record

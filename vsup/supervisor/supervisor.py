@@ -8,8 +8,9 @@ The `Supervisor` owns the pieces and the wiring between them:
   the state machine of states.py): every transition reaches `on_transition`, which updates the
   proxy's `BackendPool` at once (ready <=> in rotation), checks placement when an instance becomes
   ready, and updates sd_notify;
-- instances start one after another (`start.mode: staggered`: the next when the previous is ready
-  or its first start failed) or all at once (`parallel`);
+- instances start all at once (`start.mode: parallel`) or one after another (`staggered`: the next
+  when the previous is ready or its first start failed); `auto` picks parallel when the plan's
+  memory holds their load peaks together (vsup/topology/startmode.py) and says why in the log;
 - a tick loop sends WATCHDOG=1 (so a stuck loop stops pinging), keeps STATUS= current (status.py)
   and extends systemd's start timeout while models load;
 - SIGTERM/SIGINT: STOPPING=1, the proxy drains, the instances stop in parallel (stop_tree with
@@ -61,6 +62,7 @@ from vsup.supervisor.states import Intent, State, Transition
 from vsup.systemd.notify import Notifier
 from vsup.topology.cpulist import format_list
 from vsup.topology.plan_model import Plan
+from vsup.topology.startmode import choose_start
 
 logger = logging.getLogger("vsup.supervisor")
 
@@ -223,7 +225,9 @@ class Supervisor:
             return None
 
     async def _start_all(self) -> None:
-        if self.config.start.mode == "parallel":
+        choice = choose_start(self.plan, self.config.start.mode)
+        logger.info("start: %s", choice.describe())
+        if choice.mode == "parallel":
             for inst in self.instances:
                 inst.start()
             return

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from importlib import resources
 
-from vsup.config.schema import VsupConfig
+from vsup.config.schema import HealthConfig, VsupConfig
 from vsup.errors import VsupError
 
 DEFAULT_VSUP = "/usr/local/bin/vsup"
@@ -35,7 +35,7 @@ class UnitSettings:
     vsup: str = DEFAULT_VSUP  # absolute path of the vsup command
     config: str = DEFAULT_CONFIG
     user: str = DEFAULT_USER
-    timeout_start_sec: int = 600 + START_MARGIN_SEC
+    timeout_start_sec: int = math.ceil(HealthConfig().startup_timeout) + START_MARGIN_SEC  # the default config's
     timeout_stop_sec: int = 30 + 2 * 30 + STOP_MARGIN_SEC
     watchdog_sec: int = DEFAULT_WATCHDOG_SEC
 

@@ -164,7 +164,7 @@ class Tune:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(configs.render(data, [f"vsup tune candidate {cand.id}: {cand.describe()}"]))
         instances = cand.candidate.instances
-        start_timeout = self.cfg.health.startup_timeout * (instances if self.cfg.start.mode == "staggered" else 1) + 30
+        start_timeout = self.cfg.health.startup_timeout * (instances if self.cfg.start.mode != "parallel" else 1) + 30  # auto may stagger
         began = time.monotonic()
         load_s = 0.0
         levels = []
