@@ -7,8 +7,10 @@ index, as a user would; they take ~1 min together.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+import tomllib
 import zipfile
 from pathlib import Path
 
@@ -17,6 +19,7 @@ import pytest
 from tests.wheel import build_wheel
 
 pytestmark = pytest.mark.timeout(900)
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(argv: list[str], timeout: float = 600, **kwargs) -> subprocess.CompletedProcess:
@@ -75,3 +78,13 @@ def test_vsup_and_supervisord_work_in_one_venv(built, tmp_path):
     run([str(py), "-m", "pip", "uninstall", "-q", "-y", "supervisor"])
     assert "0.1.0" in run([str(vsup), "--version"]).stdout
     run([str(vsup), "doctor", "--help"])
+
+
+def test_no_runtime_dependency_is_capped_or_pinned():
+    """vsup installs into vLLM's venv (README): a cap or an exact pin on a library vLLM shares would one
+    day refuse vLLM's newer release or downgrade vLLM's copy. Floors only."""
+    dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert any(d.startswith("aiohttp") for d in dependencies)
+    for requirement in dependencies:
+        version = requirement.split(";")[0]
+        assert not re.search(r"<|==|~=|!=|===", version), f"{requirement!r} in pyproject.toml caps or pins a version; give a floor (>=) only"

@@ -19,9 +19,10 @@ from vsup.doctor.result import exit_code, render_text, to_json
 @fsroot_option
 @format_option("text", "json")
 def doctor(config_path: str | None, no_bandwidth: bool, fsroot: str, output_format: str) -> None:
-    """Check this machine against what vLLM CPU needs: AVX2, numactl, vLLM's install, the memory
-    plan, kernel NUMA settings, limits, preload libraries, other pinned processes, and the memory
-    bandwidth of each NUMA node (a pinned STREAM-like triad: the limit decode runs against).
+    """Check this machine against what vLLM CPU needs: AVX2, numactl, vLLM's install, broken
+    dependencies (pip check of vsup's and vLLM's environments), the memory plan, kernel NUMA
+    settings, limits, preload libraries, other pinned processes, and the memory bandwidth of each
+    NUMA node (a pinned STREAM-like triad: the limit decode runs against).
 
     \b
     Each line is pass / warn / fail (with the fix) or skip (not applicable here).

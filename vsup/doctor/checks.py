@@ -4,8 +4,9 @@ Each check is a function of the facts it needs (an FsRoot, a probe of vLLM's Pyt
 a limit), so tests run them on fake trees and fake site-packages; `run_doctor` gathers the facts
 of the live machine (or of a dump under --fsroot) and calls them in order. The checks live by
 subject: vsup.doctor.machine (CPU, kernel, limits, affinity, bandwidth), vsup.doctor.vllm_env
-(vLLM's Python environment), vsup.doctor.libs (shared libraries); vsup.doctor.result has the
-statuses and the text/JSON output.
+(vLLM's Python environment), vsup.doctor.dependencies (pip check of vsup's and vLLM's
+environments), vsup.doctor.libs (shared libraries); vsup.doctor.result has the statuses and the
+text/JSON output.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 from vsup.config.fleet import is_fleet, models_of
 from vsup.config.planning import plan_from_config
 from vsup.config.schema import VsupConfig, load_config
+from vsup.doctor.dependencies import check_dependencies
 from vsup.doctor.libs import check_native_libs, check_preload, ldconfig_paths, native_extensions
 from vsup.doctor.machine import (
     check_foreign_affinity,
@@ -153,6 +155,7 @@ def run_doctor(config_path: str | None, fsroot: str = "/", environ: Mapping[str,
         if command is not None:
             results.append(check_vllm(probe, configured))
         results.append(check_torch_extras(probe))
+        results += check_dependencies(probe)   # pip check of vsup's environment and of vLLM's
         cache = ldconfig_paths()
         results.append(check_native_libs(native_extensions(probe), fs, cache, probe.get("prefix")))
         arch = machine.isa.arch if machine is not None else platform.machine()
