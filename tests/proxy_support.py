@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import weakref
 from collections.abc import Iterable
 
 import aiohttp
@@ -48,6 +49,7 @@ async def running_proxy(pool: BackendPool, api_key: str | None = None, **config)
     try:
         yield proxy
     finally:
+        await close_clients(proxy)
         await proxy.drain_and_stop(0)
 
 
@@ -55,8 +57,21 @@ def url(proxy: ProxyServer, path: str = "") -> str:
     return f"http://127.0.0.1:{proxy.port}{path}"
 
 
+# The clients `client()` made for each proxy: `running_proxy` closes them before it stops the proxy
+# (left to the garbage collector, their keep-alive sockets are ResourceWarnings in a later test).
+_CLIENTS: weakref.WeakKeyDictionary[ProxyServer, list[openai.AsyncOpenAI]] = weakref.WeakKeyDictionary()
+
+
 def client(proxy: ProxyServer, key: str = "unused", **kw) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=url(proxy, "/v1"), api_key=key, max_retries=0, **kw)
+    made = openai.AsyncOpenAI(base_url=url(proxy, "/v1"), api_key=key, max_retries=0, **kw)
+    _CLIENTS.setdefault(proxy, []).append(made)
+    return made
+
+
+async def close_clients(proxy: ProxyServer) -> None:
+    """Close every client `client()` made for `proxy` (for a proxy not started by running_proxy)."""
+    for made in _CLIENTS.pop(proxy, []):
+        await made.close()
 
 
 async def served_by(c: openai.AsyncOpenAI, **extra) -> str:

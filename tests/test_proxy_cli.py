@@ -99,7 +99,7 @@ def test_standalone_proxy_health_checks_and_drain(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO), VSUP_API_KEY="")
     proc = subprocess.Popen(
         [*VSUP, "proxy", "--upstream", a.url, "--upstream", b.url + "/", "--port", str(port), "--config", str(config)],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
     replacement = None
     try:
@@ -121,6 +121,7 @@ def test_standalone_proxy_health_checks_and_drain(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
+        proc.stderr.close()
         for fake in (a, b, replacement):
             if fake is not None:
                 fake.cleanup()
@@ -135,7 +136,7 @@ def test_standalone_proxy_answers_503_at_once_when_every_upstream_is_gone(tmp_pa
     env = dict(os.environ, PYTHONPATH=str(REPO), VSUP_API_KEY="")
     proc = subprocess.Popen(
         [*VSUP, "proxy", "--upstream", a.url, "--upstream", b.url, "--port", str(port), "--config", str(config)],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
     revived = None
     try:
@@ -162,7 +163,9 @@ def test_standalone_proxy_answers_503_at_once_when_every_upstream_is_gone(tmp_pa
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(10)
+        stderr = proc.stderr.read()
+        proc.stderr.close()
         for fake in (a, b, revived):
             if fake is not None:
                 fake.cleanup()
-    assert "Traceback" not in proc.stderr.read()
+    assert "Traceback" not in stderr

@@ -15,7 +15,7 @@ import pytest
 
 from tests.fakevllm.cli import LoraModule, UsageError, parse_args
 from tests.fakevllm.fixtures import start_fake
-from tests.proxy_support import LEAN, MESSAGES, client, metric_value, metrics_text, url
+from tests.proxy_support import LEAN, MESSAGES, client, close_clients, metric_value, metrics_text, url
 from vsup.config.schema import ProxyConfig
 from vsup.proxy import ProxyServer, bodyparse, codec
 from vsup.proxy.backends import Backend, BackendPool
@@ -61,6 +61,7 @@ async def fleet_proxy(pool: BackendPool, models=MODELS, api_key: str | None = No
     try:
         yield proxy
     finally:
+        await close_clients(proxy)
         await proxy.drain_and_stop(0)
 
 

@@ -73,7 +73,10 @@ async def test_a_failing_shutdown_step_still_stops_every_instance(tmp_path, monk
     ops = FakeOps(load_time=2.0)
     notifier = ExplodingNotifier() if failing == "notify" else Notifier(None)
     if failing == "drain":
+        stop_proxy = ProxyServer.drain_and_stop
+
         async def broken_drain(self, timeout):
+            await stop_proxy(self, 0)   # its sockets and sessions closed, then the step fails
             raise RuntimeError("the drain broke")
         monkeypatch.setattr(ProxyServer, "drain_and_stop", broken_drain)
     the_plan = plan(make_machine(cores_per_node=4), settings_from_config(config))
