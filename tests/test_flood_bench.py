@@ -138,6 +138,10 @@ def test_the_published_flood_block_shows_the_new_cases_when_its_file_has_them(tm
     pn = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(pn)
     data = json.loads((ROOT / "docs" / "bench" / "flood_bench.json").read_text())
+    for figures in data["figures"].values():  # a file of the older cases alone
+        for case in ("bodies", "chunked_413", "json"):
+            if isinstance(figures, dict):
+                figures.pop(case, None)
     monkeypatch.setattr(pn, "BENCH_DIR", tmp_path)
     (tmp_path / "flood_bench.json").write_text(json.dumps(data))
     assert "JSON" not in pn.flood("docs/bench") and "bars" not in pn.flood("docs/bench")

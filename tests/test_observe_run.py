@@ -256,9 +256,12 @@ def test_status_page_renders_in_headless_chromium(fleet, tmp_path):
     rows = re.findall(r"<tr>(.*?)</tr>", dom.split('id="instances"', 1)[1].split("</table>", 1)[0], re.S)
     cells = [found for row in rows if (found := re.findall(r"<td[^>]*>(.*?)</td>", row, re.S))]  # thead has <th>
     assert [re.sub(r"<[^>]+>", "", c[1]) for c in cells] == ["ready", "ready"], dom[-2000:]
+    table = dom.split('id="instances"', 1)[1].split("</table>", 1)[0]
+    heads = [re.sub(r"<[^>]+>", "", h) for h in re.findall(r"<th>(.*?)</th>", table, re.S)]
+    tok_s, local = heads.index("Tok/s"), heads.index("Node-local mem")
     for c in cells:
-        assert float(c[10]) > 0  # tokens/s
-        assert c[17].startswith("100%")  # node-local memory
+        assert float(c[tok_s]) > 0, (heads, c)
+        assert c[local].startswith("100%")
     assert "Recent transitions" in dom and "healthy" in dom
     shot = tmp_path / "status.png"
     subprocess.run([*flags, "--hide-scrollbars", "--window-size=1500,560", f"--screenshot={shot}", address],
@@ -314,7 +317,8 @@ def test_top_refreshes_in_a_terminal_and_quits_cleanly(fleet, tmux, quit_key):
     if UPDATE_DOCS and quit_key == "q":
         (ROOT / "docs" / "vsup-top.txt").write_text("\n".join(line.rstrip() for line in live.splitlines()).strip("\n") + "\n")
     tmux("send-keys", "-t", "top", quit_key)
-    after = wait_pane(tmux, lambda t: "TOP_EXIT=" in t, "vsup top to exit")
+    # (stty's lines come a moment after the exit code on a loaded machine)
+    after = wait_pane(tmux, lambda t: re.search(r"TOP_EXIT=\d+\s+\S*icanon\s+\S*echo\b", t) is not None, "vsup top to exit")
     assert "TOP_EXIT=0" in after
     assert after.split("TOP_EXIT=0", 1)[1].split() == ["icanon", "echo"]  # not -icanon / -echo: restored
     assert "TOK/S" not in after  # the alternate screen is gone; the shell's screen is back

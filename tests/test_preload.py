@@ -68,7 +68,8 @@ def test_auto_takes_only_what_is_there_and_nothing_without_vllms_environment(tmp
     assert found.libraries == (str(only_iomp / "lib" / "libiomp5.so"),)
     bare = vllm_venv(tmp_path / "b", iomp=False, tcmalloc=False)
     _, env = build_command(instance(), config(bare), ENV)
-    assert "LD_PRELOAD" not in env
+    # nothing of the venv's; the system's tcmalloc where this machine has one (scripts/test installs it)
+    assert all("tcmalloc" in Path(library).name and Path(library).is_file() for library in env.get("LD_PRELOAD", "").split(":") if library)
     # a command that is not a Python with vLLM (a wrapper script, the fake): vLLM's environment is unknown
     _, env = build_command(instance(), config(None, command=f"[{WRAPPER}, serve]"), ENV)
     assert "LD_PRELOAD" not in env
