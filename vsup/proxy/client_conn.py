@@ -55,7 +55,6 @@ LINGER = 1.0
 LINGER_BYTES = 1024 * 1024
 # The client's socket is written to until this much is unsent, then the relay waits (drain).
 LOW_WATER = 64 * 1024
-_HEAD_END = (b"\r\n\r\n", b"\n\n")
 
 
 def _ends_head(data: bytes) -> bool:
@@ -189,7 +188,7 @@ class ClientConnection(asyncio.Protocol):
             cause = exc.__context__
             self._malformed(cause if isinstance(cause, BadRequest) else BadRequest(str(cause or exc)))
         except httptools.HttpParserError as exc:
-            self._malformed(BadRequest(_parser_message(exc)))
+            self._malformed(BadRequest(str(exc) or type(exc).__name__))
 
     def eof_received(self) -> bool | None:
         # The client closed its side: taken as a disconnect (as HTTP servers commonly do; a request
@@ -244,8 +243,8 @@ class ClientConnection(asyncio.Protocol):
         if self.url[:1] != b"/" and not self.url.lower().startswith((b"http://", b"https://")):
             raise BadRequest("the request target must be a path (/v1/...) or an absolute http:// URL")
         version = parser.get_http_version()
-        body = Body(self) if chunked or length else EMPTY_BODY
-        self.body = body if body is not EMPTY_BODY else None
+        self.body = Body(self) if chunked or length else None  # None: nothing to receive
+        body = self.body or EMPTY_BODY
         request = Request(
             method, self.url.decode("utf-8", "surrogateescape"), tuple(self.headers),
             (1, 1) if version == "1.1" else (1, 0), parser.should_keep_alive(), self.address or None,
@@ -388,20 +387,15 @@ class ClientConnection(asyncio.Protocol):
         transport = self.transport
         if transport is None or self.closing:
             return
+        self.resume_reading()  # (read and dropped from now on: a paused socket would make the close a reset)
         self.closing = True
         self.probe = bytearray()  # from now on, data is dropped
-        self.resume_reading_for_linger()
         if transport.can_write_eof():
             transport.write_eof()
             self._cancel_timer()
             self.timer = self.clock.call_later(LINGER, self._linger_over)
         else:
             transport.close()
-
-    def resume_reading_for_linger(self) -> None:
-        if self.reading_paused and self.transport is not None:
-            self.reading_paused = False
-            self.transport.resume_reading()
 
     def _linger_over(self) -> None:
         self.timer = None
@@ -458,11 +452,6 @@ class ClientConnection(asyncio.Protocol):
         if self.task is not None:
             self.task.cancel()
         self._abort()
-
-
-def _parser_message(exc: Exception) -> str:
-    text = str(exc) or type(exc).__name__
-    return text
 
 
 class FrontServer:

@@ -70,6 +70,7 @@ _UNREACHABLE = frozenset({"connect", "gone"})
 WATCHDOG_TICK = 0.1
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 MiB = 1024 * 1024
+TOO_DEEP = "the request body is not valid JSON: it is nested too deeply to parse"
 # What a relayed event stream always carries, whatever the instance said about it: nobody between
 # us and the client may buffer or compress the events.
 SSE_HEADERS = b"X-Accel-Buffering: no\r\nCache-Control: no-cache\r\n"
@@ -83,7 +84,7 @@ def _refused_start(piece: bytes) -> Response | None:
     except NotAnObject as exc:
         return errors.bad_request(str(exc))
     except RecursionError:
-        return errors.bad_request("the request body is not valid JSON: it is nested too deeply to parse")
+        return errors.bad_request(TOO_DEEP)
     return None
 
 
@@ -262,7 +263,7 @@ class Forwarder:
         except (ValueError, UnicodeDecodeError) as exc:
             return errors.bad_request(f"the request body is not valid JSON: {exc}")
         except RecursionError:
-            return errors.bad_request("the request body is not valid JSON: it is nested too deeply to parse")
+            return errors.bad_request(TOO_DEEP)
         if not isinstance(document, dict):
             return errors.bad_request(f"the request body must be a JSON object, got {type(document).__name__}")
         return document
@@ -317,8 +318,8 @@ class Forwarder:
         headers = request_headers(request.raw_headers, self.drop_authorization)
         # The request target exactly as the client sent it (path and query, still percent-encoded);
         # an absolute-form one (`POST http://host/v1/...`, as to a forward proxy) in origin-form.
-        raw_path = request.raw_path
-        target = (raw_path if raw_path[:1] == "/" else codec.origin_form(raw_path)).encode("utf-8", "surrogateescape")
+        target = request.origin.encode("utf-8", "surrogateescape")
+        exchange.size = len(body)  # (stall.py's prefill allowance)
         tried: list[str] = []
         fallback: Answer | None = None  # what to answer if every attempt fails
         reason: str | None = None
@@ -349,7 +350,7 @@ class Forwarder:
             tried.append(backend.name)
             name = backend.name
             self.in_flight[name] = self.in_flight.get(name, 0) + 1
-            exchange.backend, exchange.size = name, len(body)
+            exchange.backend = name
             try:
                 outcome = await self._attempt(request, exchange, backend, target, body, headers, extra)
             finally:

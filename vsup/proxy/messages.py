@@ -19,6 +19,8 @@ from urllib.parse import parse_qsl, unquote
 
 from multidict import CIMultiDict, CIMultiDictProxy, MultiDict, MultiDictProxy
 
+from vsup.proxy.codec import origin_form
+
 if TYPE_CHECKING:
     from vsup.proxy.client_conn import ClientConnection
 
@@ -138,7 +140,7 @@ class Request:
     """A client's request as parsed: `raw_path` is the target as sent (absolute-form too), `path`
     its path percent-decoded, `raw_headers` the header lines as sent (name, value) in bytes."""
 
-    __slots__ = ("method", "raw_path", "path", "query_string", "raw_headers", "version", "keep_alive", "remote",
+    __slots__ = ("method", "raw_path", "origin", "path", "query_string", "raw_headers", "version", "keep_alive", "remote",
                  "content", "content_length", "chunked", "conn", "started", "_headers", "_query")
 
     def __init__(self, method: str, raw_path: str, raw_headers: tuple[tuple[bytes, bytes], ...], version: tuple[int, int],
@@ -146,9 +148,11 @@ class Request:
                  conn: ClientConnection | None = None) -> None:
         self.method = method
         self.raw_path = raw_path
-        origin = raw_path if raw_path[:1] == "/" else _origin_path(raw_path)
+        # the target in origin-form, still percent-encoded (what the instance is sent)
+        self.origin = origin = raw_path if raw_path[:1] == "/" else origin_form(raw_path)
         path, _, self.query_string = origin.partition("?")
-        self.path = unquote(path.partition("#")[0]) if "%" in path else path
+        path = path.partition("#")[0]
+        self.path = unquote(path) if "%" in path else path
         self.raw_headers = raw_headers
         self.version = version
         self.keep_alive = keep_alive
@@ -182,16 +186,6 @@ class Request:
     @property
     def transport(self) -> asyncio.Transport | None:
         return self.conn.transport if self.conn is not None else None
-
-
-def _origin_path(target: str) -> str:
-    """The path and query of an absolute-form target (`http://host:port/path?query`)."""
-    scheme, sep, rest = target.partition("://")
-    if not sep:
-        return target
-    cut = min((i for i in (rest.find("/"), rest.find("?")) if i >= 0), default=len(rest))
-    path = rest[cut:]
-    return path if path.startswith("/") else "/" + path
 
 
 def _no_body(status: int) -> bool:
