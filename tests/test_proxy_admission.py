@@ -261,3 +261,19 @@ async def test_a_body_sent_in_pieces_then_a_long_wait_is_not_cut_by_the_body_tim
         writer.close()
         assert (await first)[0] == 200
         assert answer.startswith(b"HTTP/1.1 200"), answer[:200]  # waited ~1 s, past body_timeout, and served
+
+
+async def test_the_api_key_cannot_lift_itself_above_priority_0_with_the_header(fake):
+    # proxy.api_key is a key of priority 0: the header may lower it, never raise it (as a named key's)
+    front = {"api_key": "k-admin", "api_keys": [ApiKeyConfig(name="web", key="k-web", priority=10)],
+             "priority_header": "X-Priority", "priority_header_values": {"interactive": 10, "batch": -10}}
+    async with proxy_over(fake, **front) as proxy, aiohttp.ClientSession() as session:
+        admin = {"Authorization": "Bearer k-admin"}
+        first = asyncio.create_task(post(session, proxy, chat(20, LONG), admin))
+        await wait_for(lambda: proxy.in_flight().get("c0") == 1, what="the first request in flight")
+        lifted = asyncio.create_task(post(session, proxy, chat(), {**admin, "X-Priority": "interactive"}))
+        lowered = asyncio.create_task(post(session, proxy, chat(), {**admin, "X-Priority": "batch"}))
+        web = asyncio.create_task(post(session, proxy, chat(), {"Authorization": "Bearer k-web", "X-Priority": "interactive"}))
+        await wait_for(lambda: waiting(proxy) == 3, what="three waiting")
+        assert proxy.queues()["chat"]["by_priority"] == {"0": 1, "-10": 1, "10": 1}
+        assert [r[0] for r in await asyncio.gather(first, lifted, lowered, web)] == [200] * 4

@@ -8,6 +8,7 @@ These run once or more per request on the proxy's hot path: per-name decisions a
 from __future__ import annotations
 
 import json
+import urllib.parse
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +32,47 @@ def origin_form(target: str) -> str:
     cut = min((i for i in (rest.find("/"), rest.find("?")) if i >= 0), default=len(rest))
     path = rest[cut:]
     return path if path.startswith("/") else "/" + path
+
+
+# Query characters forwarded as they are: RFC 3986's unreserved ones and the form syntax vLLM's
+# parser reads (& = + and %XX escapes). Any other (`$`, `(`, `'`, `;`, a space, ...) is sent
+# percent-encoded: the instance's access log (uvicorn) writes the query raw, and it means the same
+# to starlette's parse_qsl, which decodes only those escapes. Names of credentials a client may
+# put in a query (never read by vLLM) are dropped: they would land in that log too.
+_QUERY_SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~&=+%")
+_HEX = frozenset(b"0123456789abcdefABCDEF")
+_SECRET_PARAMS = frozenset({"api_key", "api-key"})
+
+
+def _encode_query_part(part: bytes) -> bytes:
+    out = bytearray()
+    n = len(part)
+    for i, byte in enumerate(part):
+        if byte == 0x25 and not (i + 2 < n and part[i + 1] in _HEX and part[i + 2] in _HEX):  # a lone %
+            out += b"%25"
+        elif byte in _QUERY_SAFE:
+            out.append(byte)
+        else:
+            out += b"%%%02X" % byte
+    return bytes(out)
+
+
+def forwarded_target(origin: str) -> str:
+    """The origin-form target sent to an instance: the path as the client sent it, the query without
+    credentials (?api_key=) and with every character outside _QUERY_SAFE percent-encoded."""
+    path, sep, query = origin.partition("?")
+    if not sep:
+        return origin
+    raw = query.encode("utf-8", "surrogateescape")
+    if b"%" not in raw and b"api" not in raw.lower() and _QUERY_SAFE.issuperset(raw):
+        return origin  # (the common case: ?model=x)
+    kept = []
+    for pair in raw.split(b"&"):
+        name = urllib.parse.unquote_plus(pair.partition(b"=")[0].decode("latin-1")).strip().lower()
+        if name not in _SECRET_PARAMS:
+            kept.append(_encode_query_part(pair))
+    rest = b"&".join(kept)
+    return path + "?" + rest.decode("ascii") if rest else path
 
 
 def _connection_tokens(value: bytes) -> frozenset[bytes]:

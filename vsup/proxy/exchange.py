@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import math
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vsup.proxy.ratelimit import Charge
 
 
 class Exchange:
@@ -12,7 +16,7 @@ class Exchange:
     (one timer for all requests, see Forwarder._sweep) cancels the handler when the instance stays
     silent past the limit or the proxy drains; per request and per chunk only timestamps are stored."""
 
-    __slots__ = ("task", "limit", "limit_key", "last", "reason", "phase", "stream", "idle_limit", "first_data_at", "sent_at", "held", "backend", "size")
+    __slots__ = ("task", "limit", "limit_key", "last", "reason", "phase", "stream", "idle_limit", "first_data_at", "sent_at", "held", "backend", "size", "charge")
 
     def __init__(self, task: asyncio.Task, now: float) -> None:
         self.task = task
@@ -28,6 +32,7 @@ class Exchange:
         self.held = 0  # bytes of its body counted against proxy.max_body_buffer
         self.backend: str | None = None  # the instance it is on now (stall.py reads it)
         self.size = 0  # its body's bytes
+        self.charge: Charge | None = None  # its key's token reservation, settled by the answer (ratelimit.py)
 
     def on_data(self, now: float) -> None:
         """A piece of the response body arrived (the relay inlines this per chunk)."""

@@ -33,7 +33,7 @@ import math
 import time
 
 from vsup.config.schema import ProxyConfig
-from vsup.proxy import codec, errors
+from vsup.proxy import codec, errors, usage
 from vsup.proxy.backends import Backend, BackendPool
 from vsup.proxy.bodyparse import INLINE_BYTES, BodyParser, NotAnObject, ParserUnavailable, refuse_non_object
 from vsup.proxy.budget import BodyBudget
@@ -45,6 +45,7 @@ from vsup.proxy.exchange import Exchange
 from vsup.proxy.gate import Gate
 from vsup.proxy.messages import HTTP_11, Answer, BadRequest, RawResponse, Request, Response, StreamAnswer
 from vsup.proxy.metrics import ProxyMetrics, route_label
+from vsup.proxy.ratelimit import Charge
 from vsup.proxy.routing import WAIT, ModelRouter, Route
 from vsup.proxy.stall import PrefillRates, stalled
 from vsup.proxy.upstream import UpstreamClient
@@ -177,6 +178,8 @@ class Forwarder:
             self._watchdog = self.clock.call_at(self.clock.time() + self.tick, self._sweep)
         try:
             response, backend = await self._handle(request, exchange, client)
+            if exchange.charge is not None:
+                self._settle(exchange.charge, response)
         except asyncio.CancelledError:
             if exchange.reason is None:
                 self.metrics.disconnect(exchange.phase)
@@ -212,7 +215,12 @@ class Forwarder:
             passed = await self._gate(request, exchange, gate, route, client, document, len(body))
             if not isinstance(passed, tuple):
                 return passed, None
-            admitted, extra = passed
+            admitted, extra, exchange.charge = passed
+            if exchange.charge is not None and request.path in usage.STREAMS_USAGE and usage.streams(document):
+                asked = usage.stream_request(document, body)  # type: ignore[arg-type]
+                if asked is not None:  # vLLM sends the usage chunk, which settles the charge
+                    body, client_asked = asked
+                    exchange.charge.strip = not client_asked
         prepare = getattr(balancer, "prepare", None)
         if prepare is not None and key is not None:  # kv_aware: the prompt's tokens, from the instance's /tokenize
             key = await prepare(key, route.ready if route is not None else self.pool.ready(), self.in_flight)
@@ -316,9 +324,10 @@ class Forwarder:
         router = self.router
         gate = self.gate
         headers = request_headers(request.raw_headers, self.drop_authorization)
-        # The request target exactly as the client sent it (path and query, still percent-encoded);
-        # an absolute-form one (`POST http://host/v1/...`, as to a forward proxy) in origin-form.
-        target = request.origin.encode("utf-8", "surrogateescape")
+        # The request target as the client sent it (path and query, still percent-encoded); an
+        # absolute-form one (`POST http://host/v1/...`, as to a forward proxy) in origin-form; the
+        # query without ?api_key= and percent-encoded where the instance's access log would show it raw.
+        target = codec.forwarded_target(request.origin).encode("utf-8", "surrogateescape")
         exchange.size = len(body)  # (stall.py's prefill allowance)
         tried: list[str] = []
         fallback: Answer | None = None  # what to answer if every attempt fails
@@ -383,9 +392,10 @@ class Forwarder:
         priority = gate.priority(client, request.headers)
         if isinstance(priority, Response):
             return priority
-        extra = gate.rate(client, request.path, document, size)
-        if isinstance(extra, Response):
-            return extra
+        rated = gate.rate(client, request.path, document, size)
+        if isinstance(rated, Response):
+            return rated
+        extra, charge = rated
         router = self.router
         if route is not None and router is not None:
             queue, ready = route.name, (lambda: router.current(route))
@@ -400,10 +410,14 @@ class Forwarder:
             if exchange.reason is None:
                 raise  # the client went away: it has left the queue
             asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            if charge is not None:
+                charge.settle(None, True, self.clock.time())
             return errors.unavailable("the proxy is shutting down; send the request again", RETRY_AFTER_SECONDS)
         if isinstance(admitted, Response):
+            if charge is not None:
+                charge.settle(None, True, self.clock.time())  # never sent
             return admitted
-        return admitted, extra or None
+        return admitted, extra or None, charge
 
     async def _read_body(self, request: Request, exchange: Exchange, limit: int, counted: bool) -> bytes | Answer:
         """A body that did not come whole with the headers, read as it arrives: at most `limit`
@@ -595,7 +609,14 @@ class Forwarder:
             if sink is None:  # the client left before its headers went out
                 self.metrics.disconnect("streaming")
                 return out
-            await upstream.relay(sink, exchange)
+            charge = exchange.charge
+            if charge is not None and sse:  # the usage chunk settles the charge (and is not the client's unless it asked)
+                counted = usage.UsageSink(sink, charge.strip is True)
+                await upstream.relay(counted, exchange)
+                if counted.usage is not None:
+                    charge.settle(counted.usage, False, self.clock.time())
+            else:
+                await upstream.relay(sink, exchange)
             if exchange.first_data_at is not None:
                 self.metrics.ttfb(True, exchange.first_data_at - exchange.sent_at)
                 self.rates.measured(backend.model, exchange.first_data_at - exchange.sent_at, exchange.size)
@@ -614,6 +635,19 @@ class Forwarder:
         except ConnectionResetError:  # our write to the client failed: it is gone
             self.metrics.disconnect("streaming")
         return out
+
+    def _settle(self, charge: Charge, answer: Answer) -> None:
+        """A key's token reservation, settled by the answer (ratelimit.py's rules): the usage of a
+        JSON answer; nothing generated when the instance refused it (4xx/5xx without usage) or
+        the proxy answered without sending it on (its 503s, 429s, 400s); kept whole when what was
+        generated is unknown (a stream without its usage chunk, an answer cut off: 502, 504)."""
+        now = self.clock.time()
+        if isinstance(answer, RawResponse):
+            used = usage.of_body(answer.body)
+            charge.settle(used, used is None and answer.status >= 400, now)
+        elif isinstance(answer, Response):
+            charge.settle(None, answer.status not in (502, 504), now)
+        # a StreamAnswer settled itself if its usage chunk came; else the reservation stays charged
 
     def _abort_message(self, exchange: Exchange, backend: Backend) -> str:
         if exchange.reason == "stalled":

@@ -5,8 +5,9 @@ forwarder has no gate and its path is as it was.
 
 A request's priority: its named key's (proxy.api_keys[].priority; 0 for proxy.api_key or no
 key), or the value of proxy.priority_header, which must be one of priority_header_values (else
-400) and may not lift a named key above its own priority (it is lowered to it): a client picks
-among the priorities it was given, never a higher one.
+400) and may not lift a key above its own priority (it is lowered to it): a client picks among
+the priorities it was given, never a higher one. proxy.api_key is a key of priority 0 like any
+other; only a proxy without any key (no auth: every client is alike) takes the header's value.
 
 Answers in OpenAI's error shape: 429 rate_limit_exceeded (a key over its limit: Retry-After is
 the time until its buckets have room, with OpenAI's x-ratelimit-* headers), 429 queue_full (the
@@ -27,7 +28,7 @@ from vsup.proxy import errors
 from vsup.proxy.admission import EXPIRED, FULL, SHED, Admission, Limit
 from vsup.proxy.backends import Backend
 from vsup.proxy.messages import Response
-from vsup.proxy.ratelimit import KeyLimits, estimate_tokens
+from vsup.proxy.ratelimit import Charge, KeyLimits, estimate_tokens, prompt_estimate
 
 # Seconds a request waited for a slot.
 WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -102,6 +103,7 @@ class Gate:
         self.admission = Admission(in_flight, self._backend_limit)
         self.keys: dict[str, _Key] = {}
         self.header: str | None = None
+        self.authenticated = False  # some key is set (server.py): the header may then only lower a priority
         self.values: dict[str, int] = {}
         self.limits: dict[str, Limit | None] = {}  # model -> its Limit
         self.default: Limit | None = None  # a model without settings of its own; a standalone proxy's upstreams
@@ -155,19 +157,23 @@ class Gate:
             allowed = ", ".join(repr(v) for v in self.values)
             return errors.bad_request(f"the header {self.header} may be one of {allowed}, not {value[:40]!r} "
                                       "(proxy.priority_header_values)", self.header)
-        return min(asked, own) if key is not None else asked
+        return min(asked, own) if key is not None or self.authenticated else asked
 
-    def rate(self, client: str, path: str, document: Mapping[str, Any] | None, size: int) -> list[tuple[bytes, bytes]] | Response:
-        """The x-ratelimit-* headers for the answer, or the 429 of a key over its limit."""
+    def rate(self, client: str, path: str, document: Mapping[str, Any] | None,
+             size: int) -> tuple[list[tuple[bytes, bytes]], Charge | None] | Response:
+        """The x-ratelimit-* headers for the answer and the charge its answer settles (None: the
+        key has no token limit), or the 429 of a key over its limit."""
         key = self.keys.get(client)
         if key is None or key.limits is None:
-            return []
+            return [], None
         limits = key.limits
-        tokens = estimate_tokens(path, document, size)
+        # a request without a bound reserves the whole bucket (ratelimit.py)
+        tokens = estimate_tokens(path, document, size, int(limits.tokens.capacity) if limits.tokens is not None else 0)
         wait = limits.take(tokens, self.clock())
         headers = limits.headers()
         if wait == 0.0:
-            return [(name.encode(), value.encode()) for name, value in headers]
+            charge = Charge(limits, tokens, prompt_estimate(size)) if limits.tokens is not None else None
+            return [(name.encode(), value.encode()) for name, value in headers], charge
         kind = "tokens" if limits.tokens is not None and limits.tokens.wait(tokens) > 0 else "requests"
         self.limited[(client, kind)] = self.limited.get((client, kind), 0) + 1
         bucket = limits.tokens if kind == "tokens" else limits.requests
@@ -175,8 +181,9 @@ class Gate:
         per = f"{kind} per minute: limit {bucket.capacity:g}, remaining {max(0, math.floor(bucket.level))}, requested {tokens if kind == 'tokens' else 1}"
         if math.isinf(wait):
             return errors.error_response(
-                429, f"the key {client!r} can never send this request: it is estimated at {tokens} tokens, more than its "
-                f"{per} (proxy.api_keys: tokens_per_minute; the estimate is max_tokens + body bytes / 4)",
+                429, f"the key {client!r} can never send this request: it may use {tokens} tokens, more than its "
+                f"{per} (proxy.api_keys: tokens_per_minute; a request is charged max_tokens or max_completion_tokens "
+                "times n, plus body bytes / 4, until its answer's usage settles it)",
                 kind, "rate_limit_exceeded", headers=dict(headers))
         retry = max(1, math.ceil(wait))
         return errors.error_response(

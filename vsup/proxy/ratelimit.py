@@ -6,10 +6,20 @@ only when both buckets have room, and takes from both; otherwise it takes nothin
 long until they have (Retry-After). The `x-ratelimit-*` headers are OpenAI's: the limit, what
 remains, and the time until the bucket is full again ("1s", "6m0s", "20ms").
 
-What a request costs in tokens is known before it runs only as an estimate: its max_tokens (or
-max_completion_tokens; neither: DEFAULT_COMPLETION, vLLM's default for /v1/completions) on a
-generating route, none on a pooling one, plus its body's bytes / 4 for the prompt (about four
-characters a token for English text, and the JSON around the prompt is small beside a long one).
+What a request costs in tokens is known before it runs only as a bound: the most it may make
+vLLM generate, read as vLLM reads the request (usage.py: max_tokens and max_completion_tokens as
+pydantic coerces them, times n), plus its body's bytes / 4 for the prompt (about four characters a
+token for English text, and the JSON around the prompt is small beside a long one). That much is
+reserved when the request is let through; a request without a bound (a chat without max_tokens:
+vLLM generates up to max_model_len - the prompt, which the proxy does not know for every instance)
+reserves the key's whole bucket, so it waits for a full one and no second one runs beside it.
+
+The answer settles the charge (`Charge.settle`): with the usage vLLM returned, the bucket is
+given back the reservation and charged the prompt and generated tokens instead (more than was
+reserved leaves the bucket below zero: the key waits that off); an answer without usage that
+shows nothing was generated (vLLM's 4xx, no instance reached, the queue refused) gives back all
+but the prompt estimate; a stream or answer cut off (the client left, the instance broke, a
+timeout) keeps the whole reservation: what was generated is unknown.
 
 Pure: times are the caller's clock (a virtual one in the unit tests).
 """
@@ -20,23 +30,20 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-DEFAULT_COMPLETION = 16
+from vsup.proxy import usage
+
 BYTES_PER_TOKEN = 4
-# Routes whose requests generate tokens (the rest pool: embeddings, score, rerank, tokenize).
-GENERATING = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
 
 
-def estimate_tokens(path: str, document: Mapping[str, Any] | None, body_bytes: int) -> int:
-    completion = 0
-    if path in GENERATING:
-        completion = DEFAULT_COMPLETION
-        if document is not None:
-            for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
-                value = document.get(key)
-                if type(value) is int and value >= 0:
-                    completion = value
-                    break
-    return completion + math.ceil(body_bytes / BYTES_PER_TOKEN)
+def prompt_estimate(body_bytes: int) -> int:
+    return math.ceil(body_bytes / BYTES_PER_TOKEN)
+
+
+def estimate_tokens(path: str, document: Mapping[str, Any] | None, body_bytes: int, unbounded: int) -> int:
+    """The tokens to reserve: the request's bound (`unbounded` when it has none) and its prompt estimate."""
+    completion = usage.requested(path, document)
+    prompt = prompt_estimate(body_bytes)
+    return max(unbounded, prompt) if completion is usage.UNBOUNDED else completion + prompt
 
 
 def duration(seconds: float) -> str:
@@ -95,6 +102,13 @@ class KeyLimits:
                 self.tokens.level -= tokens
         return wait
 
+    def give_back(self, tokens: int, now: float) -> None:
+        """Settle a reservation: `tokens` (negative: more) back into the token bucket, never above full."""
+        bucket = self.tokens
+        if bucket is not None:
+            bucket.refill(now)
+            bucket.level = min(bucket.capacity, bucket.level + tokens)
+
     def headers(self) -> list[tuple[str, str]]:
         """OpenAI's x-ratelimit-* headers, as of the last take()."""
         out = []
@@ -104,3 +118,27 @@ class KeyLimits:
                         (f"x-ratelimit-remaining-{kind}", str(max(0, math.floor(bucket.level)))),
                         (f"x-ratelimit-reset-{kind}", duration(bucket.full_in()))]
         return out
+
+
+class Charge:
+    """One request's reservation, settled once by what its answer shows (module docstring)."""
+
+    __slots__ = ("limits", "reserved", "prompt", "settled", "strip")
+
+    def __init__(self, limits: KeyLimits, reserved: int, prompt: int) -> None:
+        self.limits = limits
+        self.reserved = reserved
+        self.prompt = prompt
+        self.settled = False
+        self.strip: bool | None = None  # a stream whose usage chunk the proxy asked for: take it out (usage.py)
+
+    def settle(self, used: int | None, generated_nothing: bool, now: float) -> None:
+        """`used`: the usage's tokens (prompt and generated); else whether the answer shows that
+        nothing was generated (then the prompt estimate stays charged) or not (all stays)."""
+        if self.settled:
+            return
+        self.settled = True
+        if used is not None:
+            self.limits.give_back(self.reserved - used, now)
+        elif generated_nothing:
+            self.limits.give_back(self.reserved - self.prompt, now)

@@ -201,6 +201,8 @@ class ProxyServer:
             forwarder = self._forwarder
             self._gate = forwarder.gate = refit(self._gate, config, models, forwarder.in_flight, forwarder.clock.time,
                                                 self.metrics.families)
+            if self._gate is not None:
+                self._gate.authenticated = self._auth.enabled
 
     def queues(self) -> dict[str, dict]:
         """The admission queues by model (vsup status): waiting by priority, the oldest wait, waits so far."""
