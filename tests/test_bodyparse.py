@@ -76,7 +76,7 @@ def _same(a: object, b: object) -> bool:
 
 def _consumers(document: dict, prefix_chars: int) -> tuple:
     return (routing_key(document, None, prefix_chars), routing_key(document, {"X-Session-ID": "s"}, prefix_chars),
-            estimate_tokens("/v1/chat/completions", document, 1000), document.get("model"), document.get("stream"))
+            estimate_tokens("/v1/chat/completions", document, 1000, 10**6), document.get("model"), document.get("stream"))
 
 
 async def test_normal_bodies_come_back_whole_and_the_consumers_read_the_same():

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from vsup.proxy.ratelimit import KeyLimits, TokenBucket, duration, estimate_tokens
+from vsup.proxy.ratelimit import Charge, KeyLimits, TokenBucket, duration, estimate_tokens
 
 
 def test_bucket_bursts_a_minute_then_refills_at_its_rate():
@@ -46,8 +46,45 @@ def test_headers_as_openai_sends_them():
 
 def test_token_estimate():
     body = 400  # bytes -> 100 tokens
-    assert estimate_tokens("/v1/chat/completions", {"max_tokens": 50}, body) == 150
-    assert estimate_tokens("/v1/chat/completions", {"max_completion_tokens": 20}, body) == 120
-    assert estimate_tokens("/v1/completions", {}, body) == 116  # vLLM's default of 16
-    assert estimate_tokens("/v1/embeddings", {"max_tokens": 50}, body) == 100  # pooling generates nothing
-    assert estimate_tokens("/v1/chat/completions", {"max_tokens": True}, 0) == 16  # not a number: the default
+    chat = "/v1/chat/completions"
+    assert estimate_tokens(chat, {"max_tokens": 50}, body, 1000) == 150
+    assert estimate_tokens(chat, {"max_completion_tokens": 20}, body, 1000) == 120
+    assert estimate_tokens("/v1/completions", {}, body, 1000) == 116  # vLLM's default of 16
+    assert estimate_tokens("/v1/embeddings", {"max_tokens": 50}, body, 1000) == 100  # pooling generates nothing
+    # as vLLM reads them (pydantic's lax mode): the larger of the two, coerced, times n
+    assert estimate_tokens(chat, {"max_tokens": 1, "max_completion_tokens": 5000}, 0, 1000) == 5000
+    assert estimate_tokens(chat, {"max_tokens": "5000"}, 0, 1000) == 5000
+    assert estimate_tokens(chat, {"max_tokens": 5000.0}, 0, 1000) == 5000
+    assert estimate_tokens(chat, {"max_tokens": True}, 0, 1000) == 1  # pydantic's int(True)
+    assert estimate_tokens(chat, {"max_tokens": 200, "n": 20}, 0, 1000) == 4000
+    assert estimate_tokens(chat, {"max_tokens": 200, "n": "20"}, 0, 1000) == 4000
+    assert estimate_tokens("/v1/completions", {"prompt": ["a", "b", "c"], "max_tokens": 10, "n": 2}, 0, 1000) == 60
+    assert estimate_tokens("/v1/responses", {"max_output_tokens": 30}, body, 1000) == 130
+    # no bound (vLLM: up to max_model_len - the prompt), or one vLLM refuses: the unbounded reservation
+    assert estimate_tokens(chat, {}, body, 1000) == 1000
+    assert estimate_tokens(chat, {"max_tokens": 5000.5}, body, 1000) == 1000
+    assert estimate_tokens(chat, {"max_tokens": 10, "n": "many"}, body, 1000) == 1000
+    assert estimate_tokens("/v1/responses", {}, body, 1000) == 1000
+    assert estimate_tokens(chat, None, body, 1000) == 1000
+    assert estimate_tokens(chat, {}, 8000, 1000) == 2000  # never less than the prompt
+
+
+def test_a_charge_is_settled_once_by_the_usage_or_given_back_when_nothing_was_generated():
+    limits = KeyLimits(requests_per_minute=None, tokens_per_minute=1000, now=0.0)
+    assert limits.take(600, 0.0) == 0.0
+    charge = Charge(limits, 600, 100)
+    charge.settle(150, False, 0.0)  # the usage: 150 tokens in all
+    assert limits.tokens.level == 850  # type: ignore[union-attr]
+    charge.settle(None, True, 0.0)  # once only
+    assert limits.tokens.level == 850  # type: ignore[union-attr]
+    assert limits.take(600, 0.0) == 0.0
+    Charge(limits, 600, 100).settle(None, True, 0.0)  # refused before generating: the prompt estimate stays charged
+    assert limits.tokens.level == 750  # type: ignore[union-attr]
+    assert limits.take(600, 0.0) == 0.0
+    Charge(limits, 600, 100).settle(None, False, 0.0)  # cut off: what was generated is unknown, all stays charged
+    assert limits.tokens.level == 150  # type: ignore[union-attr]
+    assert limits.take(100, 0.0) == 0.0
+    Charge(limits, 100, 10).settle(400, False, 0.0)  # more than reserved: the bucket goes below zero
+    assert limits.tokens.level == -250  # type: ignore[union-attr]
+    Charge(limits, 10, 1).settle(0, False, 120.0)  # two minutes on: paid off and full, never above
+    assert limits.tokens.level == 1000  # type: ignore[union-attr]

@@ -58,7 +58,7 @@ class Generation:
     kind: str  # "chat" or "completion"
     model: str
     prompt_tokens: int
-    prompts: int  # completion: number of prompts (one choice each); chat: 1
+    prompts: int  # choices: n per prompt (completion: of each prompt of a list; chat: one prompt)
     max_tokens: int
     stream: bool
     include_usage: bool
@@ -103,17 +103,38 @@ def _resolve_model(body: dict, names: tuple[str, ...]) -> str:
     return model
 
 
+def _integer(body: dict, key: str) -> int | None:
+    """An integer field as vLLM's pydantic models read it in lax mode: 5000, 5000.0, "5000" and
+    true are integers; 5000.5 and "lots" are a 400."""
+    value = body.get(key)
+    if value is None or (isinstance(value, int)):
+        return None if value is None else int(value)
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            pass
+    raise bad_request(f"{key}: Input should be a valid integer, got {value!r}", key)
+
+
 def _max_tokens(body: dict) -> int:
     for key in ("max_completion_tokens", "max_tokens"):
-        value = body.get(key)
+        value = _integer(body, key)
         if value is None:
             continue
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise bad_request(f"{key}: Input should be a valid integer, got {value!r}", key)
         if value < 1:
             raise bad_request(f"max_tokens must be at least 1, got {value}.", key)
         return value
     return DEFAULT_MAX_TOKENS
+
+
+def _choices(body: dict) -> int:
+    n = _integer(body, "n")
+    if n is not None and n < 1:
+        raise bad_request(f"n must be at least 1, got {n}.", "n")
+    return 1 if n is None else n
 
 
 def _stream_flags(body: dict) -> tuple[bool, bool]:
@@ -168,7 +189,8 @@ def parse_chat(body: object, names: tuple[str, ...], max_model_len: int) -> Gene
     token_delay, first_token_delay = _fake_delays(body)
     prompt_tokens = max(1, sum(count_words(_message_text(m)) for m in messages))
     _check_context(prompt_tokens, max_tokens, max_model_len, "messages")
-    return Generation("chat", model, prompt_tokens, 1, max_tokens, stream, include_usage, token_delay, first_token_delay)
+    return Generation("chat", model, prompt_tokens, _choices(body), max_tokens, stream, include_usage, token_delay,
+                      first_token_delay)
 
 
 def _prompt_list(prompt: object) -> list[int]:
@@ -198,7 +220,7 @@ def parse_completion(body: object, names: tuple[str, ...], max_model_len: int) -
     for count in counts:
         _check_context(count, max_tokens, max_model_len, "prompt")
     return Generation(
-        "completion", model, sum(counts), len(counts), max_tokens, stream, include_usage, token_delay, first_token_delay
+        "completion", model, sum(counts), len(counts) * _choices(body), max_tokens, stream, include_usage, token_delay, first_token_delay
     )
 
 
@@ -217,13 +239,14 @@ def full_response(gen: Generation, rid: str, created: int, fingerprint: str, tok
     if gen.kind == "chat":
         choices = [
             {
-                "index": 0,
+                "index": i,
                 "message": {"role": "assistant", "content": text, "refusal": None, "annotations": None,
                             "audio": None, "function_call": None, "tool_calls": [], "reasoning_content": None},
                 "logprobs": None,
                 "finish_reason": finish,
                 "stop_reason": None,
             }
+            for i in range(gen.prompts)
         ]
         obj = "chat.completion"
     else:
@@ -257,9 +280,9 @@ def _chunk(gen: Generation, rid: str, created: int, fingerprint: str, choices: l
     }
 
 
-def role_chunk(gen: Generation, rid: str, created: int, fingerprint: str) -> dict:
-    """vLLM's first chat chunk: the assistant role with empty content."""
-    choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+def role_chunk(gen: Generation, rid: str, created: int, fingerprint: str, index: int = 0) -> dict:
+    """vLLM's first chat chunk of each choice: the assistant role with empty content."""
+    choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
     return _chunk(gen, rid, created, fingerprint, [choice])
 
 
@@ -267,7 +290,7 @@ def token_chunk(gen: Generation, rid: str, created: int, fingerprint: str, index
     last = index + 1 >= gen.max_tokens
     finish = "length" if last else None
     if gen.kind == "chat":
-        choice = {"index": 0, "delta": {"content": token_text(index)}, "logprobs": None, "finish_reason": finish,
+        choice = {"index": prompt_index, "delta": {"content": token_text(index)}, "logprobs": None, "finish_reason": finish,
                   "stop_reason": None}
     else:
         choice = {"index": prompt_index, "text": token_text(index), "logprobs": None, "finish_reason": finish,

@@ -647,7 +647,8 @@ class FakeVllm:
                     await response.prepare(request)
                     progress.phase = "streaming"
                     if gen.kind == "chat":
-                        await response.write(self._sse(api.role_chunk(gen, rid, created, self.fingerprint)))
+                        for p in range(gen.prompts):
+                            await response.write(self._sse(api.role_chunk(gen, rid, created, self.fingerprint, p)))
                 for p in range(gen.prompts):
                     await response.write(self._sse(api.token_chunk(gen, rid, created, self.fingerprint, i, p)))
                 progress.tokens = i + 1
