@@ -134,14 +134,33 @@ async def test_an_audio_upload_goes_by_its_forms_model_field(groups):
             assert caught.value.response.headers["x-fake-instance"] in where
 
 
-def test_form_field_reads_a_multipart_field_without_parsing_the_form():
-    body = (b'--b0\r\nContent-Disposition: form-data; name="model"\r\n\r\nembed\r\n'
-            b'--b0\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n\r\nRIFF\r\n--b0--\r\n')
+def test_form_field_reads_the_field_vllm_reads_from_the_parsed_form():
+    field = b'--b0\r\nContent-Disposition: form-data; name="model"\r\n\r\n%b\r\n'
+    upload = b'--b0\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n\r\n%b\r\n'
+    body = field % b"embed" + upload % b"RIFF" + b"--b0--\r\n"
     assert codec.form_field(body, 'multipart/form-data; boundary="b0"', "model") == "embed"
     assert codec.form_field(body, "multipart/form-data; boundary=b0", "file") is None  # a file, not a field
     assert codec.form_field(body, "application/octet-stream", "model") is None
     assert codec.form_field(body, "multipart/form-data", "model") is None  # no boundary
-    assert codec.form_field(b"x" * codec.FORM_SCAN_BYTES + body, "multipart/form-data; boundary=b0", "model") is None
+    # a field sent twice: the last, as starlette's FormData.get gives vLLM
+    assert codec.form_field(field % b"embed" + field % b"chat" + b"--b0--\r\n", "multipart/form-data; boundary=b0", "model") == "chat"
+    # the text of a field inside an uploaded file is the file's bytes, not a field
+    inside = upload % (b'--b0x\r\nContent-Disposition: form-data; name="model"\r\n\r\nembed\r\n') + field % b"chat" + b"--b0--\r\n"
+    assert codec.form_field(inside, "multipart/form-data; boundary=b0", "model") == "chat"
+    assert codec.form_field(upload % b"x" + b"--b0--\r\n", "multipart/form-data; boundary=b0", "model") is None
+    # far into the body (after a large file) as well
+    assert codec.form_field(upload % (b"\0" * 300_000) + field % b"embed" + b"--b0--\r\n", "multipart/form-data; boundary=b0", "model") == "embed"
+
+
+async def test_an_upload_whose_file_holds_a_model_field_goes_by_the_real_field(groups):
+    async with fleet_proxy(pool_of(groups.values())) as proxy, aiohttp.ClientSession() as session:
+        planted = b'\r\nContent-Disposition: form-data; name="model"\r\n\r\nembed\r\n'
+        for _ in range(2):
+            form = aiohttp.FormData()
+            form.add_field("file", b"RIFF" + planted + b"\0" * 100, filename="a.wav", content_type="audio/wav")
+            form.add_field("model", "chat")
+            async with session.post(url(proxy, "/v1/audio/transcriptions"), data=form) as response:
+                assert response.headers["x-fake-instance"] in {"c0", "c1"}  # the fake's 404 says which instance
 
 
 async def test_an_unknown_model_is_404_naming_the_served_models(groups):

@@ -7,12 +7,15 @@ These run once or more per request on the proxy's hot path: per-name decisions a
 
 from __future__ import annotations
 
+import codecs
 import json
 import urllib.parse
 from collections.abc import Callable
 from typing import Any
 
 from multidict import CIMultiDict
+from python_multipart.exceptions import MultipartParseError
+from python_multipart.multipart import MultipartParser, parse_options_header
 
 # RFC 9110 §7.6.1 hop-by-hop headers, plus the ones the proxy sets itself for the next hop.
 HOP_BY_HOP = frozenset(
@@ -224,30 +227,61 @@ _scan_once: Callable[[str, int], tuple[Any, int]] = vars(json.JSONDecoder())["sc
 _JSON_WHITESPACE = " \t\n\r"
 
 
-# How far into a multipart body the model field is looked for: the SDKs send the form's fields
-# before its files (httpx does), so it is near the start; a bounded scan, not a multipart parse.
-FORM_SCAN_BYTES = 64 * 1024
-
-
 def form_field(body: bytes, content_type: str, name: str) -> str | None:
-    """The value of the field `name` of a multipart/form-data body (an audio upload's "model"),
-    found in its first FORM_SCAN_BYTES; None when it is not there (or the body is not a form)."""
-    kind, _, params = content_type.partition(";")
-    if kind.strip().lower() != "multipart/form-data":
+    """The value of the field `name` of a multipart/form-data body (an audio upload's "model") as
+    vLLM reads it: parsed by python-multipart, as starlette (vLLM's form parser) parses it, and of
+    a field sent twice the last (starlette's FormData.get). None when there is none, when that
+    last one is a file, or when the body is no form that parser reads (vLLM then refuses it). The
+    body is bounded already (proxy.max_body_bytes, read whole before routing)."""
+    kind, params = parse_options_header(content_type)
+    if kind != b"multipart/form-data" or not params.get(b"boundary"):
         return None
-    boundary = ""
-    for param in params.split(";"):
-        key, _, value = param.strip().partition("=")
-        if key.lower() == "boundary":
-            boundary = value.strip().strip('"')
-    if not boundary:
+    charset = params.get(b"charset", b"utf-8").decode("latin-1")
+    try:
+        charset = codecs.lookup(charset).name
+    except LookupError:
+        charset = "latin-1"
+    wanted = name.encode()
+    found: list[bytes | None] = []  # the field's values in order (None: a file of that name)
+    part: dict = {}
+
+    def on_part_begin() -> None:
+        part.clear()
+        part.update(header=b"", value=b"", disposition=b"", data=[])
+
+    def on_header_field(data: bytes, start: int, end: int) -> None:
+        part["header"] += data[start:end]
+
+    def on_header_value(data: bytes, start: int, end: int) -> None:
+        part["value"] += data[start:end]
+
+    def on_header_end() -> None:
+        if part["header"].lower() == b"content-disposition":
+            part["disposition"] = part["value"]
+        part["header"] = part["value"] = b""
+
+    def on_headers_finished() -> None:
+        _, options = parse_options_header(part["disposition"])
+        part["mine"] = options.get(b"name") == wanted
+        part["file"] = b"filename" in options
+
+    def on_part_data(data: bytes, start: int, end: int) -> None:
+        if part.get("mine") and not part.get("file"):
+            part["data"].append(data[start:end])
+
+    def on_part_end() -> None:
+        if part.get("mine"):
+            found.append(None if part["file"] else b"".join(part["data"]))
+
+    callbacks = {"on_part_begin": on_part_begin, "on_header_field": on_header_field, "on_header_value": on_header_value,
+                 "on_header_end": on_header_end, "on_headers_finished": on_headers_finished,
+                 "on_part_data": on_part_data, "on_part_end": on_part_end}
+    try:
+        parser = MultipartParser(params[b"boundary"], callbacks)  # type: ignore[arg-type]
+        parser.write(body)
+        parser.finalize()
+    except (MultipartParseError, ValueError):
         return None
-    at = body.find(b'form-data; name="' + name.encode() + b'"\r\n', 0, FORM_SCAN_BYTES)
-    if at < 0:
+    if not found or found[-1] is None:
         return None
-    start = body.find(b"\r\n\r\n", at, FORM_SCAN_BYTES)
-    if start < 0:
-        return None
-    start += 4
-    end = body.find(b"\r\n--" + boundary.encode("latin-1", "replace"), start, start + 1024)
-    return body[start:end].decode("utf-8", "replace") if end >= 0 else None
+    return found[-1].decode(charset, "replace")
