@@ -20,9 +20,9 @@ def setup(limit: int = 1, reserve: int = 0, queue_max: int = 8, timeout: float =
     return adm, in_flight, lim, (lambda: tuple(backends))
 
 
-async def enter(adm, in_flight, ready, lim, priority=0, now=0.0):
+async def enter(adm, in_flight, ready, lim, priority=0, now=0.0, key=""):
     """admit() and, like the forwarder, count the request in flight on the first instance given."""
-    got = await adm.admit("chat", ready, priority, now, lim)
+    got = await adm.admit("chat", ready, priority, now, lim, key)
     if isinstance(got, tuple) and got:
         in_flight[got[0].name] = in_flight.get(got[0].name, 0) + 1
     return got
@@ -170,3 +170,35 @@ async def test_a_queue_of_one_shed_for_a_higher_priority_serves_it():
     done(adm, fl)
     await settle()
     assert high.result() == (A,)
+
+
+async def test_keys_of_one_priority_take_turns_and_share_a_full_queue():
+    adm, fl, lim, ready = setup(queue_max=4)
+    await enter(adm, fl, ready, lim, key="hog")
+    order = []
+
+    async def waiter(tag, key, priority=0):
+        got = await enter(adm, fl, ready, lim, priority, key=key)
+        if got != SHED:
+            order.append(tag)
+        return got
+
+    hog = [asyncio.create_task(waiter(f"hog{i}", "hog")) for i in range(4)]
+    await settle()
+    assert adm.waiting == 4  # alone, a key may use the whole queue...
+    assert await enter(adm, fl, ready, lim, key="hog") == FULL
+    other = [asyncio.create_task(waiter(f"web{i}", "web")) for i in range(2)]
+    await settle()
+    # ...but another key takes places from it, the newest first, while it holds more than one more
+    assert [t.result() for t in hog[2:]] == [SHED, SHED] and not any(t.done() for t in hog[:2] + other)
+    assert await enter(adm, fl, ready, lim, key="web") == FULL  # 2 and 2: even
+    for _ in range(4):
+        done(adm, fl)
+        await settle()
+    assert order == ["hog0", "web0", "hog1", "web1"]  # turns, not first come first served
+    low = asyncio.create_task(waiter("low", "web", -1))
+    await settle()
+    assert not low.done()
+    done(adm, fl)
+    await settle()
+    assert order[-1] == "low"

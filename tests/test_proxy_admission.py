@@ -277,3 +277,24 @@ async def test_the_api_key_cannot_lift_itself_above_priority_0_with_the_header(f
         await wait_for(lambda: waiting(proxy) == 3, what="three waiting")
         assert proxy.queues()["chat"]["by_priority"] == {"0": 1, "-10": 1, "10": 1}
         assert [r[0] for r in await asyncio.gather(first, lifted, lowered, web)] == [200] * 4
+
+
+async def test_one_key_cannot_fill_a_models_whole_queue(fake):
+    keys = [ApiKeyConfig(name="batch", key="k-batch"), ApiKeyConfig(name="web", key="k-web")]
+    async with proxy_over(fake, ProxyConfig(max_in_flight_per_instance=1, queue_max=4), api_keys=keys) as proxy, \
+            aiohttp.ClientSession() as session:
+        batch, web = {"Authorization": "Bearer k-batch"}, {"Authorization": "Bearer k-web"}
+        first = asyncio.create_task(post(session, proxy, chat(20, LONG), batch))
+        await wait_for(lambda: proxy.in_flight().get("c0") == 1, what="the first request in flight")
+        flood = [asyncio.create_task(post(session, proxy, chat(), batch)) for _ in range(4)]
+        await wait_for(lambda: waiting(proxy) == 4, what="the batch key's four waiting")
+        status, _, body = await post(session, proxy, chat(), batch)
+        assert status == 429 and body["error"]["code"] == "queue_full"
+        # the other key still gets a place, and is served second, not after the batch key's four
+        served = asyncio.create_task(post(session, proxy, chat(), web))
+        shed = await next(asyncio.as_completed(flood))
+        assert shed[0] == 429 and "took its place" in shed[2]["error"]["message"]
+        assert (await served)[0] == 200
+        assert sum(1 for t in flood if t.done()) <= 2  # the web request went before the batch key's remaining waiters
+        results = [await t for t in flood]
+        assert sorted(r[0] for r in results) == [200, 200, 200, 429] and (await first)[0] == 200

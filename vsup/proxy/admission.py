@@ -4,13 +4,19 @@ An instance is full when the proxy has `limit` requests in flight on it (proxy.
 max_in_flight_per_instance, or its --max-num-seqs); requests below the top priority in use see it
 full `reserve` slots earlier (proxy.reserved_slots), so an interactive request never waits
 behind a batch that has taken every slot. A request that finds no room waits in its queue (one
-per routed name): higher priority first, first come first served within one. A freed slot
+per routed name): higher priority first; within one priority the keys (proxy.api_keys) take
+turns, first come first served within a key (start-time fair queueing: a waiter's round is one
+past its key's previous waiter's, and never behind the round being served, so a key that
+arrives behind another's hundred waiters goes next, not hundredth). A freed slot
 (`release`) or a pool change (`poke`) grants the best waiter a slot on a particular instance; the
 slot is reserved for it until its task runs, so a newcomer cannot take it in between. A waiter
 that leaves (its client gone, the drain) gives a granted slot on to the next at once.
 
 Bounded: `queue_max` waiters per queue; a full queue refuses (FULL) unless the newcomer's
-priority is above its last waiter's, which is then shed (SHED). `expire(now)` ends the waits past
+priority is above its last waiter's, which is then shed (SHED), or the newcomer's key holds
+fewer of the places of its priority and below than another key holds less one: that key's
+newest is shed, so no key keeps a model's whole queue from the others (each of k keys keeps
+about queue_max / k places when all want more). `expire(now)` ends the waits past
 `timeout` (EXPIRED); the forwarder's watchdog calls it, so there is no timer per waiter.
 
 Pure: no sockets, no aiohttp; times are the caller's clock (a virtual one in the unit tests).
@@ -39,12 +45,15 @@ class Limit:
 
 
 class Waiter:
-    __slots__ = ("order", "priority", "queue", "ready", "since", "future", "granted", "limit")
+    __slots__ = ("order", "priority", "key", "round", "queue", "ready", "since", "future", "granted", "limit")
 
     def __init__(self, priority: int, seq: int, queue: str, ready: Callable[[], tuple[Backend, ...]], since: float,
-                 future: asyncio.Future, limit: Limit) -> None:
-        self.order = (-priority, seq)  # the queue's sort key: highest priority, then the oldest
+                 future: asyncio.Future, limit: Limit, key: str = "", round_: int = 0) -> None:
+        # the queue's sort key: highest priority, then the key's turn, then the oldest
+        self.order = (-priority, round_, seq)
         self.priority = priority
+        self.key = key  # the client's key (its name; "" for proxy.api_key or none)
+        self.round = round_
         self.queue = queue
         self.ready = ready
         self.since = since
@@ -66,6 +75,8 @@ class Admission:
         self.top = top  # the highest priority in use: the only one that may take reserved slots
         self.reserved: dict[str, int] = {}  # backend name -> slots granted to waiters not yet running
         self.queues: dict[str, list[Waiter]] = {}
+        self.rounds: dict[str, dict[str, int]] = {}  # queue -> key -> the round of its newest waiter
+        self.served: dict[str, int] = {}  # queue -> the round of the waiter granted last
         self.waiting = 0
         self.enqueued = 0  # requests that ever waited (a gate compares it around admit())
 
@@ -82,7 +93,7 @@ class Admission:
         return tuple(b for b in ready if self.room(b, priority))
 
     async def admit(self, queue: str, ready: Callable[[], tuple[Backend, ...]], priority: int, now: float,
-                    limit: Limit) -> tuple[Backend, ...] | str:
+                    limit: Limit, key: str = "") -> tuple[Backend, ...] | str:
         """The backends with room for this request (the caller counts it in flight on one of them
         before its next await), or why it may not wait (FULL, SHED, EXPIRED). Returns an empty
         tuple when nothing is ready. Cancellation (client gone, drain) leaves the queue at once."""
@@ -97,12 +108,20 @@ class Admission:
         waiters = self.queues.setdefault(queue, [])
         if len(waiters) >= limit.queue_max:
             last = waiters[-1] if waiters else None
-            if last is None or last.priority >= priority:
-                return FULL
-            self._leave(last, SHED)  # the newest of the lowest priority makes room
+            if last is not None and last.priority < priority:
+                self._leave(last, SHED)  # the newest of the lowest priority makes room
+            else:
+                hog = self._hog(waiters, priority, key)
+                if hog is None:
+                    return FULL
+                self._leave(hog, SHED)  # the newest of the key holding the most places makes room
             waiters = self.queues.setdefault(queue, [])  # (its leaving may have dropped an emptied queue)
         self.enqueued += 1
-        waiter = Waiter(priority, self.enqueued, queue, ready, now, asyncio.get_running_loop().create_future(), limit)
+        rounds = self.rounds.setdefault(queue, {})
+        turn = max(rounds.get(key, -1) + 1, self.served.get(queue, 0))
+        rounds[key] = turn
+        waiter = Waiter(priority, self.enqueued, queue, ready, now, asyncio.get_running_loop().create_future(), limit,
+                        key, turn)
         insort(waiters, waiter)
         self.waiting += 1
         self.poke()  # a slot may be free for it already (another queue's waiters blocked on other instances)
@@ -169,7 +188,24 @@ class Admission:
         return {queue: now - min(w.since for w in waiters) for queue, waiters in self.queues.items() if waiters}
 
     # -- inside
+    @staticmethod
+    def _hog(waiters: list[Waiter], priority: int, key: str) -> Waiter | None:
+        """In a full queue, the waiter a newcomer of `key` and `priority` takes the place of: the
+        newest of the key holding the most places of that priority and below, when that key holds
+        more than one more than the newcomer's; else None (the newcomer is refused)."""
+        held: dict[str, int] = {}
+        newest: dict[str, Waiter] = {}
+        for waiter in waiters:
+            if waiter.priority <= priority:
+                held[waiter.key] = held.get(waiter.key, 0) + 1
+                newest[waiter.key] = waiter  # (sorted: the last seen is the last served)
+        if not held:
+            return None
+        most = max(held, key=lambda k: held[k])
+        return newest[most] if most != key and held[most] > held.get(key, 0) + 1 else None
+
     def _grant(self, waiter: Waiter, backend: Backend) -> None:
+        self.served[waiter.queue] = max(self.served.get(waiter.queue, 0), waiter.round)
         self._remove(waiter)
         waiter.granted = backend
         self.reserved[backend.name] = self.reserved.get(backend.name, 0) + 1
@@ -182,6 +218,8 @@ class Admission:
             self.waiting -= 1
             if not waiters:
                 del self.queues[waiter.queue]
+                self.rounds.pop(waiter.queue, None)  # an empty queue starts its rounds again
+                self.served.pop(waiter.queue, None)
 
     def _unreserve(self, backend: Backend) -> None:
         left = self.reserved.get(backend.name, 0) - 1

@@ -405,7 +405,7 @@ class Forwarder:
         # no phase limit while it waits (proxy.body_timeout's is over): the deadline is the queue's (gate.py)
         exchange.arm(math.inf, "proxy.queue_timeout", self.clock.time())
         try:
-            admitted = await gate.admit(queue, ready, priority)
+            admitted = await gate.admit(queue, ready, priority, client)
         except asyncio.CancelledError:
             if exchange.reason is None:
                 raise  # the client went away: it has left the queue

@@ -190,7 +190,8 @@ class Gate:
             429, f"rate limit of the key {client!r} reached on {per}; try again in {wait:.2f} s",
             kind, "rate_limit_exceeded", headers={**dict(headers), "Retry-After": str(retry)})
 
-    async def admit(self, queue: str, ready: Callable[[], tuple[Backend, ...]], priority: int) -> tuple[Backend, ...] | Response | None:
+    async def admit(self, queue: str, ready: Callable[[], tuple[Backend, ...]], priority: int,
+                    key: str = "") -> tuple[Backend, ...] | Response | None:
         """The instances with room (the forwarder picks among them), None (no queue for this model:
         route as without a gate; or nothing ready: the forwarder's own 503), or the refusal."""
         backends = ready()
@@ -198,7 +199,7 @@ class Gate:
         if limit is None:
             return None
         started, enqueued = self.clock(), self.admission.enqueued
-        outcome = await self.admission.admit(queue, ready, priority, started, limit)
+        outcome = await self.admission.admit(queue, ready, priority, started, limit, key)
         if isinstance(outcome, tuple):
             if not outcome:
                 return None
@@ -214,7 +215,8 @@ class Gate:
                 503, f"every instance of {shown} model was busy for {limit.timeout:g} s (proxy.queue_timeout) while this "
                 "request waited for one; retry shortly", "service_unavailable", "queue_timeout",
                 headers={"Retry-After": str(BUSY_RETRY_AFTER)})
-        why = ("a request of a higher priority took its place in the queue" if outcome == SHED else
+        why = ("a request of a higher priority, or of a key holding fewer of its places, took its place in the queue"
+               if outcome == SHED else
                f"{limit.queue_max} requests already wait for it (proxy.queue_max)")
         return errors.error_response(
             429, f"every instance of {shown} model is busy and {why}; retry shortly", "overloaded", FULL,
