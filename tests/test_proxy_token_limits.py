@@ -103,6 +103,17 @@ async def test_a_chat_without_a_bound_reserves_the_bucket_until_its_usage_settle
         assert int(headers["x-ratelimit-remaining-tokens"]) >= 1000 - 2 * 40
 
 
+async def test_without_a_bound_a_request_reserves_at_most_what_its_instances_max_model_len_allows(fake):
+    async with proxy_over(fake, tokens_per_minute=10_000) as proxy, aiohttp.ClientSession() as session:
+        await wait_for(lambda: proxy._gate.context.get("c0") == 2048, what="the instance's max_model_len learned")
+        # the fake's --max-model-len 2048 (its /v1/models says so): 2048 tokens a sequence, prompt included
+        for fields, reserved in (({}, 2048), ({"n": 2}, 4096)):
+            status, headers, _ = await post(session, proxy, chat(**fields))
+            assert status == 200
+            # (less what the earlier ones were charged once settled: a few dozen tokens)
+            assert 10_000 - reserved - 60 <= int(headers["x-ratelimit-remaining-tokens"]) <= 10_000 - reserved
+
+
 async def test_usage_settles_the_estimate_so_a_long_prompt_of_few_tokens_is_charged_its_tokens(fake):
     # 2000 bytes, one word: estimated at ~520 tokens, and the fake counts it one
     body = chat("x" * 2000, max_tokens=10)

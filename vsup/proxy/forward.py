@@ -392,15 +392,15 @@ class Forwarder:
         priority = gate.priority(client, request.headers)
         if isinstance(priority, Response):
             return priority
-        rated = gate.rate(client, request.path, document, size)
-        if isinstance(rated, Response):
-            return rated
-        extra, charge = rated
         router = self.router
         if route is not None and router is not None:
             queue, ready = route.name, (lambda: router.current(route))
         else:
             queue, ready = "", self.pool.ready
+        rated = gate.rate(client, request.path, document, size, ready())
+        if isinstance(rated, Response):
+            return rated
+        extra, charge = rated
         exchange.phase = "waiting"
         # no phase limit while it waits (proxy.body_timeout's is over): the deadline is the queue's (gate.py)
         exchange.arm(math.inf, "proxy.queue_timeout", self.clock.time())

@@ -24,7 +24,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from vsup.config.schema import ProxyConfig
-from vsup.proxy import errors
+from vsup.proxy import errors, usage
 from vsup.proxy.admission import EXPIRED, FULL, SHED, Admission, Limit
 from vsup.proxy.backends import Backend
 from vsup.proxy.messages import Response
@@ -110,6 +110,28 @@ class Gate:
         self.waits: dict[tuple[str, int], _Waits] = {}
         self.refused: dict[tuple[str, int, str], int] = {}  # (queue, priority, reason) -> requests
         self.limited: dict[tuple[str, str], int] = {}  # (key, requests|tokens) -> 429s
+        self.context: dict[str, int] = {}  # backend name -> its max_model_len, from its /v1/models (server.py)
+
+    def learn_context(self, backend: str, entries: list[dict]) -> None:
+        """An instance's max_model_len, as its /v1/models lists it (the largest of its entries)."""
+        lengths = [e["max_model_len"] for e in entries if type(e.get("max_model_len")) is int and e["max_model_len"] > 0]
+        if lengths:
+            self.context[backend] = max(lengths)
+        else:
+            self.context.pop(backend, None)
+
+    def _unbounded(self, capacity: int, path: str, document: Mapping[str, Any] | None,
+                   backends: tuple[Backend, ...]) -> int:
+        """What a request without a bound reserves: the whole bucket, or less when every instance
+        it may go to is known to stop sooner (n sequences of at most max_model_len tokens each,
+        prompt included)."""
+        context = self.context
+        if not backends or any(b.name not in context for b in backends):
+            return capacity
+        sequences = usage.sequences(path, document)
+        if sequences is None:
+            return capacity
+        return min(capacity, sequences * max(context[b.name] for b in backends))
 
     def configure(self, config: ProxyConfig, models: Mapping[str, ProxyConfig] | None) -> None:
         """Settings (start, reload): a key whose limits are unchanged keeps its buckets' levels."""
@@ -159,16 +181,17 @@ class Gate:
                                       "(proxy.priority_header_values)", self.header)
         return min(asked, own) if key is not None or self.authenticated else asked
 
-    def rate(self, client: str, path: str, document: Mapping[str, Any] | None,
-             size: int) -> tuple[list[tuple[bytes, bytes]], Charge | None] | Response:
+    def rate(self, client: str, path: str, document: Mapping[str, Any] | None, size: int,
+             backends: tuple[Backend, ...] = ()) -> tuple[list[tuple[bytes, bytes]], Charge | None] | Response:
         """The x-ratelimit-* headers for the answer and the charge its answer settles (None: the
         key has no token limit), or the 429 of a key over its limit."""
         key = self.keys.get(client)
         if key is None or key.limits is None:
             return [], None
         limits = key.limits
-        # a request without a bound reserves the whole bucket (ratelimit.py)
-        tokens = estimate_tokens(path, document, size, int(limits.tokens.capacity) if limits.tokens is not None else 0)
+        # a request without a bound reserves the whole bucket, or what its instances' max_model_len allows (ratelimit.py)
+        unbounded = self._unbounded(math.ceil(limits.tokens.capacity), path, document, backends) if limits.tokens is not None else 0
+        tokens = estimate_tokens(path, document, size, unbounded)
         wait = limits.take(tokens, self.clock())
         headers = limits.headers()
         if wait == 0.0:

@@ -12,7 +12,8 @@ pydantic coerces them, times n), plus its body's bytes / 4 for the prompt (about
 token for English text, and the JSON around the prompt is small beside a long one). That much is
 reserved when the request is let through; a request without a bound (a chat without max_tokens:
 vLLM generates up to max_model_len - the prompt, which the proxy does not know for every instance)
-reserves the key's whole bucket, so it waits for a full one and no second one runs beside it.
+reserves the key's whole bucket, so it waits for a full one and no second one runs beside it
+(or less: n times max_model_len, when the gate knows it of every instance it may go to).
 
 The answer settles the charge (`Charge.settle`): with the usage vLLM returned, the bucket is
 given back the reservation and charged the prompt and generated tokens instead (more than was

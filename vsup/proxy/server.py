@@ -173,6 +173,8 @@ class ProxyServer:
                 if task is not None:
                     task.cancel()
                 router.forget(backend.name)
+                if self._gate is not None:
+                    self._gate.context.pop(backend.name, None)
             elif ready and self._session is not None:
                 self._learn(backend)  # (again: a restart may have changed its adapters)
 
@@ -252,6 +254,8 @@ class ProxyServer:
                             backend.name, str(error) or type(error).__name__)
             elif self.pool.get(backend.name) is backend:  # still the same instance
                 router.learn(backend.name, [entry["id"] for entry in task.result() if isinstance(entry["id"], str)])
+                if self._gate is not None:  # (a key's unbounded request reserves at most its max_model_len)
+                    self._gate.learn_context(backend.name, task.result())
 
         task.add_done_callback(done)
 

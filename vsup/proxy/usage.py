@@ -86,6 +86,18 @@ def requested(path: str, document: Mapping[str, Any] | None) -> int | None:
     return max(0, max(asked)) * n if asked else UNBOUNDED
 
 
+def sequences(path: str, document: Mapping[str, Any] | None) -> int | None:
+    """How many sequences vLLM runs for an unbounded request (n; 1 for the Responses API), each at
+    most max_model_len tokens with its prompt; None when n is something vLLM refuses."""
+    if path == RESPONSES:
+        return 1
+    try:
+        n = _int(document, "n") if document is not None else None
+    except Invalid:
+        return None
+    return max(1, n if n is not None else 1)
+
+
 def streams(document: Mapping[str, Any] | None) -> bool:
     """Whether vLLM will stream the answer (`"stream": "true"` is True to it too)."""
     if document is None:
