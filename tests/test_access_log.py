@@ -55,3 +55,24 @@ def test_all_logs_the_polls_too_and_off_logs_nothing(tmp_path):
     lines = run_with(tmp_path / "all", "all")
     assert lines["/v1/chat/completions"] == 1 and lines["/health"] >= 5 and lines["/metrics"] >= 2
     assert run_with(tmp_path / "off", "off") == Counter()
+
+
+def test_a_clients_query_reaches_the_instances_log_without_its_key_and_percent_encoded(tmp_path):
+    config = make_config(tmp_path, instances=1, log={"dir": str(tmp_path / "logs"), "echo": False, "level": "info"})
+    run = VsupRun(tmp_path, config)
+    try:
+        run.wait_ready()
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{run.proxy_port}/v1/chat/completions?note=$(id)`id`&api_key=sk-leaked", method="POST",
+            data=b'{"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}',
+            headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            assert response.status == 200
+        deadline = time.monotonic() + 5
+        while "note=" not in "".join(access_lines(tmp_path)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        run.close()
+    assert list(k for k in access_lines(tmp_path) if "note=" in k) == ["/v1/chat/completions?note=%24%28id%29%60id%60"]
+    text = "".join(p.read_text(errors="replace") for p in (tmp_path / "logs").glob("*.log"))
+    assert "sk-leaked" not in text and "$(id)" not in text
