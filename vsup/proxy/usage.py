@@ -22,6 +22,7 @@ choice), or the Responses API's `response.completed` event. The proxy asks for t
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -36,6 +37,7 @@ RESPONSES = "/v1/responses"
 STREAMS_USAGE = frozenset({CHAT, COMPLETIONS})
 
 _INT = TypeAdapter(int | None)
+_EVENT_END = re.compile(rb"(\r?\n\r?\n)")
 _BOOL = TypeAdapter(bool | None)
 
 
@@ -207,16 +209,17 @@ class UsageSink:
         return self.sink.write(whole) if whole else False
 
     def _events(self, whole: bytes) -> bytes:
+        parts = _EVENT_END.split(whole)  # [event, its end, event, its end, ..., the rest]
         kept = []
-        for event in whole.replace(b"\r\n", b"\n").split(b"\n\n"):
-            data = b"\n".join(line[5:].lstrip(b" ") for line in event.split(b"\n") if line.startswith(b"data:"))
-            usage, extra = _of_event(data)
-            if usage is not None:
-                self.usage = usage
-            if extra and self.strip:
-                continue
-            kept.append(event)
-        return b"\n\n".join(kept)
+        for i in range(0, len(parts), 2):
+            event = parts[i]
+            data = b"\n".join(line.rstrip(b"\r")[5:].lstrip(b" ") for line in event.split(b"\n") if line.startswith(b"data:"))
+            found, extra = _of_event(data)
+            if found is not None:
+                self.usage = found
+            if not (extra and self.strip):
+                kept.append(event + (parts[i + 1] if i + 1 < len(parts) else b""))
+        return b"".join(kept)
 
     def end(self, data: bytes) -> None:
         """The stream's last bytes (with the end of its framing): what is left goes on with them."""
