@@ -9,8 +9,10 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 from itertools import pairwise
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +22,7 @@ from tests.proxy_support import start_fakes
 from tests.sysfs_builder import GIB, build_sysfs
 from tests.test_plan_cli import vsup
 from tests.test_proxy_cli import REPO, VSUP, wait_until
+from tests.tools import AS_NOBODY, need_nobody_running
 from vsup.config.planning import settings_from_config
 from vsup.config.schema import parse_config
 from vsup.export.pod import node_type
@@ -290,3 +293,47 @@ def chat(port: int, key: str | None) -> tuple[int, str]:
         return response.status, response.getheader("X-Fake-Instance", "")
     finally:
         conn.close()
+
+
+def test_each_host_keeps_its_pid_files_and_logs_in_a_private_folder_no_one_can_take_first(tmp_path):
+    # the script run with srun's stand-in running every step on each "host" and a stand-in vsup that
+    # records what it was given; another user (uid 65534) made the folder the job's pid files once
+    # went to, /tmp/vsup-<job id>/pids, first, with a link in it where vsup's pid would be written
+    job = str(40000 + os.getpid() % 20000)  # the stand-ins of concurrent runs share /tmp
+    squat, target = f"/tmp/vsup-{job}", tmp_path / "target"
+    need_nobody_running(["mkdir"])
+    for command in (["mkdir", "-p", f"{squat}/pids"], ["ln", "-s", str(target), f"{squat}/pids/node0.pid"]):
+        subprocess.run([*AS_NOBODY, *command], check=True, timeout=30)
+    root = build_sysfs(tmp_path / "m", nodes=(4, 4), smt=2, packages=2, node_memory=32 * GIB)
+    (tmp_path / "vsup.yaml").write_text("model: fake-model\nplacement:\n  model_size_gib: 1\nproxy:\n  port: 9000\n")
+    assert vsup("export", "slurm", "--config", str(tmp_path / "vsup.yaml"), "--fsroot", str(root), "-o", str(tmp_path / "out")).returncode == 0
+    stand_in = tmp_path / "vsup-stand-in"
+    stand_in.write_text('#!/bin/bash\necho "$SLURMD_NODENAME $$ $LOGS_DIRECTORY $1 ${@: -1}" >> "$VSUP_LOG"\n')
+    stand_in.chmod(0o755)
+    env = {**stub_slurm(tmp_path), "SLURM_JOB_ID": job, "SRUN_RUN": "1", "VSUP": str(stand_in), "VSUP_LOG": str(tmp_path / "vsup.log")}
+    folders: list[Path] = []
+    try:
+        run = subprocess.run(["bash", str(tmp_path / "out" / "vsup.sbatch")], cwd=tmp_path, env=env, capture_output=True,
+                             text=True, timeout=60)
+        folders = [Path(p.read_text().strip()) for p in sorted((tmp_path / "conf" / "local").iterdir())]
+        assert run.returncode == 0, run.stderr
+        assert not target.exists() and os.listdir(f"{squat}/pids") == ["node0.pid"]  # nothing went through the link
+        # one folder per host, made by mktemp -d: 0700, ours, under /tmp with a name no one could guess
+        assert len(folders) == 2 and len(set(folders)) == 2
+        for folder in folders:
+            assert re.fullmatch(rf"/tmp/vsup-{job}\.\w{{8}}", str(folder)), folder
+            info = folder.stat()
+            assert info.st_mode & 0o777 == 0o700 and info.st_uid == os.getuid()
+        by_host = dict(zip(("cpu-a1", "cpu-a2"), folders, strict=True))
+        # each vsup's pid is in its host's folder, and its instance logs go there (LOGS_DIRECTORY)
+        started = {}
+        for line in (tmp_path / "vsup.log").read_text().splitlines():
+            host, pid, logs, command, last = line.split()
+            started[host, Path(last).stem if command == "run" else "front"] = (pid, logs)
+        assert sorted(started) == [("cpu-a1", "front"), ("cpu-a1", "node0"), ("cpu-a1", "node1"), ("cpu-a2", "node0"), ("cpu-a2", "node1")]
+        for (host, step), (pid, logs) in started.items():
+            assert (by_host[host] / "pids" / f"{step}.pid").read_text().strip() == pid and logs == str(by_host[host] / step)
+    finally:
+        for folder in folders:
+            shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(squat, ignore_errors=True)

@@ -82,7 +82,7 @@ def _local_folders(hosts: int) -> list[str]:
 def _step(name: str) -> str:
     """The words before a step's vsup command: record its pid in the host's node-local folder and
     keep its instance logs there (LOGS_DIRECTORY: log.dir's default), then exec it."""
-    return (f"""bash -c '{LOCAL} && echo $$ >"$d/pids/$2.pid" && LOGS_DIRECTORY="$d/$2" exec "${{@:3}}'"""
+    return (f"""bash -c '{LOCAL} && echo $$ >"$d/pids/$2.pid" && LOGS_DIRECTORY="$d/$2" exec "${{@:3}}"'"""
             f' vsup-step "$CONF/local" {name}')
 
 
