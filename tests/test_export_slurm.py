@@ -315,9 +315,9 @@ def test_each_host_keeps_its_pid_files_and_logs_in_a_private_folder_no_one_can_t
     try:
         run = subprocess.run(["bash", str(tmp_path / "out" / "vsup.sbatch")], cwd=tmp_path, env=env, capture_output=True,
                              text=True, timeout=60)
-        folders = [Path(p.read_text().strip()) for p in sorted((tmp_path / "conf" / "local").iterdir())]
-        assert run.returncode == 0, run.stderr
         assert not target.exists() and os.listdir(f"{squat}/pids") == ["node0.pid"]  # nothing went through the link
+        assert run.returncode == 0, run.stderr
+        folders = [Path(p.read_text().strip()) for p in sorted((tmp_path / "conf" / "local").iterdir())]
         # one folder per host, made by mktemp -d: 0700, ours, under /tmp with a name no one could guess
         assert len(folders) == 2 and len(set(folders)) == 2
         for folder in folders:

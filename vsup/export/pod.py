@@ -215,7 +215,8 @@ def share_config(cfg: VsupConfig, instances: int, weights_bytes: int | None, kv_
     listening beyond loopback (for a Service or a front proxy), its keys by environment only
     (export/keys.py: the file is shared); then `overrides`, section by section."""
     data = cfg.model_dump(mode="json", exclude_defaults=True)
-    data["proxy"] = keys.without_secrets(data.get("proxy", {}), keys.key_vars(cfg.proxy))
+    if "proxy" in data:
+        data["proxy"] = keys.without_secrets(data["proxy"], keys.key_vars(cfg.proxy))
     data["instances"] = instances
     placement = data.setdefault("placement", {})
     placement.pop("nodes", None)
