@@ -184,6 +184,40 @@ def test_api_key_goes_to_a_secret_not_the_config_map():
     assert by_kind["Service"][0]["spec"]["ports"][0]["port"] == 9000
 
 
+def test_named_keys_come_from_a_secret_by_environment_never_the_config_map():
+    machine = make_machine(sockets=2, cores_per_node=8, smt=2)
+    _, result = export(machine, "model: /m\nplacement:\n  model_size_gib: 2\nproxy:\n  api_key: s3cret\n  api_keys:\n"
+                                "    - {name: team-a, key: t3am-a-s3cret, priority: 5, requests_per_minute: 60}\n"
+                                "    - {name: ci, key_env: CI_KEY}\n")
+    by_kind = check_objects(result)  # the env entries are valid for every Kubernetes version tested
+    assert "t3am-a-s3cret" not in result.manifests_text and "s3cret" not in result.manifests_text
+    assert container(by_kind)["env"] == [
+        {"name": "VSUP_API_KEY", "valueFrom": {"secretKeyRef": {"name": "vsup-api-key", "key": "api-key"}}},
+        {"name": "VSUP_KEY_TEAM_A", "valueFrom": {"secretKeyRef": {"name": "vsup-api-keys", "key": "VSUP_KEY_TEAM_A"}}},
+        {"name": "CI_KEY", "valueFrom": {"secretKeyRef": {"name": "vsup-api-keys", "key": "CI_KEY"}}},
+    ]
+    (config_map,) = by_kind["ConfigMap"]
+    pod_cfg = parse_config(config_map["data"]["vsup.yaml"])  # vsup inside reads each key from its variable
+    assert [(k.name, k.key, k.key_env, k.priority, k.requests_per_minute) for k in pod_cfg.proxy.api_keys] == \
+        [("team-a", None, "VSUP_KEY_TEAM_A", 5, 60), ("ci", None, "CI_KEY", 0, None)]
+    assert "kubectl create secret generic vsup-api-keys --from-literal=VSUP_KEY_TEAM_A=... --from-literal=CI_KEY=..." \
+        in result.manifests_text
+
+
+@pytest.mark.parametrize("keys, message", [
+    ("    - {name: a.b, key: x}\n    - {name: A-B, key: y}\n",
+     "proxy.api_keys[1]: the keys 'a.b' (proxy.api_keys[0]) and 'A-B' would both be carried by the environment variable "
+     "VSUP_KEY_A_B; give one of them its own key_env"),
+    ("    - {name: a, key_env: 'MY KEY'}\n", "proxy.api_keys[0].key_env: 'MY KEY' is not an environment variable"),
+])
+def test_keys_that_cannot_each_have_a_variable_are_one_line(tmp_path, keys, message):
+    root = build_sysfs(tmp_path / "m", nodes=(8, 8), smt=2, packages=2)
+    (tmp_path / "vsup.yaml").write_text("model: /m\nplacement:\n  model_size_gib: 1\nproxy:\n  api_keys:\n" + keys)
+    for kind in ("kubernetes", "slurm"):
+        result = vsup("export", kind, "--config", str(tmp_path / "vsup.yaml"), "--fsroot", str(root), "-o", str(tmp_path / kind))
+        assert result.returncode == 2 and message in result.stderr and result.stderr.count("\n") == 1, result.stderr
+
+
 def test_a_pod_config_plans_the_same_inside_the_pod(tmp_path):
     """What vsup inside a pod will do: the ConfigMap's config, planned on the 2-socket machine seen
     through the pod's cgroup (30 CPUs of node 1, memory of node 1, memory.max = the pod's limit)."""

@@ -24,7 +24,7 @@ from vsup.topology.plan_model import FleetModel
 from vsup.topology.planner import plan
 
 FLEET = """\
-proxy: {port: 9000, api_key: s3cret}
+proxy: {port: 9000, api_key: s3cret, api_keys: [{name: team-a, key: t3am-a-s3cret, priority: 5}]}
 vllm: {args: [--dtype, bfloat16]}
 models:
   - model: /srv/models/chat
@@ -38,6 +38,10 @@ models:
     placement: {model_size_gib: 1, nodes: [2, 3]}
     vllm: {args: [--runner, pooling]}
 """
+
+
+KEY_ENV = [{"name": "VSUP_API_KEY", "valueFrom": {"secretKeyRef": {"name": "vsup-api-key", "key": "api-key"}}},
+           {"name": "VSUP_KEY_TEAM_A", "valueFrom": {"secretKeyRef": {"name": "vsup-api-keys", "key": "VSUP_KEY_TEAM_A"}}}]
 
 
 def export(machine, text: str = FLEET, *, name="vsup", hosts=1, replicas_per_host="auto"):
@@ -68,8 +72,8 @@ def test_a_statefulset_per_model_and_a_front_that_routes_by_model():
         text = configs[f"{sts}-config"]["data"]["vsup.yaml"]
         pod_cfg = parse_config(text)
         assert pod_cfg.models is None and pod_cfg.served_model_name == model and pod_cfg.instances == 1
-        assert "s3cret" not in text
-        assert c["env"][0]["valueFrom"]["secretKeyRef"]["name"] == "vsup-api-key"  # one Secret for every model
+        assert "s3cret" not in text and pod_cfg.proxy.api_keys[0].key_env == "VSUP_KEY_TEAM_A"
+        assert c["env"] == KEY_ENV  # the same Secrets for every model
     assert parse_config(configs["vsup-chat-config"]["data"]["vsup.yaml"]).proxy.policy == "prefix_affinity"
     assert parse_config(configs["vsup-org-embed-v2-config"]["data"]["vsup.yaml"]).vllm.args == ["--runner", "pooling"]
     # the front: one upstream per pod, named by its model, through each model's headless Service
@@ -80,7 +84,10 @@ def test_a_statefulset_per_model_and_a_front_that_routes_by_model():
         [f"Org/Embed_v2=http://vsup-org-embed-v2-{i}.vsup-org-embed-v2-pods:9000" for i in range(4)]
     pool = build_pool(tuple(ups))
     front_cfg = parse_config(configs["vsup-config"]["data"]["front.yaml"], require_model=False)
-    assert "s3cret" not in configs["vsup-config"]["data"]["front.yaml"] and "env" not in fc  # the pods check the key
+    # the front checks the keys, from the same Secrets, and passes the client's on: the pods check it too
+    assert "s3cret" not in configs["vsup-config"]["data"]["front.yaml"] and fc["env"] == KEY_ENV
+    assert fc["args"][:2] == ["proxy", "--forward-key"] and front_cfg.proxy.api_keys[0].key_env == "VSUP_KEY_TEAM_A"
+    assert "s3cret" not in result.manifests_text
     assert {m: c.policy for m, c in model_configs(pool, front_cfg.proxy, front_cfg).items()} == \
         {"chat": "prefix_affinity", "Org/Embed_v2": "round_robin"}
     services = {s["metadata"]["name"]: s for s in by_kind["Service"]}

@@ -27,9 +27,9 @@ def test_steps_per_model_and_a_front_that_routes_by_model(tmp_path):
     result = vsup("export", "slurm", "--config", str(config), "--fsroot", str(root), "--hosts", "2", "-o", str(out))
     assert result.returncode == 0, result.stderr
     script = (out / "vsup.sbatch").read_text()
-    assert "s3cret" not in script
+    assert "s3cret" not in script  # proxy.api_key's and team-a's
     assert subprocess.run(["bash", "-n", str(out / "vsup.sbatch")], capture_output=True).returncode == 0
-    run = subprocess.run(["bash", str(out / "vsup.sbatch")], cwd=tmp_path, env={**stub_slurm(tmp_path), "VSUP_API_KEY": "k"},
+    run = subprocess.run(["bash", str(out / "vsup.sbatch")], cwd=tmp_path, env={**stub_slurm(tmp_path), "VSUP_API_KEY": "k", "VSUP_KEY_TEAM_A": "t"},
                          capture_output=True, text=True, timeout=30)
     assert run.returncode == 0, run.stderr
 
@@ -54,5 +54,7 @@ def test_steps_per_model_and_a_front_that_routes_by_model(tmp_path):
     assert upstreams == [f"{expected[port]}=http://{host}:{port}" for host in ("cpu-a1", "cpu-a2") for port in sorted(expected)]
     front_cfg = parse_config((tmp_path / "conf" / "front.yaml").read_text(), require_model=False)
     assert front_cfg.proxy.port == 9000 and front_cfg.proxy.api_key is None
+    assert "--forward-key" in front and front_cfg.proxy.api_keys[0].key_env == "VSUP_KEY_TEAM_A"
+    assert not [p for p in (tmp_path / "conf").glob("*.yaml") if "s3cret" in p.read_text()]
     policies = {m: c.policy for m, c in model_configs(build_pool(tuple(upstreams)), front_cfg.proxy, front_cfg).items()}
     assert policies == {"chat": "prefix_affinity", "Org/Embed_v2": "round_robin"}

@@ -4,8 +4,9 @@ with proctrack/linuxproc. The exported script is submitted with sbatch; the fron
 openai client with the fake vLLM behind both hosts' vsups, splits requests between them, drains the
 requests in flight on every scancel docs/slurm.md says drains under that plugin, leaves vsup's
 shutdown lines in the job's output and nothing running on either host; the one it says does not
-(plain scancel under linuxproc) does not; a host whose vsup is killed is ejected while the other
-serves; real vLLM on one host (marked `vllm` too) answers and drains. Marked `slurm`; needs root
+(plain scancel under linuxproc) does not; with named keys (proxy.api_keys) a client's key passes the
+front to the per-node vsups, which check it too, and no file on the shared folder holds a key; a
+host whose vsup is killed is ejected while the other serves; real vLLM on one host (marked `vllm` too) answers and drains. Marked `slurm`; needs root
 and Debian's slurmctld slurmd slurm-client munge (scripts/test installs them under CI)."""
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def slurm(request):
     return request.param
 
 
-def get(url: str, timeout: float = 5) -> tuple[int, str]:
+def get(url: str | urllib.request.Request, timeout: float = 5) -> tuple[int, str]:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response:
             return response.status, response.read().decode()
@@ -77,8 +78,9 @@ def wait_until(predicate, timeout: float, what: str):
     raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
 
 
-def submit(tmp_path: Path, config: dict | None = None, hosts: int = 2) -> str:
-    """Export for --hosts 2 (or `hosts`) from this machine's plan and sbatch it; the job id."""
+def submit(tmp_path: Path, config: dict | None = None, hosts: int = 2, env: dict[str, str] | None = None) -> str:
+    """Export for --hosts 2 (or `hosts`) from this machine's plan and sbatch it, with `env` in the
+    environment sbatch passes on (the keys' variables); the job id."""
     config = config or {
         "model": "fake-model",
         "placement": {"model_size_gib": 0.01, "kvcache_gib": 0.01, "overhead_gib": 0.01, "memory_reserve_gib": 0.1},
@@ -91,16 +93,20 @@ def submit(tmp_path: Path, config: dict | None = None, hosts: int = 2) -> str:
     out = WORK / f"export-{tmp_path.name}"
     sh(str(Path(sys.executable).parent / "vsup"), "export", "slurm", "--config", str(tmp_path / "vsup.yaml"),
        "--hosts", str(hosts), "-o", str(out))
-    os.environ["VSUP"] = str(Path(sys.executable).parent / "vsup")  # sbatch passes the environment on
+    added = {"VSUP": str(Path(sys.executable).parent / "vsup"), **(env or {})}
+    os.environ.update(added)  # sbatch passes the environment on
     try:
         job = sh("sbatch", "--parsable", f"--output={WORK}/job-%j.out", f"--chdir={WORK}", str(out / "vsup.sbatch")).stdout.strip()
     finally:
-        del os.environ["VSUP"]
+        for name in added:
+            del os.environ[name]
     return job.split(";")[0]
 
 
-def front(path: str) -> tuple[int, str]:
-    return get(f"http://{ADDR['h1']}:{PORT}{path}")
+def front(path: str, key: str | None = None) -> tuple[int, str]:
+    if key is None:
+        return get(f"http://{ADDR['h1']}:{PORT}{path}")
+    return get(urllib.request.Request(f"http://{ADDR['h1']}:{PORT}{path}", headers={"Authorization": f"Bearer {key}"}))
 
 
 def served_by_host(metrics: str) -> dict[str, float]:
@@ -118,15 +124,15 @@ def in_flight(metrics: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith("vsup_proxy_in_flight{"))
 
 
-def client():
+def client(key: str = "none"):
     import openai
 
-    return openai.OpenAI(base_url=f"http://{ADDR['h1']}:{PORT}/v1", api_key="none", max_retries=0, timeout=60)
+    return openai.OpenAI(base_url=f"http://{ADDR['h1']}:{PORT}/v1", api_key=key, max_retries=0, timeout=60)
 
 
-def wait_serving(job: str, hosts: int = 2, timeout: float = 150) -> None:
+def wait_serving(job: str, hosts: int = 2, timeout: float = 150, key: str | None = None) -> None:
     def all_ready():
-        status, body = front("/metrics")
+        status, body = front("/metrics", key)
         return status == 200 and len(re.findall(r'vsup_instance_ready\{instance="http://h\d:\d+"\} 1\.0', body)) == hosts
     try:
         wait_until(all_ready, timeout, f"the front proxy to see {hosts} host(s)' vsups ready")
@@ -138,6 +144,11 @@ def wait_serving(job: str, hosts: int = 2, timeout: float = 150) -> None:
 def job_output(job: str) -> str:
     path = WORK / f"job-{job}.out"
     return path.read_text() if path.exists() else ""
+
+
+def local_folder(job: str, host: str) -> str:
+    """The host's node-local folder (pid files, instance logs): mktemp -d's, as the script recorded it."""
+    return (WORK / f"vsup-{job}" / "local" / host).read_text().strip()
 
 
 def host_pids(host: str) -> set[int]:
@@ -216,21 +227,61 @@ def test_a_plain_scancel_under_linuxproc_kills_the_instances_mid_request(slurm, 
     wait_gone(job)
 
 
-# the ejection does not depend on the plugin: once
+# alice's key written in the config, bob's read from BOB_KEY; proxy.api_key (the admin's, for /metrics) from VSUP_API_KEY
+KEYS = {"VSUP_API_KEY": "adm1n-s3cret", "VSUP_KEY_ALICE": "al1ce-s3cret", "BOB_KEY": "b0b-s3cret"}
+NAMED_KEYS = [{"name": "alice", "key": KEYS["VSUP_KEY_ALICE"], "priority": 5}, {"name": "bob", "key_env": "BOB_KEY"}]
+
+
+# the ejection does not depend on the plugin: once; with named keys, which go by environment alone
 @pytest.mark.parametrize("slurm", ["cgroup"], indirect=True)
 def test_a_host_whose_vsup_is_killed_is_ejected_and_the_other_serves(slurm, tmp_path):
-    job = submit(tmp_path)
-    wait_serving(job)
-    vsup_pid = in_host("h2", "cat", f"/tmp/vsup-{job}/pids/node0.pid").strip()
+    import openai
+
+    config = {
+        "model": "fake-model",
+        "placement": {"model_size_gib": 0.01, "kvcache_gib": 0.01, "overhead_gib": 0.01, "memory_reserve_gib": 0.1},
+        "vllm": {"command": fake_command()},
+        "proxy": {"port": PORT, "drain_timeout": 5, "api_key": KEYS["VSUP_API_KEY"], "api_keys": NAMED_KEYS},
+        "health": {"interval": 0.3, "timeout": 2, "failures": 2, "startup_timeout": 60},
+        "stop": {"timeout": 5},
+    }
+    job = submit(tmp_path, config, env=KEYS)
+    (tmp_path / "vsup.yaml").unlink()  # the config the export read holds alice's key; nothing the export or the job wrote does
+    admin = KEYS["VSUP_API_KEY"]
+    wait_serving(job, key=admin)
+    # each client's key passes the front to the per-node vsups of both hosts, which check the same keys
+    for key in (KEYS["VSUP_KEY_ALICE"], KEYS["BOB_KEY"]):
+        for _ in range(4):
+            reply = client(key).chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+            assert reply.choices[0].message.content == "tok0 tok1"
+    counts = served_by_host(front("/metrics", admin)[1])
+    assert counts.get("h1", 0) >= 2 and counts.get("h2", 0) >= 2, counts
+    with pytest.raises(openai.AuthenticationError):
+        client("wrong").chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    per_node = get(urllib.request.Request(f"http://{ADDR['h2']}:{PORT + 1}/v1/models", headers={"Authorization": "Bearer wrong"}))
+    assert per_node[0] == 401  # a client that goes round the front meets the same keys
+    # no file on the shared folder (the export, the step configurations, the job's output) holds a key
+    shared = [p for p in [*(WORK / f"export-{tmp_path.name}").rglob("*"), *(WORK / f"vsup-{job}").rglob("*"),
+                          WORK / f"job-{job}.out"] if p.is_file()]
+    assert len(shared) >= 5, shared
+    for path in shared:
+        assert not [key for key in KEYS.values() if key in path.read_text()], path
+    # each host's node-local folder is mktemp's, 0700, and holds the pid files
+    folders = {host: local_folder(job, host) for host in ADDR}
+    for host, folder in folders.items():
+        assert re.fullmatch(rf"/tmp/vsup-{job}\.\w{{8}}", folder), folder
+        assert in_host(host, "stat", "-c", "%a %U", folder).split() == ["700", "root"]
+
+    vsup_pid = in_host("h2", "cat", f"{folders['h2']}/pids/node0.pid").strip()
     os.kill(int(vsup_pid), 9)
-    wait_until(lambda: re.search(r'vsup_instance_ready\{instance="http://h2:\d+"\} 0\.0', front("/metrics")[1]), 30,
+    wait_until(lambda: re.search(r'vsup_instance_ready\{instance="http://h2:\d+"\} 0\.0', front("/metrics", admin)[1]), 30,
                "the front proxy to eject h2")
-    api = client()
-    before = served_by_host(front("/metrics")[1])
+    api = client(KEYS["BOB_KEY"])
+    before = served_by_host(front("/metrics", admin)[1])
     for _ in range(6):
         reply = api.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
         assert reply.choices[0].message.content == "tok0 tok1"
-    after = served_by_host(front("/metrics")[1])
+    after = served_by_host(front("/metrics", admin)[1])
     assert after.get("h1", 0) - before.get("h1", 0) == 6 and after.get("h2", 0) == before.get("h2", 0), (before, after)
     sh(*STOPS["batch"], job)
     wait_gone(job)

@@ -93,11 +93,11 @@ def model_configs(pool: BackendPool, proxy_config: ProxyConfig, config: VsupConf
 
 
 async def serve(proxy_config: ProxyConfig, health: HealthConfig, pool: BackendPool, api_key: str | None,
-                models: dict[str, ProxyConfig] | None = None) -> None:
+                models: dict[str, ProxyConfig] | None = None, *, forward_key: bool = False) -> None:
     from vsup.proxy import ProxyServer
     from vsup.proxy.healthcheck import HealthChecker
 
-    server = ProxyServer(proxy_config, pool, api_key=api_key, models=models or None)
+    server = ProxyServer(proxy_config, pool, api_key=api_key, models=models or None, forward_key=forward_key)
     checker = HealthChecker(pool, interval=health.interval, timeout=health.timeout, failures=health.failures,
                             on_weight=server.set_weight)
     await server.start()
@@ -129,7 +129,10 @@ async def serve(proxy_config: ProxyConfig, health: HealthConfig, pool: BackendPo
                    "prefix cache (docs/proxy.md) [default: proxy.policy, round_robin].")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
               help="YAML file whose `proxy` and `health` sections are used (`model` may be absent).")
-def proxy_command(upstreams, host, port, api_key, policy, config_path) -> None:
+@click.option("--forward-key", is_flag=True, default=False,
+              help="Pass each client's Authorization on to the upstreams once checked: they are vsups that check the "
+                   "same keys (the front of an export). Without it a proxy with keys drops it.")
+def proxy_command(upstreams, host, port, api_key, policy, config_path, forward_key) -> None:
     """The proxy alone, in front of servers started elsewhere (health-checked on /health; other
     vsups on /ready, weighted by their ready instances)."""
     pool = build_pool(upstreams)
@@ -149,4 +152,4 @@ def proxy_command(upstreams, host, port, api_key, policy, config_path) -> None:
     logging.basicConfig(level=logging.INFO, handlers=[handler])
     from vsup.proxy.runloop import run
 
-    run(serve(proxy_config, health, pool, api_key or proxy_config.api_key, models))
+    run(serve(proxy_config, health, pool, api_key or proxy_config.api_key, models, forward_key=forward_key))

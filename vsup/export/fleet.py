@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 from vsup.config.schema import VsupConfig, parse_config
-from vsup.export import yamltext
+from vsup.export import keys, yamltext
 
 
 def model_slug(name: str) -> str:
@@ -14,13 +14,18 @@ def model_slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
+def front_proxy(cfg: VsupConfig) -> dict:
+    """The proxy section of a front's configuration: the user's, its keys by environment only."""
+    return keys.without_secrets(cfg.proxy.model_dump(mode="json", exclude_defaults=True), keys.key_vars(cfg.proxy))
+
+
 def front_config_text(cfg: VsupConfig, note: str) -> str:
-    """The front's configuration: the proxy (no key: with auth off it passes the client's
-    Authorization on, and each model's vsups check it), health (no warm-up: the front has no
-    instances), and each model's balancer keys (models[i].proxy), for `vsup proxy --config`."""
+    """The front's configuration: the proxy (its keys by environment only, export/keys.py; the
+    front checks them and passes the client's key on, `vsup proxy --forward-key`, to each model's
+    vsups, which check the same keys), health (no warm-up: the front has no instances), and each
+    model's balancer keys (models[i].proxy), for `vsup proxy --config`."""
     assert cfg.models is not None
-    proxy = {k: v for k, v in cfg.proxy.model_dump(mode="json", exclude_defaults=True).items() if k != "api_key"}
-    data: dict = {"proxy": {**proxy, "host": "0.0.0.0"}}
+    data: dict = {"proxy": {**front_proxy(cfg), "host": "0.0.0.0"}}
     health = cfg.health.model_dump(mode="json", exclude_defaults=True)
     health.pop("warmup", None)
     if health:

@@ -1,7 +1,8 @@
 """Kubernetes manifests for vsup and the kubelet configuration its nodes need, from the shape of
 one pod (export/pod.py). Pure: data in, objects and YAML text out.
 
-- a ConfigMap with the pod's vsup.yaml;
+- a ConfigMap with the pod's vsup.yaml, which names each key's environment variable (key_env)
+  but holds no key: the keys come from Secrets you create (NAME-api-key, NAME-api-keys);
 - a StatefulSet of identical pods, each one NUMA node's share: Guaranteed QoS (requests ==
   limits, whole CPUs in multiples of the SMT width), memory from the plan, /dev/shm as a
   memory-backed emptyDir with a size limit (charged to the pod, so counted in its memory),
@@ -24,9 +25,9 @@ import re
 from dataclasses import dataclass
 
 from vsup import __version__
-from vsup.config.schema import VsupConfig
+from vsup.config.schema import ProxyConfig, VsupConfig
 from vsup.errors import VsupError
-from vsup.export import yamltext
+from vsup.export import keys, yamltext
 from vsup.export.pod import CONFIG_DIR, CONFIG_FILE, MiB, PodShape
 from vsup.topology.cpulist import format_list
 from vsup.topology.model import Machine
@@ -111,9 +112,7 @@ def _labels(name: str) -> dict[str, str]:
 
 
 def _config_text(shape: PodShape) -> str:
-    config = dict(shape.config)
-    if "api_key" in config.get("proxy", {}):
-        config["proxy"] = {k: v for k, v in config["proxy"].items() if k != "api_key"}  # from a Secret instead
+    config = shape.config  # no key in it (pod_config): each comes from a Secret, by environment
     return yamltext.comment(
         f"vsup inside one pod: {shape.instances} instance(s) on one NUMA node's share "
         "(written by `vsup export kubernetes`; `vsup config --example --all` lists every key)"
@@ -129,9 +128,35 @@ def _config_map(name: str, config_text: str, file: str = CONFIG_FILE) -> dict:
     }
 
 
+def key_env(proxy: ProxyConfig, secrets: str) -> list[dict]:
+    """A container's environment of keys, each from a Secret you create, never the ConfigMap:
+    proxy.api_key as VSUP_API_KEY from `<secrets>-api-key` (key api-key), each named key as its
+    variable (key_env, export/keys.py) from `<secrets>-api-keys` (under the variable's name)."""
+    env = []
+    if proxy.api_key is not None:
+        env.append({"name": keys.API_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": f"{secrets}-api-key", "key": "api-key"}}})
+    env += [{"name": var.env, "valueFrom": {"secretKeyRef": {"name": f"{secrets}-api-keys", "key": var.env}}}
+            for var in keys.key_vars(proxy)]
+    return env
+
+
+def secret_steps(proxy: ProxyConfig, secrets: str, who: str) -> list[str]:
+    """The summary's lines on the Secrets to create (`who` reads them)."""
+    lines = []
+    if proxy.api_key is not None:
+        lines.append(f"proxy.api_key is read by {who} from the Secret {secrets}-api-key (key api-key), not the "
+                     f"ConfigMap: kubectl create secret generic {secrets}-api-key --from-literal=api-key=...")
+    variables = keys.key_vars(proxy)
+    if variables:
+        lines.append(f"proxy.api_keys are read by {who} from the Secret {secrets}-api-keys (one entry per key, named by "
+                     f"its variable), not the ConfigMap: kubectl create secret generic {secrets}-api-keys "
+                     + " ".join(f"--from-literal={var.env}=..." for var in variables))
+    return lines
+
+
 def _stateful_set(shape: PodShape, cfg: VsupConfig, *, name: str, image: str, replicas: int, config_text: str,
-                  secret: str | None = None) -> dict:
-    """`secret`: the Secret holding the API key (default NAME-api-key; a fleet's models share one)."""
+                  secrets: str | None = None) -> dict:
+    """`secrets`: the prefix of the Secrets holding the keys (default NAME; a fleet's models share them)."""
     resources = {"cpu": str(shape.cpus), "memory": quantity(shape.memory_bytes)}
     probe_timeout = max(1, math.ceil(cfg.health.timeout))
     mounts = [
@@ -161,9 +186,9 @@ def _stateful_set(shape: PodShape, cfg: VsupConfig, *, name: str, image: str, re
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SECONDS)]}}},
         "volumeMounts": mounts,
     }
-    if cfg.proxy.api_key is not None:
-        # the key stays out of the ConfigMap: vsup reads VSUP_API_KEY, from a Secret you create
-        container["env"] = [{"name": "VSUP_API_KEY", "valueFrom": {"secretKeyRef": {"name": secret or f"{name}-api-key", "key": "api-key"}}}]
+    env = key_env(cfg.proxy, secrets or name)
+    if env:
+        container["env"] = env
     digest = hashlib.sha256(config_text.encode()).hexdigest()[:16]
     return {
         "apiVersion": "apps/v1",
@@ -250,9 +275,7 @@ def _summary(machine: Machine, shape: PodShape, cfg: VsupConfig, *, name: str, i
         f"{NODE_LABEL[0]}={NODE_LABEL[1]}.",
         f"Image: {image} (build it from the repository's Dockerfile and push it where the nodes pull from).",
     ]
-    if cfg.proxy.api_key is not None:
-        lines.append(f"proxy.api_key is read from the Secret {name}-api-key (key api-key), not the ConfigMap: "
-                     f"kubectl create secret generic {name}-api-key --from-literal=api-key=...")
+    lines += secret_steps(cfg.proxy, name, "the pods")
     lines += [f"warning: {w}" for w in shape.warnings]
     return "\n".join(lines)
 

@@ -7,9 +7,10 @@ to every pod of that model. Pure: data in, objects and YAML text out.
   (the slug: the served name as a DNS label) and its headless Service, which publishes not-ready
   pods too: the front health-checks each pod on /ready itself and weights it by its ready instances;
 - the front: a ConfigMap with its front.yaml (the proxy and health sections, and each model's
-  balancer settings), a Deployment of `vsup proxy --upstream MODEL=http://POD.SERVICE:PORT ...`
+  balancer settings), a Deployment of `vsup proxy --forward-key --upstream MODEL=http://POD.SERVICE:PORT ...`
   (one upstream per pod: the front balances requests, not kube-proxy connections) and the
-  Service `<name>` clients connect to.
+  Service `<name>` clients connect to. The front checks the keys and passes the client's on to
+  the pods, which check the same keys; every key comes from the Secrets, none from a ConfigMap.
 The kubelet configuration is the single-model export's: it depends on the machine alone.
 """
 
@@ -38,8 +39,10 @@ from vsup.export.kubernetes import (
     _service,
     _stateful_set,
     check_name,
+    key_env,
     kubelet_configuration,
     quantity,
+    secret_steps,
 )
 from vsup.export.pod import CONFIG_DIR, PodShape, shape_pod
 from vsup.topology.cpulist import format_list
@@ -130,7 +133,7 @@ def export_kubernetes_fleet(machine: Machine, shapes: Sequence[tuple[ModelView, 
             (f"Model {view.name!r} ({view.key}): {replicas} pod(s), each one NUMA node's share of its CPUs.",
              _config_map(sts, config_text)),
             ("", _stateful_set(shape, view.config, name=sts, image=image, replicas=replicas, config_text=config_text,
-                               secret=f"{name}-api-key")),
+                               secrets=name)),
             (f"Model {view.name!r}: a stable DNS name per pod ({sts}-0.{sts}-pods), the front's upstreams.", headless),
         ]
         upstreams += [f"{view.name}=http://{sts}-{i}.{sts}-pods:{port}" for i in range(replicas)]
@@ -153,7 +156,8 @@ def export_kubernetes_fleet(machine: Machine, shapes: Sequence[tuple[ModelView, 
 def _front_deployment(cfg: VsupConfig, *, name: str, image: str, upstreams: list[str]) -> dict:
     labels = _labels(name)
     probe_timeout = max(1, math.ceil(cfg.health.timeout))
-    args = ["proxy", "--config", f"{CONFIG_DIR}/{FRONT_FILE}"]
+    # it checks the keys and passes the client's on to the pods, which check the same keys
+    args = ["proxy", "--forward-key", "--config", f"{CONFIG_DIR}/{FRONT_FILE}"]
     for upstream in upstreams:
         args += ["--upstream", upstream]
     container = {
@@ -170,6 +174,9 @@ def _front_deployment(cfg: VsupConfig, *, name: str, image: str, upstreams: list
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SECONDS)]}}},
         "volumeMounts": [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}],
     }
+    env = key_env(cfg.proxy, name)
+    if env:
+        container["env"] = env
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -211,8 +218,6 @@ def _summary(machine: Machine, shapes: Sequence[tuple[ModelView, PodShape]], cfg
         f"The nodes need kubelet-config.yaml (see its steps) and the label {NODE_LABEL[0]}={NODE_LABEL[1]}.",
         f"Image: {image} (build it from the repository's Dockerfile and push it where the nodes pull from).",
     ]
-    if cfg.proxy.api_key is not None:
-        lines.append(f"proxy.api_key is read by every model's pods from the Secret {name}-api-key (key api-key), not "
-                     f"the ConfigMaps: kubectl create secret generic {name}-api-key --from-literal=api-key=...")
+    lines += secret_steps(cfg.proxy, name, "the front and every model's pods")
     lines += [f"warning: {view.name}: {w}" for view, shape in shapes for w in shape.warnings]
     return "\n".join(lines)

@@ -27,6 +27,7 @@ import yaml
 
 from vsup.config.schema import VsupConfig, parse_config
 from vsup.errors import VsupError
+from vsup.export import keys
 from vsup.topology.errors import PlanError
 from vsup.topology.model import EFFICIENCY, Core, Machine
 from vsup.topology.plan_model import GiB, Plan, PlanSettings, format_gib
@@ -211,8 +212,11 @@ def share_config(cfg: VsupConfig, instances: int, weights_bytes: int | None, kv_
     """The user's configuration for a vsup that runs one NUMA node's share of the plan (a pod, a
     Slurm step): its instance count, the sizes the export was computed from written out (so the
     vsup there plans exactly that), no node list (it plans within the CPUs it is given), its proxy
-    listening beyond loopback (for a Service or a front proxy); then `overrides`, section by section."""
+    listening beyond loopback (for a Service or a front proxy), its keys by environment only
+    (export/keys.py: the file is shared); then `overrides`, section by section."""
     data = cfg.model_dump(mode="json", exclude_defaults=True)
+    if "proxy" in data:
+        data["proxy"] = keys.without_secrets(data["proxy"], keys.key_vars(cfg.proxy))
     data["instances"] = instances
     placement = data.setdefault("placement", {})
     placement.pop("nodes", None)

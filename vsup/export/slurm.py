@@ -9,7 +9,10 @@ reserved, in front of every per-node vsup of every host, weighted by their ready
 two-level layout (clients -> front proxy -> per-node vsup -> instances).
 
 Each step's configuration is written by the script itself (a heredoc), so the script is the only
-file to submit; its instance logs go to node-local /tmp/vsup-<job id>/node<N>.
+file to submit. No key is in it nor in those configurations (the folder is shared): they name the
+environment variable of each key (export/keys.py), which sbatch and srun pass on. Each host's pid
+files and instance logs go to a node-local folder made by `mktemp -d` (0700, a name no other user
+can take first), whose path the script keeps in the shared folder for that host's steps.
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ from dataclasses import dataclass
 from vsup.config.fleet import is_fleet, models_of
 from vsup.config.schema import VsupConfig, parse_config
 from vsup.errors import VsupError
-from vsup.export import yamltext
-from vsup.export.fleet import front_config_text, model_slug
+from vsup.export import keys, yamltext
+from vsup.export.fleet import front_config_text, front_proxy, model_slug
 from vsup.export.pod import instances_per_node, share_config
 from vsup.topology.cpulist import format_list
 from vsup.topology.model import Machine
@@ -57,10 +60,30 @@ def check_job_name(job_name: str) -> str:
     return job_name
 
 
-# Each vsup step records its pid in node-local /tmp, so that the trap can signal vsup alone.
+# This host's node-local folder, as the setup step recorded it in the shared one ($1: "$CONF/local").
+LOCAL = 'd=$(cat "$1/$SLURMD_NODENAME")'
+
+
+def _local_folders(hosts: int) -> list[str]:
+    """A step on every host that makes its node-local folder: `mktemp -d` (0700, a name no other
+    user can take first, unlike a fixed /tmp/vsup-<job id>), recorded by host name."""
+    return [
+        "# Each host's node-local folder for its vsups' pid files and instance logs: mktemp -d (0700, a name",
+        "# no other user can take first), its path kept in $CONF/local/<host> for that host's steps.",
+        'mkdir -p "$CONF/local"',
+        f"srun --nodes={hosts} --ntasks-per-node=1 --overlap --cpu-bind=none --job-name=vsup-local \\",
+        """     bash -c 'd=$(mktemp -d "/tmp/vsup-$SLURM_JOB_ID.XXXXXXXX") && mkdir "$d/pids" && echo "$d" >"$1/$SLURMD_NODENAME"' \\""",
+        '     vsup-local "$CONF/local"',
+        "",
+    ]
+
+
+# Each vsup step records its pid in the host's node-local folder, so that the trap can signal vsup alone.
 def _step(name: str) -> str:
-    """The words before a step's vsup command: record its pid in node-local /tmp, then exec it."""
-    return f"""bash -c 'mkdir -p "${{1%/*}}" && echo $$ >"$1" && exec "${{@:2}}"' vsup-step /tmp/vsup-{JOB_ID}/pids/{name}.pid"""
+    """The words before a step's vsup command: record its pid in the host's node-local folder and
+    keep its instance logs there (LOGS_DIRECTORY: log.dir's default), then exec it."""
+    return (f"""bash -c '{LOCAL} && echo $$ >"$d/pids/$2.pid" && LOGS_DIRECTORY="$d/$2" exec "${{@:3}}"'"""
+            f' vsup-step "$CONF/local" {name}')
 
 
 def _stop_trap(drain_s: int) -> list[str]:
@@ -75,7 +98,8 @@ def _stop_trap(drain_s: int) -> list[str]:
         "stop_vsups() {",
         "    echo \"vsup: TERM: draining every host's vsup\" >&2",
         '    srun --overlap --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --cpu-bind=none --job-name=vsup-stop \\',
-        "         bash -c 'for f in /tmp/vsup-$SLURM_JOB_ID/pids/*.pid; do kill -TERM \"$(cat \"$f\")\" || true; done' || true",
+        f"         bash -c '{LOCAL} && for f in \"$d\"/pids/*.pid; do kill -TERM \"$(cat \"$f\")\" || true; done' \\",
+        '         vsup-stop "$CONF/local" || true',
         "}",
         "trap stop_vsups TERM",
         "",
@@ -142,13 +166,8 @@ def export_slurm(machine: Machine, host_plan: Plan, cfg: VsupConfig, *, hosts: i
         'mkdir -p "$CONF"',
         "",
     ]
-    if cfg.proxy.api_key is not None:
-        lines += [
-            "# proxy.api_key: the per-node vsups read it from VSUP_API_KEY (sbatch passes the environment on), so it",
-            "# is in no file on the shared filesystem; the front proxy gets none (it passes Authorization on)",
-            ': "${VSUP_API_KEY:?proxy.api_key is set: export VSUP_API_KEY=<the key> before sbatch}"',
-            "",
-        ]
+    lines += _key_checks(cfg)
+    lines += _local_folders(hosts)
     step_ports = []
     for position, step in enumerate(steps):
         insts = step.instances
@@ -158,10 +177,9 @@ def export_slurm(machine: Machine, host_plan: Plan, cfg: VsupConfig, *, hosts: i
             "placement": {"reserve_cores": 0},  # the step's mask holds its instances' CPUs only
             "vllm": {"base_port": insts[0].port},
             "proxy": {"port": port},
-            "log": {"dir": f"/tmp/vsup-{JOB_ID}/{step.name}"},
         })
-        # the key comes by environment (VSUP_API_KEY, required at the top of the script), never into a file on the shared filesystem
-        for section, key in (("control", "socket"), ("proxy", "api_key")):
+        # the node-local folder's: LOGS_DIRECTORY (_step) and the default socket
+        for section, key in (("log", "dir"), ("control", "socket")):
             config.get(section, {}).pop(key, None)
         text = yamltext.comment(f"vsup for {step.title} of every host: {len(insts)} instance(s), proxy on port {port}") + yamltext.dump(config)
         parse_config(text.replace(JOB_ID, "1"), f"the step configuration of {step.title}")
@@ -182,10 +200,7 @@ def export_slurm(machine: Machine, host_plan: Plan, cfg: VsupConfig, *, hosts: i
         weighting = "# The front proxy, on the first host (on the core the plan reserved), routing by the request's model to\n" \
                     "# that model's vsups, weighting each by the instances its /ready reports (0: out of rotation)."
     else:
-        # No key on the front: with auth off it passes the client's Authorization on, and the per-node
-        # vsups check it (a front with the key would strip it and every request would get their 401).
-        front_proxy = {k: v for k, v in cfg.proxy.model_dump(mode="json", exclude_defaults=True).items() if k != "api_key"}
-        front = {"proxy": {**front_proxy, "host": "0.0.0.0"}, "health": cfg.health.model_dump(mode="json", exclude_defaults=True)}
+        front = {"proxy": {**front_proxy(cfg), "host": "0.0.0.0"}, "health": cfg.health.model_dump(mode="json", exclude_defaults=True)}
         front = {section: values for section, values in front.items() if values}
         front_text = yamltext.comment("the front proxy: every per-node vsup of every host behind one endpoint") + yamltext.dump(front)
         parse_config(front_text, "the front proxy's configuration", require_model=False)
@@ -204,7 +219,8 @@ def export_slurm(machine: Machine, host_plan: Plan, cfg: VsupConfig, *, hosts: i
         "done",
         'first=${hosts[0]}',
         f'srun --nodes=1 --ntasks=1 --nodelist="$first" --overlap --cpu-bind={bind} --job-name=vsup-front \\',
-        f'     {_step("front")} env -u VSUP_API_KEY "$VSUP" proxy --config "$CONF/front.yaml" "${{upstreams[@]}}" &',
+        # the front checks the same keys and passes the client's on (--forward-key): the per-node vsups check it too
+        f'     {_step("front")} "$VSUP" proxy --forward-key --config "$CONF/front.yaml" "${{upstreams[@]}}" &',
         f'echo "vsup: clients connect to http://$first:{cfg.proxy.port}" >&2',
         "",
         "# Wait for the steps; after a TERM (the trap above) wait again until every vsup has drained, so the",
@@ -212,6 +228,21 @@ def export_slurm(machine: Machine, host_plan: Plan, cfg: VsupConfig, *, hosts: i
         "until wait; do :; done",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _key_checks(cfg: VsupConfig) -> list[str]:
+    """The script stops before any step unless every key's variable is set: sbatch and srun pass
+    the environment on to every vsup, so no key is written on the shared filesystem."""
+    variables = keys.key_vars(cfg.proxy)
+    if not keys.has_keys(cfg.proxy):
+        return []
+    lines = ["# The keys come by environment (sbatch and srun pass it on to every vsup), never into a file on the",
+             "# shared filesystem: the step configurations name each key's variable (key_env)."]
+    if cfg.proxy.api_key is not None:
+        lines.append(f': "${{{keys.API_KEY_ENV}:?proxy.api_key is set: export {keys.API_KEY_ENV}=<the key> before sbatch}}"')
+    lines += [f': "${{{var.env}:?{var.entry} ({var.name}) is read from {var.env}: export {var.env}=<its key> before sbatch}}"'
+              for var in variables]
+    return [*lines, ""]
 
 
 def _summary(machine: Machine, host_plan: Plan, cfg: VsupConfig, steps: tuple[Step, ...], hosts: int) -> str:

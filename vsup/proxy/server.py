@@ -77,8 +77,12 @@ class ProxyServer:
     (routing.py). None or empty: one balancer over every ready instance."""
 
     def __init__(self, config: ProxyConfig, pool: BackendPool, *, api_key: str | None = None,
-                 models: Mapping[str, ProxyConfig] | None = None, clock: Clock | None = None) -> None:
+                 models: Mapping[str, ProxyConfig] | None = None, clock: Clock | None = None,
+                 forward_key: bool = False) -> None:
         self.config = config
+        # a front whose upstreams are vsups checking the same keys passes the client's key on to
+        # them; any other proxy drops the Authorization it checked (vLLM has no use for it)
+        self._forward_key = forward_key
         self.pool = pool
         # every time limit of the proxy runs on this clock (clock.py); None: the event loop's
         self._clock = clock
@@ -132,7 +136,7 @@ class ProxyServer:
         self.metrics.client_connections = lambda: self._clients.open if self._clients else 0
         self._forwarder = Forwarder(
             config, self.pool, self._balancer, self._client, self.metrics, self._clients,
-            drop_authorization=self._auth.enabled, clock=self._clock,
+            drop_authorization=self._auth.enabled and not self._forward_key, clock=self._clock,
         )
         self._forwarder.router = self._router
         self._set_gate(config, self._model_configs)
@@ -301,7 +305,7 @@ class ProxyServer:
         if self._forwarder is not None:
             self._forwarder.config = config
             self._forwarder.balancer = self._balancer
-            self._forwarder.drop_authorization = self._auth.enabled
+            self._forwarder.drop_authorization = self._auth.enabled and not self._forward_key
 
     def add_page(self, path: str, handler: PageHandler) -> None:
         """Answer GET `path` here with `handler(request, auth)` (vsup run's /status page); the auth
