@@ -15,6 +15,7 @@ from vsup.config.fleet import is_fleet, models_of, view_of
 from vsup.config.schema import VsupConfig, load_config, where
 from vsup.config.tune_settings import LocatedSettings, load_tune_settings
 from vsup.errors import VsupError
+from vsup.ownfiles import own_folder
 
 
 def _list(item, expected: str):
@@ -165,7 +166,7 @@ def tune_command(config_path, settings_path, model_name, objective, slo, workloa
         workload_origin="--workload" if workload else where(t, "workload"), cpus=cpus,
     )
     if not dry_run:  # before anything is measured: a search must not end in an unwritable report
-        check_writable(options.report_dir, "--report", folder=True)
+        own_folder(options.report_dir, "--report")  # vsup's own: created 0700, or refused if another user could write it
         if options.write_config:
             check_writable(options.write_config, "--write-config", folder=False)
     # piped output (a log, CI) gets the whole table instead of 80 columns of wrapped cells
