@@ -166,9 +166,10 @@ def tune_command(config_path, settings_path, model_name, objective, slo, workloa
         workload_origin="--workload" if workload else where(t, "workload"), cpus=cpus,
     )
     if not dry_run:  # before anything is measured: a search must not end in an unwritable report
-        own_folder(options.report_dir, "--report")  # vsup's own: created 0700, or refused if another user could write it
+        check_writable(options.report_dir, "--report", folder=True)
         if options.write_config:
             check_writable(options.write_config, "--write-config", folder=False)
+        own_folder(options.report_dir, "--report")  # vsup's own: created 0700, or refused if another user could write it
     # piped output (a log, CI) gets the whole table instead of 80 columns of wrapped cells
     console, out = Console(stderr=True), Console(width=None if sys.stdout.isatty() else 220)
     # SIGTERM ends a tune like Ctrl-C: the candidate running is stopped, the results so far stay
