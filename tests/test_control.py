@@ -113,14 +113,14 @@ def config_for(port: int, socket: str | None = None) -> VsupConfig:
     return VsupConfig.model_validate({"model": "m", "proxy": {"port": port}, "control": {"socket": socket}})
 
 
-def test_candidates_are_the_units_runtime_dir_the_users_private_dir_then_the_installed_unit(tmp_path):
+def test_candidates_are_the_units_runtime_dir_the_installed_unit_then_the_users_private_dir(tmp_path):
     environ = {"TMPDIR": str(tmp_path)}
     assert control.socket_candidates(config_for(8001), environ) == [
-        (tmp_path / f"vsup-{os.getuid()}" / "control-8001.sock", True), (control.SYSTEMD_DEFAULT, False)]
+        (control.SYSTEMD_DEFAULT, False), (tmp_path / f"vsup-{os.getuid()}" / "control-8001.sock", True)]
     assert control.socket_candidates(config_for(8001), {**environ, "RUNTIME_DIRECTORY": "/run/vsup"}) == [
         (Path("/run/vsup/control.sock"), True), (tmp_path / f"vsup-{os.getuid()}" / "control-8001.sock", True)]
     assert control.socket_candidates(config_for(8001, "/srv/v.sock"), environ) == [(Path("/srv/v.sock"), True)]
-    assert control.socket_candidates(None, environ)[-1] == (control.SYSTEMD_DEFAULT, True)
+    assert control.socket_candidates(None, environ)[0] == (control.SYSTEMD_DEFAULT, True)
 
 
 @pytest.fixture
@@ -144,8 +144,8 @@ async def test_a_root_shell_finds_the_service_in_its_runtime_directory(tmp_path,
         with pytest.raises(VsupError) as err:
             await asyncio.to_thread(control.find_socket, None, config_for(8001), environ)
         private = tmp_path / f"vsup-{os.getuid()}" / "control-8001.sock"
-        assert str(err.value) == (f"vsup is not running: no control socket answers at {private} (no such socket), "
-                                  f"{unit_socket} (a vsup with proxy port 8000, not 8001); if it runs with another "
+        assert str(err.value) == (f"vsup is not running: no control socket answers at {unit_socket} (a vsup with proxy "
+                                  f"port 8000, not 8001), {private} (no such socket); if it runs with another "
                                   "proxy.port or control.socket, pass --config FILE or --socket PATH")
     finally:
         await server.stop()
@@ -163,5 +163,5 @@ async def test_a_stale_socket_is_passed_over_and_named(tmp_path, unit_socket):
         assert await asyncio.to_thread(control.find_socket, None, None, {"TMPDIR": str(tmp_path)}) == unit_socket
     finally:
         await server.stop()
-    with pytest.raises(VsupError, match=r"control-8000\.sock \(does not answer: Connection refused\), .*control\.sock \(no such socket\)"):
+    with pytest.raises(VsupError, match=r"control\.sock \(no such socket\), .*control-8000\.sock \(does not answer: Connection refused\)"):
         control.find_socket(None, None, {"TMPDIR": str(tmp_path)})

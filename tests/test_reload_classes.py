@@ -124,7 +124,8 @@ FIXED_CHANGES = {"proxy.host": {"proxy": {"host": "127.0.0.2"}}, "proxy.port": {
                  "proxy.max_body_buffer": {"proxy": {"max_body_buffer": 64 * 1024 * 1024}},
                  "proxy.max_connections": {"proxy": {"max_connections": 3}},
                  "log.max_bytes": {"log": {"max_bytes": 8192}}, "log.backups": {"log": {"backups": 1}},
-                 "log.echo": {"log": {"echo": True}}, "vllm.listen": {"vllm": {"listen": "tcp"}}}
+                 "log.echo": {"log": {"echo": True}}, "log.group": {"log": {"group": "65534"}},
+                 "vllm.listen": {"vllm": {"listen": "tcp"}}}
 
 
 async def test_fixed_keys_are_refused_and_start_keys_are_reported_not_applied(fleet, tmp_path):

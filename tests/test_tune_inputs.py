@@ -156,14 +156,15 @@ def test_a_folder_the_user_cannot_write_is_refused_before_measuring(shared_dir, 
     config.write_text("model: m\nplacement:\n  model_size_gib: 0.25\n")
     config.chmod(0o644)
     target = shared_dir / ("report" if flag == "--report" else "tuned.yaml")
-    args = ["--report", str(target)] if flag == "--report" else ["--report", "/tmp/", "--write-config", str(target)]
+    unmade = Path(f"/tmp/vsup-tune-unmade-{os.getpid()}")  # (a --report uid 65534 could make: never made here)
+    args = ["--report", str(target)] if flag == "--report" else ["--report", str(unmade), "--write-config", str(target)]
     out = subprocess.run([*need_nobody_running(VSUP), "tune", "-c", str(config),
                           "--no-roofline", *args], capture_output=True, text=True, timeout=60, cwd="/", stdin=subprocess.DEVNULL,
                          env={**os.environ, "HOME": "/nonexistent"})
     assert out.returncode == 2, out.stderr[-3000:]
     assert out.stderr == f"vsup: error: {flag} {target}: {shared_dir} is not writable by this user; " \
                          f"choose {'a folder' if flag == '--report' else 'a file'} path you can write\n", out.stderr
-    assert list(shared_dir.iterdir()) == [config]
+    assert list(shared_dir.iterdir()) == [config] and not unmade.exists()
 
 
 def test_a_server_without_tokenize_is_named_not_a_traceback(tuning):

@@ -11,6 +11,7 @@ import click
 from vsup.safetext import printable
 from vsup.supervisor.control import request
 
+from .answers import ReloadAnswer, checked
 from .options import format_option
 from .rollout_view import render_rollout
 from .status import config_option, socket_for, socket_option
@@ -36,7 +37,7 @@ def reload_command(no_wait: bool, config_path: str | None, socket_path: str | No
     # a --config that cannot say where its vsup listens is its one-line error (exit 2): never a
     # guess at the default sockets, where another vsup may be the one that answers
     path = socket_for(config_path, socket_path)
-    data = asyncio.run(request(path, "POST", "/reload", {"wait": not no_wait}))
+    data = checked(ReloadAnswer, asyncio.run(request(path, "POST", "/reload", {"wait": not no_wait})), path, "/reload")
     record = data["rollout"]
     if output_format == "json":
         click.echo(json.dumps(record, indent=2))

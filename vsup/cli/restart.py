@@ -12,6 +12,7 @@ from vsup.errors import VsupError
 from vsup.safetext import printable
 from vsup.supervisor.control import request
 
+from .answers import RestartAnswer, checked
 from .options import format_option
 from .status import config_option, render_instances, socket_for, socket_option
 
@@ -46,7 +47,7 @@ def restart_command(target: str, rolling: bool, no_wait: bool, config_path: str 
     """
     body = {"target": parse_target(target), "rolling": rolling, "wait": not no_wait}
     path = socket_for(config_path, socket_path)
-    data = asyncio.run(request(path, "POST", "/restart", body))
+    data = checked(RestartAnswer, asyncio.run(request(path, "POST", "/restart", body)), path, "/restart")
     if output_format == "json":
         click.echo(json.dumps(data, indent=2))
     else:

@@ -16,6 +16,7 @@ from vsup.safetext import printable
 from vsup.supervisor.control import find_socket, request
 from vsup.topology.cpulist import format_list
 
+from .answers import StatusAnswer, checked
 from .options import format_option
 
 config_option = click.option("--config", "-c", "config_path", type=click.Path(dir_okay=False, exists=True),
@@ -106,7 +107,7 @@ def status_command(config_path: str | None, socket_path: str | None, output_form
     """Show each instance of the running vsup: state, start phase, pid, address (socket or port), CPUs, uptime, restarts, placement,
     tokens/s (last minute), requests running/waiting, KV-cache use, CPU %, RSS, node-local memory, last exit."""
     path = socket_for(config_path, socket_path)
-    data = asyncio.run(request(path, "GET", "/status", timeout=10))
+    data = checked(StatusAnswer, asyncio.run(request(path, "GET", "/status", timeout=10)), path, "/status")
     if output_format == "json":
         click.echo(json.dumps(data, indent=2))
         return

@@ -34,6 +34,7 @@ from vsup.safetext import printable
 from vsup.supervisor.control import request
 from vsup.topology.cpulist import format_list
 
+from .answers import StatusAnswer, checked
 from .status import config_option, placement_word, socket_for, socket_option
 
 STATE_STYLES = {"ready": "bold green", "starting": "yellow", "backoff": "yellow", "stopping": "yellow",
@@ -175,7 +176,7 @@ def keys(stream) -> Iterator[Callable[[float], str | None]]:
 
 
 def fetch(path) -> dict:
-    return asyncio.run(request(path, "GET", "/status", timeout=5))
+    return checked(StatusAnswer, asyncio.run(request(path, "GET", "/status", timeout=5)), path, "/status")
 
 
 @click.command("top")

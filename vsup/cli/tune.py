@@ -15,6 +15,7 @@ from vsup.config.fleet import is_fleet, models_of, view_of
 from vsup.config.schema import VsupConfig, load_config, where
 from vsup.config.tune_settings import LocatedSettings, load_tune_settings
 from vsup.errors import VsupError
+from vsup.ownfiles import own_folder
 
 
 def _list(item, expected: str):
@@ -168,6 +169,7 @@ def tune_command(config_path, settings_path, model_name, objective, slo, workloa
         check_writable(options.report_dir, "--report", folder=True)
         if options.write_config:
             check_writable(options.write_config, "--write-config", folder=False)
+        own_folder(options.report_dir, "--report")  # vsup's own: created 0700, or refused if another user could write it
     # piped output (a log, CI) gets the whole table instead of 80 columns of wrapped cells
     console, out = Console(stderr=True), Console(width=None if sys.stdout.isatty() else 220)
     # SIGTERM ends a tune like Ctrl-C: the candidate running is stopped, the results so far stay

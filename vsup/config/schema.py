@@ -284,7 +284,8 @@ class StopConfig(_Section):
 
 
 class LogConfig(_Section):
-    dir: Path | None = Field(None, strict=False, description="per-instance rotating logs <dir>/i<N>.log; null: ./vsup-logs, or $LOGS_DIRECTORY (/var/log/vsup) under systemd", json_schema_extra=basic('instance logs; null: ./vsup-logs (systemd: /var/log/vsup)', fixed("the instances' log files are open")))
+    dir: Path | None = Field(None, strict=False, description="per-instance rotating logs <dir>/i<N>.log, in a folder of vsup's own user that no one else may write (created 0700, files 0600; an existing folder of another user or writable by group or others is refused); null: $LOGS_DIRECTORY (/var/log/vsup) under systemd, else $XDG_STATE_HOME/vsup/logs (~/.local/state/vsup/logs)", json_schema_extra=basic('null: ~/.local/state/vsup/logs (systemd: /var/log/vsup)', fixed("the instances' log files are open")))
+    group: str | None = Field(None, description="a group (name or number) that may read the instance logs: the folder becomes 0750 and the files 0640 of that group (vsup's user must be a member, or root); null: private to vsup's user", json_schema_extra=fixed("the instances' log files are open"))
     max_bytes: int = Field(50 * MiB, ge=4096, description="rotate an instance log at this size", json_schema_extra=fixed("the instances' log files are open"))
     backups: int = Field(5, ge=0, description="rotated files kept per instance", json_schema_extra=fixed("the instances' log files are open"))
     echo: bool = Field(True, description="copy instance output to vsup's own log, prefixed [i<N>]", json_schema_extra=fixed("the instances' log files are open"))

@@ -19,10 +19,11 @@ and only this user (or root) may connect.
 
 Where the client looks (`find_socket`): `--socket`; else, with `control.socket` set, there; else
 the first that answers of `$RUNTIME_DIRECTORY/control.sock` (a command run by the unit, e.g.
-ExecReload=), the private `control-<proxy.port>.sock` of this user, and the installed unit's
-`/run/vsup/control.sock` (RuntimeDirectory=vsup: a root shell beside the service) — that one only
-when its vsup serves the config's proxy port. Nothing answering is one line naming every place
-looked at and what was found there.
+ExecReload=), the installed unit's `/run/vsup/control.sock` (RuntimeDirectory=vsup: a root shell
+beside the service) — with --config only when its vsup serves the config's proxy port —, and the
+private `control-<proxy.port>.sock` of this user. Nothing answering is one line naming every place
+looked at and what was found there. A socket another user could have put there (trust.py: not
+the caller's, root's or a systemd runtime directory's) is never talked to, wherever it was found.
 
 The server replaces only a stale socket (one that refuses connections: a killed vsup's) at its
 path; anything else there (a file, a directory, a symlink) is refused, and at stop it removes
@@ -50,6 +51,7 @@ from aiohttp import web
 from vsup.config.schema import VsupConfig
 from vsup.errors import VsupError
 from vsup.supervisor.rundir import ensure_private, private_dir, systemd_dir
+from vsup.supervisor.trust import socket_trust_problem
 
 logger = logging.getLogger("vsup.supervisor")
 
@@ -142,7 +144,12 @@ def socket_problem(path: Path) -> str | None:
         return "permission denied: run as the service's user or root"
     except OSError as exc:
         return exc.strerror or str(exc)
-    return None if stat.S_ISSOCK(found.st_mode) else f"not a socket but {file_type(found.st_mode)}"
+    if not stat.S_ISSOCK(found.st_mode):
+        return f"not a socket but {file_type(found.st_mode)}"
+    try:
+        return socket_trust_problem(path)
+    except OSError as exc:
+        return exc.strerror or str(exc)
 
 
 class ControlServer:
@@ -304,9 +311,11 @@ def socket_candidates(config: VsupConfig | None, environ: Mapping[str, str] = os
     runtime = _runtime_socket(environ)
     if runtime is not None:
         found.append((runtime, True))
-    found.append((private_dir(environ) / f"control-{port}.sock", True))
+    # the installed unit's vsup before this user's private one: a /tmp/vsup-<uid> may have been
+    # made by another user before this one ever ran vsup (socket_problem refuses what is theirs)
     if SYSTEMD_DEFAULT not in [path for path, _ in found]:
         found.append((SYSTEMD_DEFAULT, config is None))
+    found.append((private_dir(environ) / f"control-{port}.sock", True))
     return found
 
 
@@ -367,7 +376,8 @@ async def request(path: Path, method: str, route: str, body: Any = None, timeout
             async with session.request(method, f"http://vsup{route}", json=body) as response:
                 data = await response.json(content_type=None)
                 if response.status != 200:
-                    raise VsupError(data.get("error") if isinstance(data, dict) else f"HTTP {response.status}")
+                    error = data.get("error") if isinstance(data, dict) else None
+                    raise VsupError(error if isinstance(error, str) else f"the control socket {path} answered HTTP {response.status}")
                 return data
     except aiohttp.ClientConnectorError as exc:
         if isinstance(exc.os_error, PermissionError):

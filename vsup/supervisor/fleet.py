@@ -17,28 +17,22 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
-from collections.abc import Iterator, Mapping
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Protocol
 
 from vsup.config.schema import VsupConfig, spare_base_port
+from vsup.ownfiles import group_id
 from vsup.proxy.backends import Backend, BackendPool
 from vsup.supervisor.control import describe_indexes
 from vsup.supervisor.launch import build_command, instance_url, kv_events_endpoint, model_config
 from vsup.supervisor.lifecycle import Instance
 from vsup.supervisor.logs import InstanceLog
 from vsup.supervisor.operations import Operations
+from vsup.supervisor.rundir import default_log_dir
 from vsup.supervisor.states import State, Transition
 from vsup.topology.plan_model import InstancePlan, Plan
 
 logger = logging.getLogger("vsup.supervisor")
-
-
-def default_log_dir(environ: Mapping[str, str] = os.environ) -> Path:
-    """systemd's LogsDirectory= (e.g. /var/log/vsup) when set, else ./vsup-logs."""
-    logs = environ.get("LOGS_DIRECTORY", "").split(":")[0]
-    return Path(logs) if logs else Path("vsup-logs")
 
 
 class Members:
@@ -141,7 +135,7 @@ class Fleet:
         directory = log_config.dir if log_config.dir is not None else default_log_dir(owner.environ)
         log = InstanceLog(
             f"i{name}", directory, max_bytes=log_config.max_bytes, backups=log_config.backups,
-            echo=log_config.echo, logger=logging.getLogger("vsup.instance"),
+            echo=log_config.echo, logger=logging.getLogger("vsup.instance"), group=group_id(log_config.group, "log.group"),
         )
         instance = Instance(plan.index, argv, env, port=port, url=url, config=config, log=log, ops=owner.ops,
                             on_transition=owner.on_transition, name=name, in_flight=lambda: owner.in_flight(name),

@@ -18,9 +18,10 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import BinaryIO
+from typing import IO, Literal
 
 from vsup.errors import VsupError
+from vsup.ownfiles import modes, open_binary, own_folder, why
 from vsup.safetext import printable
 
 MAX_LINE = 64 * 1024
@@ -100,6 +101,8 @@ class InstanceLog:
     """Per-instance rotating log file + echo to vsup's logger with a `[name]` prefix.
 
     directory None: no file (echo only). backups 0: the file is emptied when it reaches max_bytes.
+    The folder must be vsup's own (created 0700, or 0750 for `group`: a gid); files are 0600
+    (0640 with a group), opened relative to the folder and never through a symlink.
     """
 
     def __init__(
@@ -111,6 +114,7 @@ class InstanceLog:
         backups: int,
         echo: bool,
         logger: logging.Logger,
+        group: int | None = None,
     ) -> None:
         if max_bytes < 1024:
             raise VsupError(f"log.max_bytes {max_bytes} is too small for a log file; use at least 1024 (the default is 50 MiB)")
@@ -122,23 +126,27 @@ class InstanceLog:
         self.echo = echo
         self.logger = logger
         self.path: Path | None = None
-        self._file: BinaryIO | None = None
+        self._file: IO[bytes] | None = None
         self._size = 0
         self._retry_at = 0.0
         self._warned = False
+        self._failure = ""
+        self._name = f"{name}.log"
         self._stamp = _Stamp()
+        self._dir_fd: int | None = None
+        self._mode = modes(group)[1]
+        self._group = group
         if directory is not None:
-            directory = Path(directory)
+            directory = own_folder(Path(directory), "log.dir", gid=group)
             try:
-                directory.mkdir(parents=True, exist_ok=True)
+                self._dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
             except OSError as exc:
-                raise VsupError(
-                    f"log.dir {str(directory)!r} cannot be created ({exc.strerror}); "
-                    "choose a writable directory or leave log.dir unset"
-                ) from None
+                raise VsupError(f"log.dir {str(directory)!r} cannot be opened ({why(exc)})") from None
             self.path = directory / f"{name}.log"
-            if self._open(self.path) is None:
-                raise VsupError(f"log file {str(self.path)!r} cannot be opened for writing; choose a writable log.dir")
+            if self._open() is None:
+                self.close()
+                raise VsupError(f"log file {str(self.path)!r} cannot be opened for writing ({self._failure}); "
+                                "choose a log.dir of vsup's own user")
 
     def line(self, stream: str, text: str) -> None:
         """One line (no trailing newline) from `stream` (stdout, stderr, or vsup's own notes)."""
@@ -175,6 +183,18 @@ class InstanceLog:
             self._fail(exc)
 
     def close(self) -> None:
+        """The file and the folder let go of for good: later lines go to the echo only."""
+        self._close_file()
+        if self._dir_fd is not None:
+            os.close(self._dir_fd)
+            self._dir_fd = None
+
+    # -- file handling -------------------------------------------------------------------------
+    # Every name is opened and renamed relative to the folder opened once (its descriptor), never
+    # through a symlink: nobody else may write the folder (own_folder), and if someone did, a link
+    # planted at a log's name is an error (the lines go to the echo), never a file written as root.
+
+    def _close_file(self) -> None:
         if self._file is not None:
             try:
                 self._file.close()
@@ -182,47 +202,51 @@ class InstanceLog:
                 pass
             self._file = None
 
-    # -- file handling -------------------------------------------------------------------------
+    def _open_name(self, name: str, how: Literal["a", "w"]) -> IO[bytes]:
+        return open_binary(name, how, dir_fd=self._dir_fd, mode=self._mode, gid=self._group)
 
-    def _open(self, path: Path) -> BinaryIO | None:
+    def _open(self) -> IO[bytes] | None:
         """The log file opened for appending (also `self._file`); None when it cannot be."""
         try:
-            self._file = open(path, "ab")
+            self._file = self._open_name(self._name, "a")
             self._size = self._file.tell()
         except OSError as exc:
             self._fail(exc)
         return self._file
 
-    def _reopen(self, path: Path) -> BinaryIO | None:
-        if time.monotonic() < self._retry_at:
+    def _reopen(self, path: Path) -> IO[bytes] | None:
+        if self._dir_fd is None or time.monotonic() < self._retry_at:
             return None
-        file = self._open(path)
+        file = self._open()
         if file is not None and self._warned:
             self._warned = False
             self.logger.info("[%s] writing %s again", self.name, path)
         return file
 
-    def _rotate(self, path: Path, file: BinaryIO) -> BinaryIO:
+    def _rotate(self, path: Path, file: IO[bytes]) -> IO[bytes]:
         """Close `file`, shift the backups, and return the new, empty log file."""
         file.close()
         self._file = None
+        name, folder = self._name, self._dir_fd
         if self.backups == 0:
-            self._file = open(path, "wb")
+            self._file = self._open_name(name, "w")
         else:
             for index in range(self.backups - 1, 0, -1):
-                older = Path(f"{path}.{index}")
-                if older.exists():
-                    os.replace(older, f"{path}.{index + 1}")
-            os.replace(path, f"{path}.1")
-            self._file = open(path, "ab")
+                try:  # rename acts on a link itself, never on what it points to
+                    os.replace(f"{name}.{index}", f"{name}.{index + 1}", src_dir_fd=folder, dst_dir_fd=folder)
+                except FileNotFoundError:
+                    pass
+            os.replace(name, f"{name}.1", src_dir_fd=folder, dst_dir_fd=folder)
+            self._file = self._open_name(name, "a")
         self._size = 0
         return self._file
 
     def _fail(self, exc: OSError) -> None:
         # Lines are dropped from the file (still echoed) until a retry works; one warning per outage.
-        self.close()
+        self._close_file()
+        self._failure = why(exc)
         self._retry_at = time.monotonic() + REOPEN_AFTER
         if not self._warned:
             self._warned = True
             self.logger.warning("[%s] cannot write %s (%s); output goes to the echo only, retrying every %gs",
-                                self.name, self.path, exc.strerror or exc, REOPEN_AFTER)
+                                self.name, self.path, self._failure, REOPEN_AFTER)

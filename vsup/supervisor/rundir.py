@@ -5,6 +5,10 @@ Under systemd (`RuntimeDirectory=vsup`) that is `$RUNTIME_DIRECTORY` (/run/vsup)
 a private directory of the user, `$TMPDIR/vsup-<uid>` or `/tmp/vsup-<uid>`, mode 0700 and checked
 on every use: in a shared /tmp another user could have created it first. systemd's runtime
 directory may be readable by others (RuntimeDirectoryMode), the instances' folder is 0700 always.
+
+The instances' logs (log.dir unset) go to systemd's `$LOGS_DIRECTORY` (/var/log/vsup) under the
+unit, else to this user's state folder, `$XDG_STATE_HOME/vsup/logs` (`~/.local/state/vsup/logs`;
+root's is /root/.local/state/vsup/logs): never the working directory, which others may write.
 """
 
 from __future__ import annotations
@@ -29,6 +33,29 @@ def systemd_dir(environ: Mapping[str, str] = os.environ) -> Path | None:
 
 def runtime_dir(environ: Mapping[str, str] = os.environ) -> Path:
     return systemd_dir(environ) or private_dir(environ)
+
+
+def default_log_dir(environ: Mapping[str, str] = os.environ) -> Path:
+    """Where the instances' logs go when log.dir is unset (see the module docstring)."""
+    logs = environ.get("LOGS_DIRECTORY", "").split(":")[0]
+    if logs:
+        return Path(logs)
+    state = environ.get("XDG_STATE_HOME", "")
+    if os.path.isabs(state):  # (the XDG rule: a relative value is ignored)
+        return Path(state) / "vsup" / "logs"
+    home = environ.get("HOME") or _home_of_user()
+    if not home or not os.path.isabs(home):
+        raise VsupError("log.dir is unset and this user has no home folder for vsup's state (HOME); set log.dir")
+    return Path(home) / ".local" / "state" / "vsup" / "logs"
+
+
+def _home_of_user() -> str | None:
+    import pwd
+
+    try:
+        return pwd.getpwuid(os.geteuid()).pw_dir
+    except KeyError:
+        return None
 
 
 def ensure_private(directory: Path, what: str, alternative: str) -> None:

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vsup.ownfiles import open_binary
 from vsup.safetext import printable
 from vsup.tune.objective import Objective, _geomean, format_seconds
 from vsup.tune.search import Outcome, SearchResult
@@ -171,7 +172,8 @@ def chart(result: SearchResult, path: Path, title: str) -> Path:
         ax.legend(fontsize=8)
     fig.suptitle(title.replace("$", r"\$"))  # a $ would start matplotlib's mathtext
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with open_binary(path, "w") as f:  # never through a link planted at its name
+        fig.savefig(f, dpi=110, format="png")
     plt.close(fig)
     return path
 

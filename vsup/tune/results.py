@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from vsup.errors import VsupError
+from vsup.ownfiles import open_read, open_text, own_folder, why, write_text
 from vsup.tune.metrics import LevelMetrics
 from vsup.tune.search import Outcome
 
@@ -87,9 +88,10 @@ class ResultsFile:
     def read(self) -> list[tuple[int, dict[str, Any]]]:
         """(line number, entry) of every line; a line that is not one is a VsupError naming it."""
         try:
-            lines = self.path.read_bytes().splitlines()
+            with open_read(self.path) as f:
+                lines = f.read().splitlines()
         except OSError as exc:
-            raise VsupError(f"--resume: cannot read {self.path}: {exc.strerror or exc}") from None
+            raise VsupError(f"--resume: cannot read {self.path}: {why(exc)}") from None
         entries = []
         fix = "remove that line (its run is measured again) or start without --resume in another --report folder"
         for number, raw in enumerate(lines, 1):
@@ -113,6 +115,8 @@ class ResultsFile:
 
     def start(self, fingerprint: dict[str, Any], resume: bool) -> dict[tuple[str, str], Outcome]:
         """Fresh file, or (with resume) the recorded runs to replay. Refuses to overwrite without it."""
+        if self.path.is_symlink():  # planted there: vsup writes its files never through a link
+            raise VsupError(f"--report: {self.path} is a symlink, which vsup does not follow; remove it or choose another --report folder")
         if self.path.exists() and self.path.stat().st_size > 0:
             if not resume:
                 raise VsupError(f"--report: {self.path} holds an earlier run; --resume continues it, "
@@ -129,16 +133,12 @@ class ResultsFile:
             return {(e["candidate"], e["stage"]): outcome_from_json(e) for e in entries if e.get("type") == "run"}
         if resume:
             raise VsupError(f"--resume: nothing to resume: {self.path} does not exist")
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text("")
-        except OSError as exc:
-            raise VsupError(f"--report {self.path.parent}: cannot write {self.path.name} there ({exc.strerror or exc}); "
-                            "choose a folder you can write") from None
+        own_folder(self.path.parent, "--report")
+        write_text(self.path, "", "--report")
         self.append({"type": "tune", "fingerprint": fingerprint, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
         return {}
 
     def append(self, entry: dict[str, Any]) -> None:
-        with open(self.path, "a") as f:
+        with open_text(self.path, "a") as f:
             f.write(json.dumps(entry) + "\n")
             f.flush()

@@ -27,6 +27,7 @@ from pathlib import Path
 import psutil
 
 from vsup.errors import VsupError
+from vsup.ownfiles import open_binary
 from vsup.supervisor import control
 from vsup.supervisor.ports import port_is_free
 from vsup.supervisor.shm import files_in_use, remove_unused
@@ -73,7 +74,7 @@ class CandidateRun:
     # ---- start and stop ------------------------------------------------------------------------
 
     def __enter__(self) -> CandidateRun:
-        with open(self.log_path, "ab") as log:
+        with open_binary(self.log_path, "a") as log:  # in the report's folder: never through a link
             self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                          env=self.env, start_new_session=True)
         return self

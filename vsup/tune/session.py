@@ -27,6 +27,7 @@ from vsup.doctor.libs import IOMP_NAMES, TCMALLOC_NAMES, find_library, ldconfig_
 from vsup.doctor.vllm_env import probe_python, vllm_python
 from vsup.errors import VsupError
 from vsup.observe.bandwidth import cpus_per_node, cpus_per_node_of, measure_bandwidth
+from vsup.ownfiles import own_folder, write_text
 from vsup.safetext import printable
 from vsup.supervisor.launch import vllm_command
 from vsup.topology.cpulist import format_list
@@ -155,14 +156,12 @@ class Tune:
         proxy_port = free_port_run(1)
         while base_port <= proxy_port < base_port + cand.candidate.instances:
             proxy_port = free_port_run(1)
-        logs = self.o.report_dir / "logs" / name
-        logs.mkdir(parents=True, exist_ok=True)
+        logs = own_folder(self.o.report_dir / "logs" / name, "--report")
         sock = self.runtime / f"{abs(hash(name)) % 10**8}.sock"
         data = configs.for_measurement(configs.apply_candidate(self.o.data, cand.candidate, self.libraries),
                                        proxy_port=proxy_port, base_port=base_port, log_dir=str(logs), socket=str(sock))
-        path = self.o.report_dir / "candidates" / f"{cand.id}.yaml"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(configs.render(data, [f"vsup tune candidate {cand.id}: {cand.describe()}"]))
+        path = own_folder(self.o.report_dir / "candidates", "--report") / f"{cand.id}.yaml"
+        write_text(path, configs.render(data, [f"vsup tune candidate {cand.id}: {cand.describe()}"]), "--report")
         instances = cand.candidate.instances
         start_timeout = self.cfg.health.startup_timeout * (instances if self.cfg.start.mode != "parallel" else 1) + 30  # auto may stagger
         began = time.monotonic()
@@ -289,8 +288,8 @@ class Tune:
             f"machine: {len(self.machine.cpus_usable)} usable CPUs, {len(self.machine.cores)} cores, "
             f"{len(self.machine.cpu_nodes)} NUMA node(s)",
         ]
-        (self.o.report_dir / "summary.md").write_text(report.summary(result, table_rows, title=title, settings_lines=settings_lines,
-                                                                      bandwidth=self.bandwidth, chart_name=chart_name))
+        write_text(self.o.report_dir / "summary.md", report.summary(result, table_rows, title=title, settings_lines=settings_lines,
+                                                                    bandwidth=self.bandwidth, chart_name=chart_name), "--report")
         self.console.print(Text(f"report: {self.o.report_dir / 'summary.md'}" + (f", {self.o.report_dir / 'chart.png'}" if chart_name else "")))
         if result.best is None:
             self.console.print("[red]no candidate could be measured[/red] (see the failed rows and the logs)")
@@ -312,7 +311,8 @@ class Tune:
             comments[-1:] = [f"Model {self.model!r} alone, tuned on the CPUs the fleet plan gives it ({format_list(self.o.cpus)}):",
                              "copy instances, placement and vllm into its entry of models: (not reserve_cores: machine-wide).", ""]
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(configs.render(data, comments))
+        # a configuration to read and deploy: the usual mode (less the umask), but never through a link
+        write_text(path, configs.render(data, comments), "--write-config", mode=0o644, private=False)
         self.console.print(Text(f"wrote {path}"))  # a path may hold [brackets]: not markup
 
     def _candidate(self, cid: str) -> Candidate:
