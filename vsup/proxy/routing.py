@@ -259,11 +259,10 @@ class ModelRouter:
                 balancer_of[backend.model] = self.balancers[backend.model] = self._make(self.default, backend.model)
         owner_of = {name: name for name in balancer_of}
         aliases: dict[str, list[str]] = {}  # model -> its aliases
-        for name, claimed in self.names.items():
-            if claimed.model in balancer_of and name not in balancer_of:
+        for name, claimed in self.names.items():  # an adapter's route comes when an instance lists it
+            if claimed.kind == ALIAS and claimed.model in balancer_of and name not in balancer_of:
                 owner_of[name] = claimed.model
-                if claimed.kind == ALIAS:
-                    aliases.setdefault(claimed.model, []).append(name)
+                aliases.setdefault(claimed.model, []).append(name)
         for backend in backends:  # a learned name: the model it runs on (learn() kept only its own)
             for name in self.learned.get(backend.name, ()):
                 if name not in owner_of and backend.model in balancer_of:
