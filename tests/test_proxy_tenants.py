@@ -22,6 +22,7 @@ from vsup.errors import ConfigError
 from vsup.observe.page import status_page
 from vsup.proxy import ProxyServer
 from vsup.proxy.backends import Backend, BackendPool
+from vsup.proxy.routing import ModelRouter
 
 MODELS = {"a": ProxyConfig(), "b": ProxyConfig()}
 KEYS = [ApiKeyConfig(name="low", key="k-low", priority=-5), ApiKeyConfig(name="ops", key="k-ops", admin=True),
@@ -223,3 +224,21 @@ def test_admin_routes_with_named_keys_and_no_admin_key_refuse_to_start():
 def test_a_key_is_admin_or_metrics_not_both():
     with pytest.raises(ConfigError, match=r"set admin or metrics, not both"):
         parse_config("model: m\nproxy:\n  api_keys: [{name: x, key_env: X, admin: true, metrics: true}]\n")
+
+
+def test_an_adapter_the_config_gives_a_model_is_routed_only_once_its_instance_lists_it():
+    pool = BackendPool()
+    for name in ("a0", "b0"):
+        pool.add(Backend(name, f"http://127.0.0.1:1/{name}", name[0]))
+        pool.set_state(name, "ready", True)
+    router = ModelRouter(pool, ProxyConfig(), MODELS, {"sql": Name("b", "adapter"), "a-old": Name("a", ALIAS)})
+    assert router.pick("a-old", False).ready == (pool.get("a0"),)  # an alias: every instance of its model, at once
+    assert router.pick("sql", True).status == 404  # not listed yet: no route (a request waits for the lists)
+    assert router.learn("a0", ["a", "sql", "b"]) == {"a"}  # model a's instance cannot take b's names
+    assert router.learn("b0", ["b", "sql"]) == {"b", "sql"}
+    assert router.pick("sql", False).ready == (pool.get("b0"),) and router.pick("b", False).ready == (pool.get("b0"),)
+    assert router.adapter_refused(router.pick("a", False), "sql").status == 409
+    assert router.adapter_refused(router.pick("b", False), "sql") is None  # its own: vLLM says whether it is loaded
+    # a reload that gives the name to another model takes it from the instance that listed it
+    router.configure(ProxyConfig(), MODELS, {"sql": Name("a", "adapter")})
+    assert "sql" not in router.learned["b0"]
