@@ -154,8 +154,8 @@ class ModelRouter:
         for name in refused:
             if (backend, name) not in self.ignored:
                 self.ignored.add((backend, name))
-                log.warning("instance %s (model %s) lists the model name %s, which belongs to the model %r: not routed there "
-                            "and left out of /v1/models", backend, shown(model), shown(name), self.owner(name, besides=backend))
+                log.warning("instance %s (model %s) lists the model name %s, which belongs to the model %s: not routed there "
+                            "and left out of /v1/models", backend, shown(model), shown(name), shown(self.owner(name, besides=backend) or ""))
         return ids - refused if refused else ids
 
     def adapter_refused(self, route: Route | None, name: object) -> Response | None:
