@@ -14,6 +14,7 @@ import yaml
 
 from tests.lifecycle_fakes import FakeOps
 from tests.test_supervisor_inprocess import Fleet, fleet_fixture
+from vsup.config.names import ALIAS, Name
 from vsup.errors import VsupError
 from vsup.proxy import ProxyServer
 from vsup.supervisor import status as status_json
@@ -83,13 +84,13 @@ class RecordingProxy(ProxyServer):
     """The real proxy, remembering the per-model proxy sections the supervisor handed it (what it
     routes with is the proxy's business, tests/test_proxy_*)."""
 
-    def __init__(self, *args, models=None, **kwargs) -> None:
-        super().__init__(*args, models=models, **kwargs)
-        self.given = dict(models or {})
+    def __init__(self, *args, models=None, names=None, **kwargs) -> None:
+        super().__init__(*args, models=models, names=names, **kwargs)
+        self.given, self.names = dict(models or {}), dict(names or {})
 
-    def reconfigure(self, config, api_key, models=None) -> None:
-        super().reconfigure(config, api_key, models=models)
-        self.given = dict(models or {})
+    def reconfigure(self, config, api_key, models=None, names=None) -> None:
+        super().reconfigure(config, api_key, models=models, names=names)
+        self.given, self.names = dict(models or {}), dict(names or {})
 
 
 @pytest.fixture(autouse=True)
@@ -250,3 +251,17 @@ async def test_a_models_changed_args_replace_only_its_instances(fleet):
     assert [(s["index"], s["action"], s["why"]) for s in record["steps"]] == [(1, "replace", "command line +--dtype float32")]
     assert record["unchanged"] == [0] and f.by_model()["chat"] == chat_before
     assert f.sup.fleet.instances[1].argv[-2:] == ["--dtype", "float32"] and f.sup.fleet.instances[1].model == "embed"
+
+
+async def test_a_models_new_alias_replaces_only_its_instances_and_reaches_the_proxy(fleet):
+    f = await fleet()
+    chat_before = f.by_model()["chat"]
+    f.write(models=[CHAT, {**EMBED, "aliases": ["text-embedding-3-small"]}])
+    record = await f.run(f.sup.reload("vsup reload"))
+    assert record["state"] == "done", record
+    assert [(s["index"], s["action"]) for s in record["steps"]] == [(1, "replace")]
+    assert "+text-embedding-3-small" in record["steps"][0]["why"]
+    assert record["unchanged"] == [0] and f.by_model()["chat"] == chat_before
+    embed = f.sup.fleet.instances[1]
+    assert embed.argv[embed.argv.index("--served-model-name"):][:3] == ["--served-model-name", "embed", "text-embedding-3-small"]
+    assert f.sup.proxy.names == {"text-embedding-3-small": Name("embed", ALIAS)}

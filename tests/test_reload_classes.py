@@ -67,7 +67,7 @@ def test_what_reload_refuses_replans_and_maps_to_the_planner_comes_from_the_tabl
     assert set(rollout.FIXED_KEYS) == {k for k, e in RELOAD.items() if e.reload is Reload.FIXED}
     assert all(rollout.FIXED_KEYS.values())  # each refusal says why
     assert {"proxy.port", "proxy.max_connections", "control.socket", "log.dir"} <= set(rollout.FIXED_KEYS)
-    assert set(rollout.LAUNCH_SECTIONS) == {"model", "served_model_name", "instances", "placement", "vllm", "models"}
+    assert set(rollout.LAUNCH_SECTIONS) == {"model", "served_model_name", "aliases", "instances", "placement", "vllm", "models"}
     assert not any(k.startswith("tune.") for k in RELOAD)  # `vsup tune --settings FILE`: vsup/config/tune_settings.py
     assert {k for k, e in RELOAD.items() if e.reload is Reload.START} == {"start.mode"}
     # every planner setting named comes from a relaunch key and is a real PlanSettings field

@@ -23,6 +23,7 @@ import click
 
 from vsup.config.admission import resolved
 from vsup.config.fleet import is_fleet, models_of
+from vsup.config.names import Name, model_names
 from vsup.config.schema import HealthConfig, ProxyConfig, VsupConfig, load_config
 from vsup.errors import VsupError
 from vsup.proxy.backends import Backend, BackendPool
@@ -93,11 +94,13 @@ def model_configs(pool: BackendPool, proxy_config: ProxyConfig, config: VsupConf
 
 
 async def serve(proxy_config: ProxyConfig, health: HealthConfig, pool: BackendPool, api_key: str | None,
-                models: dict[str, ProxyConfig] | None = None, *, forward_key: bool = False) -> None:
+                models: dict[str, ProxyConfig] | None = None, names: dict[str, Name] | None = None, *,
+                forward_key: bool = False) -> None:
     from vsup.proxy import ProxyServer
     from vsup.proxy.healthcheck import HealthChecker
 
-    server = ProxyServer(proxy_config, pool, api_key=api_key, models=models or None, forward_key=forward_key)
+    server = ProxyServer(proxy_config, pool, api_key=api_key, models=models or None, names=names,
+                         forward_key=forward_key)
     checker = HealthChecker(pool, interval=health.interval, timeout=health.timeout, failures=health.failures,
                             on_weight=server.set_weight)
     await server.start()
@@ -152,4 +155,5 @@ def proxy_command(upstreams, host, port, api_key, policy, config_path, forward_k
     logging.basicConfig(level=logging.INFO, handlers=[handler])
     from vsup.proxy.runloop import run
 
-    run(serve(proxy_config, health, pool, api_key or proxy_config.api_key, models, forward_key=forward_key))
+    names = model_names(config) if config is not None and is_fleet(config) else None  # its models' aliases
+    run(serve(proxy_config, health, pool, api_key or proxy_config.api_key, models, names, forward_key=forward_key))

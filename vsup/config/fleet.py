@@ -28,7 +28,7 @@ PER_MODEL: dict[str, frozenset[str]] = {
                         "max_in_flight_per_instance", "reserved_slots", "queue_max", "queue_timeout"}),
 }
 # Top-level keys that a file with `models:` leaves to its entries.
-MODEL_KEYS = ("model", "served_model_name", "instances")
+MODEL_KEYS = ("model", "served_model_name", "aliases", "instances")
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,8 @@ def _view(cfg: VsupConfig, entry: ModelConfig, position: int) -> ModelView:
 
     health = cfg.health.model_copy(update={"warmup": over("warmup", cfg.health.warmup)})
     config = cfg.model_copy(update={
-        "model": entry.model, "served_model_name": entry.served_model_name, "instances": entry.instances,
+        "model": entry.model, "served_model_name": entry.served_model_name, "aliases": entry.aliases,
+        "instances": entry.instances,
         "placement": over("placement", cfg.placement), "vllm": over("vllm", cfg.vllm),
         "proxy": over("proxy", cfg.proxy), "health": health, "models": None,
     })

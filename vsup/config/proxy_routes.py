@@ -5,8 +5,8 @@ configuration is read, and config comes before proxy in the parts order.)
 
 SERVING: the OpenAI (and Anthropic, Cohere) API routes vLLM 0.32 serves, with their methods (from
 vllm/entrypoints/**/api_router.py), always forwarded. ADMIN: vLLM's routes that change or reveal
-an instance's state; forwarded only when `proxy.admin_routes` names them, and only behind the API
-key. Anything else gets 404 from the proxy and never reaches an instance. docs/proxy.md lists
+an instance's state; forwarded only when `proxy.admin_routes` names them, and only to an admin key
+(proxy.api_key, or a named key with `admin: true`; vsup/proxy/auth.py). Anything else gets 404 from the proxy and never reaches an instance. docs/proxy.md lists
 both tables; tests/test_proxy_routes.py checks that the doc and this module agree.
 
 The check is one dict lookup per request (server.py); only /v1/responses/{id}[/cancel] needs a
@@ -98,12 +98,12 @@ def check_admin_routes(paths: list[str]) -> list[str]:
     return paths
 
 
-def require_key(admin_routes: list[str], key_set: bool) -> None:
-    """Admin routes open only behind an API key (one line naming both settings)."""
-    if admin_routes and not key_set:
+def require_key(admin_routes: list[str], admin_key: bool) -> None:
+    """Admin routes open only behind an admin key (one line naming the settings)."""
+    if admin_routes and not admin_key:
         raise VsupError(
             f"proxy.admin_routes opens {', '.join(admin_routes)}, which need an API key: set proxy.api_key "
-            "(or VSUP_API_KEY / --api-key), or empty proxy.admin_routes"
+            "(or VSUP_API_KEY / --api-key) or admin: true on a key of proxy.api_keys, or empty proxy.admin_routes"
         )
 
 

@@ -152,11 +152,15 @@ class ApiKeyConfig(_Section):
     priority: int = Field(0, description="admission priority: higher is served first when a model's instances are all at their limit; also the highest the priority header may ask for")
     requests_per_minute: float | None = Field(None, gt=0, description="token bucket: requests per minute (bursts up to one minute's worth); null: no limit")
     tokens_per_minute: float | None = Field(None, gt=0, description="token bucket: tokens per minute, a request counted as its max_tokens (or max_completion_tokens, else 16) plus its body's bytes / 4; null: no limit")
+    admin: bool = Field(False, description="the key opens what only an operator may use: the admin routes proxy.admin_routes opens, /metrics and the /status page (once named keys exist, the other keys get 403 there; proxy.api_key is an admin key)")
+    metrics: bool = Field(False, description="a read-only key for Prometheus: it opens /metrics and nothing else (the serving routes, the admin routes and /status answer it 403); give it key_env, not key")
 
     @model_validator(mode="after")
     def _one_source(self) -> ApiKeyConfig:
         if (self.key is None) == (self.key_env is None):
             raise ValueError("set exactly one of key and key_env")
+        if self.admin and self.metrics:
+            raise ValueError("set admin or metrics, not both: an admin key reads /metrics already, a metrics key nothing else")
         return self
 
 
@@ -173,7 +177,7 @@ class ProxyConfig(_Section):
     reserved_slots: int = Field(0, ge=0, description="of each instance's max_in_flight_per_instance, slots only the highest priority in use (of api_keys and priority_header_values) may take, so it never waits behind a batch; must leave at least one slot", json_schema_extra=LIVE)
     queue_max: int = Field(256, ge=0, description="requests that may wait for one model; one more gets 429 (a higher-priority arrival takes the place of the newest lowest-priority waiter, and a key holding fewer places that of the newest of the key holding the most: that waiter gets the 429)", json_schema_extra=LIVE)
     queue_timeout: float = Field(60.0, gt=0, description="seconds a request may wait for an instance; then 503 with Retry-After", json_schema_extra=LIVE)
-    api_keys: list[ApiKeyConfig] = Field(default_factory=list, description="named Bearer keys, each [{name, key or key_env, priority, requests_per_minute, tokens_per_minute}] (over their limit: 429 with Retry-After and x-ratelimit-* headers); api_key still works beside them, as a key of priority 0 without limits", json_schema_extra=basic('named keys, priorities, rate limits (docs/proxy.md)', LIVE))
+    api_keys: list[ApiKeyConfig] = Field(default_factory=list, description="named Bearer keys, each [{name, key or key_env, priority, requests_per_minute, tokens_per_minute, admin, metrics}] (over their limit: 429 with Retry-After and x-ratelimit-* headers); api_key still works beside them, as an admin key of priority 0 without limits", json_schema_extra=basic('named keys, priorities, rate limits (docs/proxy.md)', LIVE))
     priority_header: str | None = Field(None, description="a request header that picks the request's priority from priority_header_values (another value: 400); a named key's own priority is the highest it can pick; null: none", json_schema_extra=LIVE)
     priority_header_values: dict[str, int] = Field(default_factory=dict, description="priority_header's allowed values and the priority each means, e.g. {interactive: 10, batch: -10}", json_schema_extra=LIVE)
     max_body_bytes: int = Field(8 * MiB, ge=1024, description="larger request bodies get 413", json_schema_extra=fixed("the proxy's request parser is built with it"))
@@ -185,7 +189,7 @@ class ProxyConfig(_Section):
     retries: int = Field(2, ge=0, description="other instances tried before the first byte on connect errors / 503", json_schema_extra=LIVE)
     drain_timeout: float = Field(30.0, ge=0, description="seconds in-flight requests may take to finish when vsup stops, and when one instance is drained (reload, rolling restart, memory watchdog)", json_schema_extra=LIVE)
     max_connections: int = Field(256, ge=1, description="upstream connection pool size, per instance", json_schema_extra=fixed("the proxy's upstream pools are built with it"))
-    admin_routes: list[str] = Field(default_factory=list, description="vLLM's admin routes the proxy forwards (LoRA loading, profiling, sleep, cache reset, ...: the table in docs/proxy.md), only with proxy.api_key set and sent; []: none, every route but the serving ones gets 404", json_schema_extra=LIVE)
+    admin_routes: list[str] = Field(default_factory=list, description="vLLM's admin routes the proxy forwards (LoRA loading, profiling, sleep, cache reset, ...: the table in docs/proxy.md), only to an admin key (proxy.api_key, or a key of api_keys with admin: true); []: none, every route but the serving ones gets 404", json_schema_extra=LIVE)
 
     @field_validator("admin_routes")
     @classmethod
@@ -315,6 +319,14 @@ class _ModelKeys(_Section):
         # a local directory under the home folder; vLLM would take "~/..." for a hub name
         return os.path.expanduser(value) if value.startswith("~") else value
 
+    @field_validator("aliases", check_fields=False)
+    @classmethod
+    def _aliases(cls, value: list[str]) -> list[str]:
+        for alias in value:
+            if not alias or alias != alias.strip():
+                raise ValueError(f"{alias!r} is not a name clients can send: give it a non-empty name without leading or trailing spaces")
+        return value
+
     @field_validator("instances", check_fields=False)
     @classmethod
     def _positive(cls, value: int | str) -> int | str:
@@ -328,6 +340,7 @@ class ModelConfig(_ModelKeys):
 
     model: str = Field(..., min_length=1, examples=["/srv/models/chat"], description="local model directory or hub name, as `vllm serve` takes it", json_schema_extra=relaunch())
     served_model_name: str | None = Field(None, description='the name clients send as "model" for it (unique in the fleet); null: the model path/name itself', json_schema_extra=relaunch())
+    aliases: list[str] = Field(default_factory=list, description='more names clients may send as "model" for it (names they already use), each unique in the fleet like served_model_name; vLLM serves them as further served names (--served-model-name), /v1/models lists each as a model of its own, answers carry served_model_name', json_schema_extra=relaunch())
     instances: int | Literal["auto"] = Field("auto", description="a number, or auto: one per NUMA node of its share", json_schema_extra=relaunch(plan="instances"))
     share: float | None = Field(None, gt=0, le=1, description="the fraction of the usable physical cores its instances get, e.g. 0.25; null: placement.cores_per_instance x instances when both are set, else an equal share of what the others leave", json_schema_extra=relaunch())
     placement: PlacementConfig = Field(default_factory=PlacementConfig, description="its placement keys; a key written here replaces the top-level placement's for this model (the machine-wide memory_reserve_gib, reserve_cores, launcher, efficiency_cores only at the top level)")
@@ -340,6 +353,7 @@ class ModelConfig(_ModelKeys):
 class VsupConfig(_ModelKeys):
     model: str = Field(..., min_length=1, examples=["/srv/models/my-model"], description="local model directory or hub name, as `vllm serve` takes it; a local path (/, ./, ~) must exist (with `models:`, each entry names its own and this key is left out)", json_schema_extra=basic('REQUIRED: a local model folder or a hub name', relaunch()))
     served_model_name: str | None = Field(None, description='the name clients send as "model"; null: the model path/name itself', json_schema_extra=basic('the name clients send as "model"; null: the model itself', relaunch()))
+    aliases: list[str] = Field(default_factory=list, description='more names clients may send as "model" for it (names they already use); vLLM serves them as further served names (--served-model-name), /v1/models lists each as a model of its own, answers carry served_model_name (with `models:`, each entry has its own)', json_schema_extra=relaunch())
     instances: int | Literal["auto"] = Field("auto", description="a number, or auto: one per NUMA node with usable cores", json_schema_extra=basic('auto: one per NUMA node; or a number', relaunch(plan="instances")))
     placement: PlacementConfig = Field(default_factory=PlacementConfig, description="how cores and memory are split among the instances (docs/placement.md)", json_schema_extra=basic('how cores and memory are split (docs/placement.md)'))
     vllm: VllmConfig = Field(default_factory=VllmConfig, description="vsup runs `<launcher> <command> <model> --uds <socket> <args>` (listen: tcp: `--host 127.0.0.1 --port P`)", json_schema_extra=basic('how each instance runs `vllm serve`'))
@@ -415,7 +429,9 @@ def parse_config(text: str, origin: str = "<config>", *, require_model: bool = T
 
         check_fleet(config)
     from vsup.config.admission import check_admission
+    from vsup.config.names import check_names
 
+    check_names(config)
     check_admission(config)
     return config
 

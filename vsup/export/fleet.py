@@ -35,6 +35,8 @@ def front_config_text(cfg: VsupConfig, note: str) -> str:
         item: dict = {"model": entry.model}
         if entry.served_model_name is not None:
             item["served_model_name"] = entry.served_model_name
+        if entry.aliases:  # the front routes them to the model too
+            item["aliases"] = list(entry.aliases)
         own = {key: getattr(entry.proxy, key) for key in sorted(entry.proxy.model_fields_set)}
         if own:
             item["proxy"] = own

@@ -2,8 +2,9 @@
 
 `render_page(status, refresh)` is pure (the template is package data, vsup/supervisor/data/
 status.html, filled with string.Template; every value is HTML-escaped). `status_page` makes the
-proxy's handler: behind the API key when one is set (Bearer, or the key as the Basic-auth
-password a browser asks for), never cached.
+proxy's handler: behind an admin key when keys are set (Bearer, or the key as the Basic-auth
+password a browser asks for; another key gets 403: the page shows every tenant's traffic), never
+cached.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Any
 
 from vsup.observe import by_model, fmt
 from vsup.observe.fmt import duration
+from vsup.proxy import errors
+from vsup.proxy.auth import ADMIN
 from vsup.proxy.messages import Request, Response
 from vsup.safetext import printable
 from vsup.topology.cpulist import format_list
@@ -159,9 +162,12 @@ def status_page(status: Callable[[], Mapping[str, Any]], interval: float):
     refresh = refresh_seconds(interval)
 
     async def handler(request: Request, auth) -> Response:
-        if not auth.allows_browser(request):
-            return Response(status=401, text="401: this vsup's /status needs the API key (as the password)\n",
+        allowed = auth.access(request, ADMIN, browser=True)
+        if allowed == 401:
+            return Response(status=401, text="401: this vsup's /status needs an admin key (as the password)\n",
                                 headers={"WWW-Authenticate": 'Basic realm="vsup", charset="UTF-8"'})
+        if allowed == 403:
+            return errors.forbidden("/status")
         body = render_page(status(), refresh)
         return Response(text=body, content_type="text/html", charset="utf-8", headers={"Cache-Control": "no-store"})
 

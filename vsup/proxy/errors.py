@@ -51,6 +51,21 @@ def unauthorized() -> Response:
     )
 
 
+def forbidden(what: str) -> Response:
+    return error_response(
+        403,
+        f"this key may not use {what}: it needs an admin key (proxy.api_key, or a key of proxy.api_keys with admin: true)",
+        "invalid_request_error",
+        "forbidden",
+    )
+
+
+def metrics_only(name: str) -> Response:
+    return error_response(
+        403, f"the key {name!r} is a metrics key (metrics: true): it reads /metrics and nothing else",
+        "invalid_request_error", "forbidden")
+
+
 def not_found(path: str) -> Response:
     return error_response(
         404,

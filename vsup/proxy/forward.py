@@ -53,6 +53,8 @@ from vsup.proxy.upstream_conn import ConnectFailed, StaleConnection, UpstreamBro
 
 log = logging.getLogger("vsup.proxy")
 
+# The admin route whose adapter name is checked against the names the models own.
+LOAD_ADAPTER = "/v1/load_lora_adapter"
 # How long a connection broken before its first byte waits for the supervisor to report the
 # instance's exit (milliseconds in practice; generous for a loaded machine).
 GONE_GRACE = 1.0
@@ -207,6 +209,12 @@ class Forwarder:
         if not isinstance(routed, tuple):
             return routed, None
         route, balancer = routed
+        if route is not None and request.path == LOAD_ADAPTER:  # a name another model owns is never loaded (routing.py)
+            if document is None:
+                return errors.bad_request(f"{LOAD_ADAPTER} takes a JSON body (Content-Type: application/json)"), None
+            refused = self.router.adapter_refused(route, document.get("lora_name"))  # type: ignore[union-attr]
+            if refused is not None:
+                return refused, None
         key = balancer.key(document, request.headers)  # prefix_affinity: its prefix or session; else None
         admitted: tuple[Backend, ...] | None = None  # the instances with room (admission), else None
         extra: list[tuple[bytes, bytes]] | None = None  # headers for the answer (x-ratelimit-*)
@@ -394,7 +402,7 @@ class Forwarder:
             return priority
         router = self.router
         if route is not None and router is not None:
-            queue, ready = route.name, (lambda: router.current(route))
+            queue, ready = route.model, (lambda: router.current(route))  # an alias or adapter: its model's queue
         else:
             queue, ready = "", self.pool.ready
         rated = gate.rate(client, request.path, document, size, ready())

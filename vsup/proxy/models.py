@@ -4,7 +4,8 @@ Asking only ready instances (not "the first configured one") means a client neve
 list from an instance that is down, and never a 5xx while another instance could answer. In a
 fleet the ids each instance listed (its model, its LoRA adapters: an adapter's entry has `parent`
 = its base model) are handed to `learn`, so routing.py routes every listed name to the instances
-that serve it.
+that serve it; an entry whose name another model owns (routing.py: `learn` leaves it out) is not
+listed.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ async def models_of(sessions: Sessions, backend: Backend, timeout: float, connec
 
 
 async def merged_models(sessions: Sessions, ready: tuple[Backend, ...], timeout: float, connect_timeout: float,
-                        learn: Callable[[str, Iterable[str]], None] | None = None) -> Response:
+                        learn: Callable[[str, Iterable[str]], frozenset[str]] | None = None) -> Response:
     if not ready:
         return errors.no_ready_instance()
     results = await asyncio.gather(*(models_of(sessions, b, timeout, connect_timeout) for b in ready), return_exceptions=True)
@@ -52,7 +53,8 @@ async def merged_models(sessions: Sessions, ready: tuple[Backend, ...], timeout:
             failures.append(f"instance {backend.name}: {why}")
             continue
         if learn is not None:
-            learn(backend.name, [entry["id"] for entry in result if isinstance(entry["id"], str)])
+            kept = learn(backend.name, [entry["id"] for entry in result if isinstance(entry["id"], str)])
+            result = [entry for entry in result if isinstance(entry["id"], str) and entry["id"] in kept]
         for entry in result:
             seen.setdefault(entry["id"], entry)
     if failures and not seen:

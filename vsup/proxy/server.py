@@ -1,9 +1,11 @@
 """ProxyServer: the aiohttp app, its own endpoints, start and drain.
 
 Routes: the serving routes of vsup/config/proxy_routes.py (and the admin routes proxy.admin_routes
-opens, behind the API key) -> an instance (forward.py); GET /v1/models -> merged from the ready
+opens, behind an admin key) -> an instance (forward.py); GET /v1/models -> merged from the ready
 instances (models.py); /health, /ready, /metrics (and pages added with add_page: vsup run's
 /status) -> answered here; anything else -> 404 in the OpenAI error shape, never an instance.
+Which key opens what: auth.py (the admin routes, /metrics and /status: an admin key; /metrics a
+metrics key too).
 """
 
 from __future__ import annotations
@@ -19,12 +21,13 @@ import aiohttp
 import psutil
 
 from vsup.config import proxy_routes
+from vsup.config.names import Name
 from vsup.config.schema import ProxyConfig
 from vsup.errors import VsupError
 from vsup.proxy import errors
 from vsup.proxy.address import Sessions
 from vsup.proxy.affinity import PrefixAffinity
-from vsup.proxy.auth import REFUSED, BearerAuth, named_keys
+from vsup.proxy.auth import ADMIN, METRICS, REFUSED, SERVING, BearerAuth, named_keys, roles
 from vsup.proxy.backends import Backend, BackendPool
 from vsup.proxy.balancer import make_balancer
 from vsup.proxy.bodyparse import BodyParser
@@ -78,7 +81,7 @@ class ProxyServer:
 
     def __init__(self, config: ProxyConfig, pool: BackendPool, *, api_key: str | None = None,
                  models: Mapping[str, ProxyConfig] | None = None, clock: Clock | None = None,
-                 forward_key: bool = False) -> None:
+                 names: Mapping[str, Name] | None = None, forward_key: bool = False) -> None:
         self.config = config
         # a front whose upstreams are vsups checking the same keys passes the client's key on to
         # them; any other proxy drops the Authorization it checked (vLLM has no use for it)
@@ -88,8 +91,8 @@ class ProxyServer:
         self._clock = clock
         if clock is not None:
             pool.clock = clock
-        self._auth = BearerAuth(api_key if api_key is not None else config.api_key, named_keys(config))
-        proxy_routes.require_key(config.admin_routes, self._auth.enabled)
+        self._auth = BearerAuth(api_key if api_key is not None else config.api_key, named_keys(config), *roles(config))
+        proxy_routes.require_key(config.admin_routes, self._auth.has_admin)
         self._routes = proxy_routes.table(config.admin_routes)
         # a fleet routes by model (routing.py: a balancer each): kv_aware's top-level one follows nothing
         self._balancer = make_balancer(config.policy, config, None if models else self.pool)
@@ -103,6 +106,7 @@ class ProxyServer:
         self.metrics.policy, self.metrics.policy_decisions = self._balancer.name, self._balancer.decisions
         self._router: ModelRouter | None = None
         self._model_configs = models
+        self._names = names  # aliases and vllm.args adapters -> their model (vsup/config/names.py)
         self._gate: Gate | None = None  # priorities, rate limits, admission: built in start() when configured
         self._probe: LoadProbe | None = None  # the engines' load figures (load.py), while a policy uses them
         self._probe_task: asyncio.Task[None] | None = None
@@ -190,9 +194,9 @@ class ProxyServer:
                     task.cancel()
             self._router = None
         elif self._router is None:
-            self._router = ModelRouter(self.pool, config, models)
+            self._router = ModelRouter(self.pool, config, models, self._names)
         else:
-            self._router.configure(config, models)
+            self._router.configure(config, models, self._names)
         router = self._router
         if router is not None:
             self.metrics.model_policies = lambda: [(name, b.name, b.decisions) for name, b in router.balancers.items()]
@@ -263,7 +267,8 @@ class ProxyServer:
 
         task.add_done_callback(done)
 
-    def reconfigure(self, config: ProxyConfig, api_key: str | None, models: Mapping[str, ProxyConfig] | None = None) -> None:
+    def reconfigure(self, config: ProxyConfig, api_key: str | None, models: Mapping[str, ProxyConfig] | None = None,
+                    names: Mapping[str, Name] | None = None) -> None:
         """Apply changed settings at once (`vsup reload`): timeouts (connect_timeout reaches the
         upstream pools and /v1/models), retries, policy and its affinity settings, API key (also
         the /status page's), admin routes (kept closed, with an error logged, when no key is set), the client connections' limits (clients.py). Requests already in flight keep the timeouts they were armed with.
@@ -271,16 +276,17 @@ class ProxyServer:
         pools: a reload refuses to change them (vsup/config/schema.py classes them fixed).
         `models`: each model's settings, as in the constructor (a model whose policy is unchanged
         keeps its balancer and counts); {} turns routing by model off; None keeps the models as they
-        are (a caller that knows nothing of models cannot turn a fleet's routing off by omission)."""
+        are (a caller that knows nothing of models cannot turn a fleet's routing off by omission);
+        `names` likewise (None: kept)."""
         self.config = config
         try:
             named = named_keys(config)
         except VsupError as exc:  # fail closed: the named keys are refused until a reload can read them all
             log.error("%s; the named keys (proxy.api_keys) are refused until then", exc)
             named = [(entry.name, "") for entry in config.api_keys]
-        self._auth = BearerAuth(api_key if api_key is not None else config.api_key, [(n, t) for n, t in named if t])
+        self._auth = BearerAuth(api_key if api_key is not None else config.api_key, [(n, t) for n, t in named if t], *roles(config))
         try:
-            proxy_routes.require_key(config.admin_routes, self._auth.enabled)
+            proxy_routes.require_key(config.admin_routes, self._auth.has_admin)
             self._routes = proxy_routes.table(config.admin_routes)
         except VsupError as exc:  # fail closed: the serving routes only, until a reload sets a key
             log.error("%s; the admin routes stay closed", exc)
@@ -291,11 +297,15 @@ class ProxyServer:
         elif isinstance(self._balancer, PrefixAffinity):  # same policy, its counts kept
             self._balancer.prefix_chars = config.affinity_prefix_chars
             self._balancer.load_factor = config.affinity_load_factor
+        if names is not None:
+            self._names = names
         if models is not None:
             self._set_models(config, models)
             self._model_configs = models
         elif self._router is not None:
             self._router.default = config
+            if names is not None:
+                self._router.configure(config, self._router.configs, names)
         self._set_gate(config, self._model_configs)
         self._wire_load()
         if self._client is not None:
@@ -404,10 +414,14 @@ class ProxyServer:
             )
         route = self._routes.get(path) or proxy_routes.templated(path)
         if route is not None:
-            client = self._auth.identify(request)
+            auth = self._auth
+            client = auth.identify(request)
             if client is REFUSED:
                 self.metrics.request("auth", 401, "")
                 return errors.unauthorized()
+            if not auth.may(client, ADMIN if route.admin else SERVING):
+                self.metrics.request("auth", 403, "")
+                return errors.forbidden(path) if auth.may(client, SERVING) else errors.metrics_only(client)
             if request.method not in route.methods:
                 self.metrics.request("other", 405, "")
                 allow = ", ".join(sorted(route.methods))
@@ -455,8 +469,11 @@ class ProxyServer:
         return Response(status=status, body=body, content_type="application/json")
 
     async def _metrics(self, request: Request) -> Response:
-        if not self._auth.allows(request):
-            return errors.unauthorized()
+        # admin and metrics keys only: a tenant would read every request's cache hits (kv_aware's
+        # decisions, vLLM's prefix-cache counters) and so confirm guesses of another's prompt
+        allowed = self._auth.access(request, METRICS)
+        if allowed != 200:
+            return errors.unauthorized() if allowed == 401 else errors.forbidden("/metrics")
         body = self.metrics.render()
         if self.extra_metrics is not None:
             body += self.extra_metrics()

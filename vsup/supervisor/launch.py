@@ -2,7 +2,7 @@
 
     argv = <plan prefix: numactl/taskset> <vLLM command> <model> --uds SOCKET   (vllm.listen: unix)
                                                                  --host 127.0.0.1 --port P  (tcp)
-           [--served-model-name NAME] [access-log options] <plan's vLLM args> <vllm.args>
+           [--served-model-name NAME ALIAS...] [access-log options] <plan's vLLM args> <vllm.args>
     env  = inherited env - systemd's per-service variables + the plan's variables + vllm.env
            + LD_PRELOAD: vllm.preload's libraries first (vsup/supervisor/preload.py)
 
@@ -105,8 +105,8 @@ def build_command(instance: InstancePlan, cfg: VsupConfig, base_env: Mapping[str
         env["LD_PRELOAD"] = preload.merged(libraries, env.get("LD_PRELOAD", ""))
 
     argv = [*instance.argv, *command, cfg.model, *address_args(instance_url(instance, cfg, base_env))]
-    if cfg.served_model_name:
-        argv += ["--served-model-name", cfg.served_model_name]
+    if cfg.served_model_name or cfg.aliases:  # the first is the name vLLM's answers carry
+        argv += ["--served-model-name", cfg.served_model_name or cfg.model, *cfg.aliases]
     argv += [*access_log_args(cfg), *instance.vllm_args, *kv_events_args(instance, cfg, base_env), *cfg.vllm.args]
     return argv, env
 

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from vsup.config import proxy_routes
 from vsup.config.admission import resolved
 from vsup.config.fleet import is_fleet, models_of
+from vsup.config.names import model_names
 from vsup.config.schema import ProxyConfig, VsupConfig, load_config
 from vsup.errors import VsupError
 from vsup.supervisor import rollout
@@ -66,8 +67,9 @@ def read_config(path: str, fsroot: str, environ: Mapping[str, str], running: Vsu
     from vsup.supervisor.preflight import check_programs, checked_plan
 
     config = load_config(path)
-    # as ProxyServer refuses at start: admin routes only behind a key (the key may come from the environment)
-    proxy_routes.require_key(config.proxy.admin_routes, bool(environ.get("VSUP_API_KEY") or config.proxy.api_key))
+    # as ProxyServer refuses at start: admin routes only behind an admin key (the key may come from the environment)
+    proxy_routes.require_key(config.proxy.admin_routes, bool(environ.get("VSUP_API_KEY") or config.proxy.api_key
+                                                             or any(key.admin for key in config.proxy.api_keys)))
     _machine, plan = checked_plan(config, fsroot, environ, runs_here=True, running=running_plan)
     if members:
         plan = renumber(plan, members)
@@ -264,7 +266,7 @@ class Changes:
         sup.config, old_plan, sup.plan = config, sup.plan, plan
         if sup.proxy is not None:
             sup.proxy.reconfigure(config.proxy, sup.environ.get("VSUP_API_KEY") or config.proxy.api_key,
-                                  models=model_proxies(config))
+                                  models=model_proxies(config), names=model_names(config))
         sup.metrics.apply(config)
         views = {view.name: view.config for view in models_of(config)}
         single = not is_fleet(config)

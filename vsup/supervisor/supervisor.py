@@ -40,6 +40,7 @@ from typing import Any
 
 import aiohttp
 
+from vsup.config.names import model_names
 from vsup.config.schema import VsupConfig, spare_base_port
 from vsup.errors import VsupError
 from vsup.proxy import ProxyServer
@@ -156,7 +157,8 @@ class Supervisor:
                 logger.info("instance sockets in %s", prepare_instance_dir(self.config.proxy.port, self.environ))
             self.fleet.build()
             api_key = self.environ.get("VSUP_API_KEY") or self.config.proxy.api_key
-            self.proxy = ProxyServer(self.config.proxy, self.pool, api_key=api_key, models=model_proxies(self.config))
+            self.proxy = ProxyServer(self.config.proxy, self.pool, api_key=api_key, models=model_proxies(self.config),
+                                     names=model_names(self.config))
             await self.proxy.start()
             self.metrics.start(self.config, self.proxy, session)
             self.control = ControlServer(control_socket_path(self.config, self.environ), self)
