@@ -69,7 +69,7 @@ def test_cli_accepts_both_vllm_forms_and_ignores_unknown_flags():
     a = parse_args(["serve", "/m", "--host", "127.0.0.1", "--port", "8123", "--dtype", "float32",
                     "--enforce-eager", "--served-model-name", "x", "y", "--max-model-len=512"])
     assert (a.model, a.port, a.names, a.max_model_len) == ("/m", 8123, ("x", "y"), 512)
-    assert a.ignored == ("--dtype", "--enforce-eager")
+    assert a.ignored == ("--dtype",) and a.enforce_eager
     b = parse_args(["--model", "/m", "--port", "9000", "--kv-cache-memory-bytes", "-1"])
     assert (b.model, b.port, b.names) == ("/m", 9000, ("/m",))
 
@@ -148,6 +148,41 @@ def test_phases_print_vllms_lines_in_order_read_the_weights_and_bind_after(fake_
     assert reader.took["weights_loaded"] >= 0.5 and reader.took["engine_ready"] >= 1.9
     ready = srv.wait_event("ready")["mono"] - srv.wait_event("started")["mono"]
     assert ready >= 2.0  # the port opened after the phases
+
+
+def test_enforce_eager_is_a_switch_the_last_one_wins_and_takes_no_value():
+    # vLLM's BooleanOptionalAction: the word after it is the model, not its value
+    assert parse_args(["--enforce-eager", "serve-me", "--port", "1"]).model == "serve-me"
+    assert not parse_args(["serve", "m"]).enforce_eager
+    assert not parse_args(["serve", "m", "--enforce-eager", "--no-enforce-eager"]).enforce_eager
+    assert parse_args(["serve", "m", "--no-enforce-eager", "--enforce_eager"]).enforce_eager
+    with pytest.raises(UsageError, match="--enforce-eager: ignored explicit argument 'true'"):
+        parse_args(["serve", "m", "--enforce-eager=true"])
+
+
+def test_compiled_steps_are_faster_by_the_compiled_speedup():
+    from tests.fakevllm.engine import step_time
+
+    f = load_faults({"FAKE_VLLM_STEP_TIME": "0.04", "FAKE_VLLM_COMPILED_SPEEDUP": "2"})
+    assert step_time(f, 1, 1, 2, False, compiled=True) == pytest.approx(step_time(f, 1, 1, 2, False) / 2)
+    with pytest.raises(SettingsError, match="FAKE_VLLM_COMPILED_SPEEDUP='0.5' must be >= 1"):
+        load_faults({"FAKE_VLLM_COMPILED_SPEEDUP": "0.5"})
+
+
+def test_without_enforce_eager_the_start_compiles_and_with_it_does_not(fake_vllm):
+    from vsup.supervisor.phases import Phase, match
+
+    env = {"FAKE_VLLM_COMPILE": "1.5", "FAKE_VLLM_PHASES": "profile:0.1"}
+    compiled, eager = fake_vllm(env=env), fake_vllm(env=env, args=["--enforce-eager"])
+    for srv in (compiled, eager):
+        srv.wait_ready(timeout=30)
+
+    def phases(srv) -> list[Phase]:
+        return [m[0].phase for line in srv.output().splitlines() if (m := match(line)) and m[0].phase is not None]
+
+    assert Phase.COMPILING in phases(compiled) and Phase.COMPILING not in phases(eager)
+    took = compiled.wait_event("ready")["mono"] - compiled.wait_event("started")["mono"]
+    assert took >= 1.5  # the port opened after the compile
 
 
 def test_bad_phases_are_refused_naming_the_variable():

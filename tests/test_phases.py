@@ -184,3 +184,19 @@ def test_the_load_is_measured_in_bytes_against_the_weights_and_each_phase_is_tim
     # warming is the lifecycle's: a reading that still says compiling does not take it back
     watch.update(22.0, reading(Phase.COMPILING, lines=5, cpu=5.0, read=5 * gib))
     assert watch.phase is Phase.WARMING
+
+
+def test_a_finished_start_keeps_its_times_and_later_readings_change_nothing():
+    watch = StartWatch(10.0)
+    assert watch.record() is None  # not ready yet
+    watch.update(14.0, reading(Phase.LOADING, lines=1, cpu=1.0))
+    watch.update(20.0, reading(Phase.COMPILING, lines=2, cpu=5.0))
+    watch.enter(Phase.WARMING, 50.0)
+    watch.finish(51.5)
+    record = watch.record()
+    assert record == {"ready_s": 41.5, "took": {"booting": 4.0, "loading": 6.0, "compiling": 30.0, "warming": 1.5}}
+    # ready for a while: neither time nor a late reading nor a second finish moves it
+    watch.update(90.0, reading(Phase.OPENING, lines=3, cpu=6.0))
+    watch.enter(Phase.OPENING, 95.0)
+    watch.finish(99.0)
+    assert watch.record() == record and watch.summary(120.0) == "booting 4s, loading 6s, compiling 30s, warming 1s"

@@ -93,3 +93,13 @@ def test_tweaks_skip_the_users_own_values_and_try_the_largest_kv_cache_when_one_
     dims = tweak_dimensions(Space(max_num_seqs=(16, 64), max_num_batched_tokens=(2048,)), preloads=["none"],
                             base_max_num_seqs=64, base_kvcache_gib=None, busiest_per_instance=32)
     assert dims == [("max_num_seqs", [16]), ("max_num_batched_tokens", [2048])]
+
+
+def test_enforce_eager_is_tried_last_and_only_when_asked_besides_the_configs_own():
+    asked = dict(preloads=["none"], base_max_num_seqs=None, base_kvcache_gib=None, busiest_per_instance=None)
+    assert tweak_dimensions(Space(), **asked) == []  # by default: the config's own, no extra start
+    dims = tweak_dimensions(Space(enforce_eager=(True, False), max_num_batched_tokens=(2048,)), **asked)
+    assert dims == [("max_num_batched_tokens", [2048]), ("enforce_eager", [True])]  # the config's (off) is measured already
+    assert tweak_dimensions(Space(enforce_eager=(True, False)), **asked, base_enforce_eager=True) == [("enforce_eager", [False])]
+    assert Candidate(1, omp_threads=1, enforce_eager=True).id == "i1-t1-eager"
+    assert Candidate(2, preload="tcmalloc", enforce_eager=False).id == "i2-tcmalloc-compiled"

@@ -309,3 +309,56 @@ def test_flags_override_the_settings_file(tmp_path):
 
     assert layouts() == {"i1"}
     assert layouts("--instances-per-node", "2") == {"i2"}
+
+
+def test_enforce_eager_on_and_off_are_measured_side_by_side_with_their_start_times(tuning):
+    # the fake compiles for 4 s at start unless --enforce-eager is given, and then decodes 3× faster
+    t = tuning()
+    t.env.update({"FAKE_VLLM_COMPILE": "4", "FAKE_VLLM_COMPILED_SPEEDUP": "3"})
+    out = t.run("--budget", "2m", "--instances-per-node", "1", "--omp-threads", "1", "--housekeeping-core", "off",
+                "--preload", "none", "--enforce-eager", "on,off", "--write-config", str(t.tmp / "tuned.yaml"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    runs = {e["candidate"]: e for e in t.results("run")}
+    assert set(runs) == {"i1-t1", "i1-t1-eager"}, runs.keys()  # the config's own (no flag: compiled) and the other
+    compiled, eager = runs["i1-t1"]["extra"]["start"], runs["i1-t1-eager"]["extra"]["start"]
+    # the phase is seen at the supervisor's progress readings (every 2 s): the compile at that resolution
+    assert compiled["compile_s"] >= 2.0 and compiled["ready_s"] >= 4.0 and compiled["vsup_s"] >= compiled["ready_s"]
+    assert eager["compile_s"] == 0.0 and eager["ready_s"] is not None
+    [instance] = compiled["instances"]
+    assert instance["took"]["compiling"] == compiled["compile_s"]
+    assert "--enforce-eager" in (t.report / "candidates" / "i1-t1-eager.yaml").read_text()
+    assert "--enforce-eager" not in (t.report / "candidates" / "i1-t1.yaml").read_text()
+
+    # the objective (throughput) picks the compiled one; the report says what it costs at start
+    assert t.results("result")[-1]["best"] == "i1-t1"
+    header = next(line for line in out.stdout.splitlines() if "candidate" in line and "tok/s" in line)
+    assert header.index("tok/s") < header.index("start") < header.index("compile") < header.index("req/s")
+    assert "--enforce-eager on (`i1-t1-eager`): ready in" in out.stdout and "of it compiling" in out.stdout
+    summary = (t.report / "summary.md").read_text()
+    assert "## Start time against speed: --enforce-eager" in summary
+    assert "Off costs" in summary and "more at every start" in summary
+    from PIL import Image
+
+    with Image.open(t.report / "chart.png") as image:  # the load level's panel, and start time against speed
+        assert image.size[0] >= 2 * 6.5 * 100
+    tuned = (t.tmp / "tuned.yaml").read_text()
+    assert "start to ready:" in tuned and load_config(t.tmp / "tuned.yaml").vllm.args == ["--max-num-seqs", "8"]
+    assert not t.leftovers()
+
+
+@pytest.mark.parametrize("via_settings", [False, True])
+def test_enforce_eager_off_on_a_config_that_turns_compile_off_is_refused_naming_the_key(tmp_path, via_settings):
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"model": "m", "vllm": {"args": ["--dtype", "float32", "-O0"]}}))
+    settings = tmp_path / "tune.yaml"
+    settings.write_text("concurrency: [4]\nenforce_eager: [true, false]\n")
+    extra = ["--settings", str(settings)] if via_settings else ["--enforce-eager", "on,off"]
+    out = subprocess.run([*VSUP, "tune", "-c", str(config), "--dry-run", *extra], capture_output=True, text=True,
+                         timeout=60, cwd=tmp_path)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    origin = f"{settings}:2: enforce_eager" if via_settings else "--enforce-eager"
+    assert out.stderr.startswith(f"vsup: error: {origin}: off (a compiled start) cannot be measured: vllm.args has '-O0'"), out.stderr
+    # on alone is no contradiction: the dry run lists it as the last tweak
+    ok = subprocess.run([*VSUP, "tune", "-c", str(config), "--dry-run", "--enforce-eager", "on"], capture_output=True,
+                        text=True, timeout=60, cwd=tmp_path)
+    assert ok.returncode == 0 and "enforce_eager [True]" in ok.stdout, ok.stderr

@@ -104,6 +104,7 @@ def without(key: str) -> dict:
     (json.dumps({**GOOD, "levels": [{**level(1.0), "completed": "10"}]}).encode(), "levels[0].'completed' is '10', not int"),
     (json.dumps({**GOOD, "levels": ["c4"]}).encode(), "levels[0] is not an object"),
     (json.dumps({**GOOD, "extra": {"roofline": 0.5}}).encode(), "extra.'roofline' is not"),
+    (json.dumps({**GOOD, "extra": {"start": {"vsup_s": 3.0, "ready_s": "2m"}}}).encode(), "extra.'start' is not"),
     (b'{"type": "run", "candidate": "i1", "error": "\xff\xfe"}', "not UTF-8 text"),
     (b"[1, 2]", "not a JSON object"),
     (b"{not json", "not a JSON line"),

@@ -141,3 +141,62 @@ def test_pareto_front_keeps_the_points_nothing_beats_on_both_axes():
 def test_written_yaml_round_trips_through_yaml():
     text = configs.render({"model": "/m", "instances": 1}, ["line one", ""])
     assert text.startswith("# line one\n#\n") and yaml.safe_load(text) == {"model": "/m", "instances": 1}
+
+
+@pytest.mark.parametrize(("args", "on", "expected"), [
+    (["--dtype", "float32"], True, ["--dtype", "float32", "--enforce-eager"]),
+    (["--enforce-eager", "--dtype", "float32"], False, ["--dtype", "float32"]),
+    (["--enforce_eager", "--no-enforce-eager", "--max-num-seqs", "8"], True, ["--max-num-seqs", "8", "--enforce-eager"]),
+    (["--no_enforce_eager"], False, []),
+])
+def test_a_candidate_turns_enforce_eager_on_or_off_whatever_the_config_spelled(args, on, expected):
+    data = {"model": "m", "vllm": {"args": args}}
+    out = configs.apply_candidate(data, Candidate(1, enforce_eager=on), {})
+    assert out["vllm"]["args"] == expected and configs.enforce_eager(out["vllm"]["args"]) is on
+    assert configs.apply_candidate(data, Candidate(1), {})["vllm"]["args"] == args  # None: as the config says
+
+
+@pytest.mark.parametrize(("args", "culprit"), [
+    (["-O0"], "-O0"), (["-O", "0"], "-O 0"), (["--optimization_level=0"], "--optimization_level=0"),
+    (["-cc", '{"mode": 0}'], '-cc {"mode": 0}'), (['--compilation-config={"mode": "NONE"}'], '--compilation-config={"mode": "NONE"}'),
+    (["-cc.mode=none"], "-cc.mode=none"), (["--compilation-config", '{"level": 0}'], '--compilation-config {"level": 0}'),
+    (["-O3"], None), (["-O", "3", "-cc", '{"mode": 3}'], None), (["--enforce-eager"], None),
+])
+def test_a_config_that_turns_compile_off_another_way_cannot_measure_enforce_eager_off(args, culprit):
+    assert configs.compile_off(args) == culprit
+    data = {"model": "m", "vllm": {"args": args}}
+    if culprit is None:
+        configs.check_enforce_eager(args, (True, False), "--enforce-eager")
+        assert "--enforce-eager" not in configs.apply_candidate(data, Candidate(1, enforce_eager=False), {})["vllm"]["args"]
+        return
+    configs.check_enforce_eager(args, (True,), "--enforce-eager")  # on alone is what the config does anyway
+    with pytest.raises(VsupError) as refused:
+        configs.check_enforce_eager(args, (True, False), "tune.yaml:2: enforce_eager")
+    assert str(refused.value) == (f"tune.yaml:2: enforce_eager: off (a compiled start) cannot be measured: vllm.args has "
+                                  f"{culprit!r}, which turns torch.compile off as --enforce-eager does; take it out of "
+                                  "vllm.args, or try only on")
+    with pytest.raises(VsupError, match="turns torch.compile off"):
+        configs.apply_candidate(data, Candidate(1, enforce_eager=False), {})
+
+
+def test_start_figures_take_the_slowest_instance_and_the_rows_show_them_beside_tokens():
+    from vsup.tune.report import Row, eager_tradeoff, markdown_table, start_figures
+
+    status = {"instances": [
+        {"index": 0, "start": {"ready_s": 130.0, "took": {"booting": 20.0, "compiling": 100.0, "warming": 10.0}}},
+        {"index": 1, "start": {"ready_s": 125.5, "took": {"booting": 25.5, "compiling": 92.0, "warming": 8.0}}},
+    ]}
+    start = start_figures(status, 140.04)
+    assert (start["vsup_s"], start["ready_s"], start["compile_s"]) == (140.04, 130.0, 100.0)
+    assert len(start["instances"]) == 2
+    assert start_figures({"instances": [{"index": 0, "start": None}]}, 3.0) == {"vsup_s": 3.0, "ready_s": None,
+                                                                              "compile_s": None, "instances": []}
+    eager = Row(1, "i1-eager", "1 × 2 cores", "tweak", "ok", tok_s=20.0, start_s=30.0, compile_s=0.0)
+    compiled = Row(2, "i1", "1 × 2 cores", "rung1", "ok", tok_s=25.0, start_s=130.0, compile_s=100.0)
+    table = markdown_table([eager, compiled]).splitlines()
+    assert table[0].startswith("| # | candidate | layout | stage | tok/s | start | compile |")
+    assert "| 20.0 | 30.0s | none |" in table[2] and "| 25.0 | 2m10s | 1m40s |" in table[3]
+    [line] = eager_tradeoff([eager, compiled], [("i1-eager", "i1")])
+    assert line == ("--enforce-eager on (`i1-eager`): ready in 30.0s, 20.0 tokens/s; off (`i1`): ready in 2m10s, 1m40s of it "
+                    "compiling, 25.0 tokens/s. Off costs 1m40s more at every start (each restart, reload and added "
+                    "instance) for +25 % tokens/s.")

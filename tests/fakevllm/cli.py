@@ -4,8 +4,10 @@ Both forms are accepted:
     python -m tests.fakevllm serve MODEL --host H --port P [--served-model-name N ...] [...]
     python -m tests.fakevllm --model MODEL --host H --port P [...]
     python -m tests.fakevllm serve MODEL --uds PATH [...]   (host and port are then ignored, like vLLM)
-Flags the fake does not use (`--dtype float32`, `--enforce-eager`, ...) are accepted and ignored,
-like a real vLLM would accept them, so a supervisor's argv runs unchanged.
+Flags the fake does not use (`--dtype float32`, ...) are accepted and ignored, like a real vLLM
+would accept them, so a supervisor's argv runs unchanged. `--enforce-eager` / `--no-enforce-eager`
+(vLLM's BooleanOptionalAction: never a value, the last one wins) decide whether the fake's start
+compiles and its steps run compiled (FAKE_VLLM_COMPILE, FAKE_VLLM_COMPILED_SPEEDUP).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from dataclasses import dataclass, field
 USAGE = ("usage: fakevllm serve MODEL [--host H] [--port P | --uds PATH] [--served-model-name NAME ...]"
          " [--lora-modules name=path|JSON ...] [--flag VALUE ...]")
 _NUMBER = re.compile(r"^-\d")
-_BOOLEAN = {"--disable-uvicorn-access-log"}
+_BOOLEAN = {"--disable-uvicorn-access-log", "--enforce-eager", "--no-enforce-eager"}
 _KNOWN = ("--model", "--host", "--port", "--uds", "--served-model-name", "--max-model-len", "--max-num-seqs",
           "--disable-access-log-for-endpoints", "--lora-modules", "--kv-events-config")
 _MANY = {"--served-model-name", "--lora-modules"}  # nargs="+" in vLLM
@@ -66,6 +68,7 @@ class ServeArgs:
     access_log_excluded: frozenset[str] = frozenset()
     ignored: tuple[str, ...] = field(default=())
     kv_events: dict | None = None  # --kv-events-config with enable_kv_cache_events: the publisher's settings
+    enforce_eager: bool = False  # --enforce-eager (vLLM's default: off, so it compiles)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -94,6 +97,7 @@ def parse_args(argv: list[str]) -> ServeArgs:
         tokens.pop(0)
     options: dict[str, list[str]] = {}
     ignored: list[str] = []
+    enforce_eager = False
     i = 0
     while i < len(tokens):
         token = tokens[i]
@@ -127,6 +131,10 @@ def parse_args(argv: list[str]) -> ServeArgs:
             if not values:
                 raise UsageError(f"{key} needs a value")
             options[key] = values
+        elif key in ("--enforce-eager", "--no-enforce-eager"):
+            if values:
+                raise UsageError(f"{key}: ignored explicit argument {values[0]!r}")
+            enforce_eager = key == "--enforce-eager"
         elif key in _BOOLEAN:
             options[key] = []
         else:
@@ -156,6 +164,7 @@ def parse_args(argv: list[str]) -> ServeArgs:
             p.strip() for p in options.get("--disable-access-log-for-endpoints", [""])[0].split(",") if p.strip()),
         ignored=tuple(ignored),
         kv_events=_kv_events(options["--kv-events-config"][0]) if "--kv-events-config" in options else None,
+        enforce_eager=enforce_eager,
     )
 
 

@@ -9,6 +9,7 @@ Every running sequence waits for the next engine step and gets one token at its 
                             the API server / EngineCore)
       × 2 × threads / cpus  when there are more threads than CPUs (oversubscribed)
       / PRELOAD_SPEEDUP     when LD_PRELOAD is set
+      / COMPILED_SPEEDUP    without --enforce-eager (torch.compile's kernels)
 
 with threads = OMP_NUM_THREADS (else the CPU count) and cpus = the process's affinity. Sleeps, not
 work: the model holds on a busy 2-core machine too.
@@ -23,7 +24,7 @@ from collections.abc import Mapping
 from .settings import Faults
 
 
-def step_time(f: Faults, batch: int, threads: int, cpus: int, preload: bool) -> float:
+def step_time(f: Faults, batch: int, threads: int, cpus: int, preload: bool, compiled: bool = False) -> float:
     useful = min(threads, cpus, f.saturate_threads or threads)
     seconds = f.step_time * (1 + f.seq_cost * max(0, batch - 1)) / max(1, useful)
     if threads >= cpus:
@@ -32,6 +33,8 @@ def step_time(f: Faults, batch: int, threads: int, cpus: int, preload: bool) -> 
         seconds *= 2 * threads / cpus
     if preload:
         seconds /= f.preload_speedup
+    if compiled:
+        seconds /= f.compiled_speedup
     return seconds
 
 
@@ -48,9 +51,10 @@ def placement(env: Mapping[str, str] = os.environ) -> tuple[int, int, bool]:
 class BatchEngine:
     """Sequences call `token()` once per token; all waiting sequences advance together."""
 
-    def __init__(self, faults: Faults, stop: asyncio.Future) -> None:
+    def __init__(self, faults: Faults, stop: asyncio.Future, *, compiled: bool = False) -> None:
         self.faults = faults
         self.stop = stop
+        self.compiled = compiled  # started without --enforce-eager
         self.threads, self.cpus, self.preload = placement()
         self.waiting: list[asyncio.Future] = []
         self.task: asyncio.Task | None = None
@@ -65,7 +69,7 @@ class BatchEngine:
 
     async def _run(self) -> None:
         while self.waiting and not self.stop.done():
-            seconds = step_time(self.faults, len(self.waiting), self.threads, self.cpus, self.preload)
+            seconds = step_time(self.faults, len(self.waiting), self.threads, self.cpus, self.preload, self.compiled)
             await asyncio.wait((self.stop,), timeout=seconds)
             batch, self.waiting = self.waiting, []
             self.steps += 1

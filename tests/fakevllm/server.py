@@ -184,7 +184,7 @@ class FakeVllm:
         loop = asyncio.get_running_loop()
         self.stop_fut = loop.create_future()
         if self.faults.step_time is not None:
-            self.engine_model = BatchEngine(self.faults, self.stop_fut)
+            self.engine_model = BatchEngine(self.faults, self.stop_fut, compiled=not self.args.enforce_eager)
         if self.faults.ignore_sigterm:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -212,9 +212,12 @@ class FakeVllm:
             engine_ready.set_result(None)
         if self.faults.start_delay > 0:
             await asyncio.wait((self.stop_fut,), timeout=self.faults.start_delay)
-        if self.faults.phases:  # vLLM's start, phase by phase (FAKE_VLLM_PHASES)
+        phases = self.faults.phases
+        if self.faults.compile_seconds is not None and not self.args.enforce_eager:  # as vLLM compiles unless told not to
+            phases = (*phases, ("compile", self.faults.compile_seconds))
+        if phases:  # vLLM's start, phase by phase (FAKE_VLLM_PHASES, FAKE_VLLM_COMPILE)
             start = Start(self.args.model, self.faults.shards, self.faults.wait_line_every, self.stop_fut, say)
-            await start.run(self.faults.phases)
+            await start.run(phases)
         # Like vLLM, the API server binds only after the EngineCore handshake.
         await asyncio.wait((engine_ready, self.stop_fut), return_when=asyncio.FIRST_COMPLETED)
         if self.engine is not None:

@@ -53,8 +53,10 @@ class Faults:
     saturate_threads: int | None = None  # more threads than this add nothing (memory bandwidth)
     busy_penalty: float = 1.0  # step factor when OpenMP takes every CPU of the mask
     preload_speedup: float = 1.0  # step divisor when LD_PRELOAD is set
+    compiled_speedup: float = 1.0  # step divisor without --enforce-eager (torch.compile's faster decode)
     # a start in vLLM's phases, printing its lines (phases.py): ((name, seconds), ...)
     phases: tuple[tuple[str, float], ...] = ()
+    compile_seconds: float | None = None  # without --enforce-eager: a compile phase of this many seconds after PHASES
     shards: int = 4  # checkpoint shards a `load` phase reports
     wait_line_every: float | None = None  # seconds between shm_broadcast's waiting lines in compile/stall phases
 
@@ -158,7 +160,9 @@ def load_faults(env: Mapping[str, str] = os.environ) -> Faults:
         saturate_threads=num("FAKE_VLLM_SATURATE_THREADS", int, 1, "2"),
         busy_penalty=default(num("FAKE_VLLM_BUSY_PENALTY", low=1, example="1.5"), 1.0),
         preload_speedup=default(num("FAKE_VLLM_PRELOAD_SPEEDUP", low=1, example="1.2"), 1.0),
+        compiled_speedup=default(num("FAKE_VLLM_COMPILED_SPEEDUP", low=1, example="1.5"), 1.0),
         phases=_phases(env),
+        compile_seconds=num("FAKE_VLLM_COMPILE", example="3"),
         shards=default(num("FAKE_VLLM_SHARDS", int, 1, "4"), 4),
         wait_line_every=num("FAKE_VLLM_WAIT_LINE_EVERY", low=0.1, example="60"),
     )

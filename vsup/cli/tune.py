@@ -113,6 +113,9 @@ class _SloType(click.ParamType):
               help="vLLM --max-num-batched-tokens values to try on the best layout. [default: --settings' max_num_batched_tokens, else none]")
 @click.option("--kvcache-gib", type=_list(_rate, "a comma list of positive GiB"), default=None,
               help="KV cache sizes per instance to try on the best layout. [default: --settings' kvcache_gib, else the largest that fits]")
+@click.option("--enforce-eager", "enforce_eager", type=_list(_switch, "on, off or on,off"), default=None,
+              help="vLLM --enforce-eager settings to try last on the best configuration, side by side with their start "
+                   "times (off compiles at every start). [default: --settings' enforce_eager, else the config's own]")
 @click.option("--report", "report_dir", type=click.Path(file_okay=False), default="vsup-tune", show_default=True,
               help="Folder for results.jsonl, summary.md, chart.png, the candidates' YAML and logs.")
 @click.option("--resume", is_flag=True, help="Continue the search recorded in REPORT/results.jsonl.")
@@ -123,13 +126,13 @@ class _SloType(click.ParamType):
 @fsroot_option
 def tune_command(config_path, settings_path, model_name, objective, slo, workload, input_len, output_len, concurrency, request_rate, budget,
                  min_duration, max_duration, instances_per_node, omp_threads, smt, housekeeping_core, preload, max_num_seqs,
-                 max_num_batched_tokens, kvcache_gib, report_dir, resume, write_config, dry_run, no_roofline, fsroot) -> None:
+                 max_num_batched_tokens, kvcache_gib, enforce_eager, report_dir, resume, write_config, dry_run, no_roofline, fsroot) -> None:
     """Measure layouts of this machine with this model through `vsup run`, pick the best.
 
     \b
     Every layout the planner allows (instances per node, OpenMP threads, SMT, housekeeping
     core) runs a short load; the better half runs again, longer, until one wins; then
-    LD_PRELOAD and vLLM's batch flags are tried on it. Prints a ranked table; leaves
+    LD_PRELOAD and vLLM's batch flags are tried on it (and --enforce-eager on and off, when asked). Prints a ranked table; leaves
     results.jsonl, summary.md and chart.png in --report. docs/tune.md explains the method.
     What to try and the load come from the flags, or a file of their own (--settings).
     """
@@ -154,6 +157,7 @@ def tune_command(config_path, settings_path, model_name, objective, slo, workloa
         max_num_seqs=max_num_seqs or _tuple(t.max_num_seqs),
         max_num_batched_tokens=max_num_batched_tokens or _tuple(t.max_num_batched_tokens),
         kvcache_gib=kvcache_gib or _tuple(t.kvcache_gib),
+        enforce_eager=enforce_eager or _tuple(t.enforce_eager),
     )
     options = TuneOptions(
         config_path=Path(config_path), config=cfg, data=data, space=space, objective=Objective(objective, slo or ()),
@@ -164,6 +168,7 @@ def tune_command(config_path, settings_path, model_name, objective, slo, workloa
         report_dir=Path(report_dir), resume=resume, write_config=Path(write_config) if write_config else None,
         dry_run=dry_run, roofline=not no_roofline, fsroot=fsroot,
         workload_origin="--workload" if workload else where(t, "workload"), cpus=cpus,
+        enforce_eager_origin="--enforce-eager" if enforce_eager else where(t, "enforce_eager"),
     )
     if not dry_run:  # before anything is measured: a search must not end in an unwritable report
         check_writable(options.report_dir, "--report", folder=True)

@@ -284,6 +284,8 @@ class Instance:
             self._ready_since = None
         elif new is State.READY:
             self._ready_since = now
+            if event is Event.WARMED and self.watch is not None:
+                self.watch.finish(now)  # the start's own times end here (status' "start")
             self.health_failures = 0
         elif new is State.STOPPED:
             self.halts += 1  # every way into stopped carries out a halt

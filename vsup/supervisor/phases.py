@@ -232,9 +232,10 @@ class StartWatch:
         self._last_at = now
         self._load_base: int | None = None  # bytes read when the load began
         self.loaded: int | None = None  # bytes read since
+        self.ready_at: float | None = None  # when the start ended in ready (finish)
 
     def enter(self, phase: Phase, now: float) -> None:
-        if phase is not self.phase:
+        if self.ready_at is None and phase is not self.phase:
             self.durations[self.phase] = self.durations.get(self.phase, 0.0) + now - self.phase_since
             self.phase, self.phase_since = phase, now
 
@@ -243,7 +244,7 @@ class StartWatch:
         last, output = self._last, progress.output
         moved = []
         phase = output.phase or Phase.BOOTING
-        if phase is not self.phase and self.phase is not Phase.WARMING:
+        if phase is not self.phase and self.phase is not Phase.WARMING and self.ready_at is None:
             if phase is Phase.LOADING and self._load_base is None:
                 # the bytes read since the reading before the load's first line: the load began in between
                 self._load_base = last.read if last is not None else progress.read
@@ -264,6 +265,20 @@ class StartWatch:
         self.output, self._last, self._last_at = output, progress, now
         return moved
 
+    def finish(self, now: float) -> None:
+        """The start reached ready: its phases' times stop here (a later reading changes nothing)."""
+        if self.ready_at is None:
+            self.durations[self.phase] = self.durations.get(self.phase, 0.0) + now - self.phase_since
+            self.phase_since = self.ready_at = now
+
+    def record(self) -> dict[str, Any] | None:
+        """A finished start, for the status JSON's `start` (what `vsup tune` compares): seconds
+        from the spawn to ready, and each phase's; None until it reached ready."""
+        if self.ready_at is None:
+            return None
+        return {"ready_s": round(self.ready_at - self.started, 2),
+                "took": {phase.value: round(self.durations[phase], 2) for phase in Phase if phase in self.durations}}
+
     def idle(self, now: float) -> float:
         """Seconds since the start last moved."""
         return max(0.0, now - self.moved_at)
@@ -271,7 +286,8 @@ class StartWatch:
     def took(self, now: float) -> list[tuple[Phase, float]]:
         """Each phase gone through so far and its seconds, in `Phase` order (the current one until now)."""
         spent = dict(self.durations)
-        spent[self.phase] = spent.get(self.phase, 0.0) + now - self.phase_since
+        if self.ready_at is None:
+            spent[self.phase] = spent.get(self.phase, 0.0) + now - self.phase_since
         return [(phase, spent[phase]) for phase in Phase if phase in spent]
 
     def summary(self, now: float) -> str:

@@ -72,6 +72,8 @@ def instance_status(sup: Supervisor, inst: Instance) -> dict[str, Any]:
         # starting or warming: where the start is and since when, the load's progress, when it last
         # moved, a waiting line of vLLM's explained (phases.StartWatch); None otherwise
         "phase": inst.watch.to_json(now) if inst.watch is not None and inst.state in (State.STARTING, State.WARMING) else None,
+        # the current process's start once it reached ready: seconds from the spawn to ready, each phase's
+        "start": inst.watch.record() if inst.watch is not None else None,
         "restarts": inst.restarts,
         "last_exit": inst.last_exit,
         "placement_ok": None if drift is None else not drift,

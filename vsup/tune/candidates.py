@@ -6,7 +6,8 @@ on/off and OpenMP threads per instance (all cores, about half of them, or given 
 planner places the instances; what it refuses is pruned with its own message, and two
 combinations that end in the same placement are measured once. The tweaks are tried afterwards on
 the best layout, one setting at a time: LD_PRELOAD of tcmalloc / Intel OpenMP, vLLM's
---max-num-seqs and --max-num-batched-tokens, the KV cache size.
+--max-num-seqs and --max-num-batched-tokens, the KV cache size, and last --enforce-eager (only
+when asked: a compiled start takes minutes, so by default the config's own setting is kept).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class Candidate:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     kvcache_gib: float | str | None = None  # a size, KV_MAX, or None
+    enforce_eager: bool | None = None  # vLLM's --enforce-eager on (True) or off (False: torch.compile at start)
 
     @property
     def id(self) -> str:
@@ -55,6 +57,8 @@ class Candidate:
             parts.append(f"mbt{self.max_num_batched_tokens}")
         if self.kvcache_gib is not None:
             parts.append(f"kv{self.kvcache_gib:g}" if not isinstance(self.kvcache_gib, str) else f"kv{self.kvcache_gib}")
+        if self.enforce_eager is not None:
+            parts.append("eager" if self.enforce_eager else "compiled")
         return "-".join(parts)
 
     def settings(self, base: PlanSettings) -> PlanSettings:
@@ -109,6 +113,7 @@ class Space:
     max_num_seqs: tuple[int, ...] | None = None
     max_num_batched_tokens: tuple[int, ...] | None = None
     kvcache_gib: tuple[float, ...] | None = None
+    enforce_eager: tuple[bool, ...] | None = None  # None: the config's own setting only
 
 
 def describe(p: Plan) -> str:
@@ -217,9 +222,12 @@ def tweak_dimensions(
     base_max_num_seqs: int | None,
     base_kvcache_gib: float | None,
     busiest_per_instance: int | None,
+    base_enforce_eager: bool = False,
 ) -> list[tuple[str, list]]:
     """[(field of Candidate, values to try)], in the order they are tried; each list holds only the
-    alternatives to the user's configuration ("none" preload, its own vLLM flags and KV cache)."""
+    alternatives to the user's configuration ("none" preload, its own vLLM flags and KV cache).
+    --enforce-eager comes last: it is then measured against the best of everything else, the
+    same configuration with and without it."""
     dims: list[tuple[str, list]] = []
     dims.append(("preload", [p for p in preloads if p != "none"]))
     if space.max_num_seqs is not None:
@@ -236,6 +244,7 @@ def tweak_dimensions(
     else:
         kv = [KV_MAX] if base_kvcache_gib is not None else []
     dims.append(("kvcache_gib", kv))
+    dims.append(("enforce_eager", [v for v in dict.fromkeys(space.enforce_eager or ()) if v != base_enforce_eager]))
     return [(name, values) for name, values in dims if values]
 
 

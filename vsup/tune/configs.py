@@ -5,15 +5,19 @@ its own log folder and control socket). The winner is written the same way, with
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import yaml
 
 from vsup.config.admission import flag_int
+from vsup.errors import VsupError
 from vsup.tune.candidates import KV_MAX, PRELOAD_SETS, Candidate
 
 FLAGS = {"max_num_seqs": "--max-num-seqs", "max_num_batched_tokens": "--max-num-batched-tokens"}
+EAGER_ON, EAGER_OFF = "--enforce-eager", "--no-enforce-eager"  # vLLM's BooleanOptionalAction: no value, the last wins
+_COMPILE_MODE_NONE = ("0", "none")  # CompilationMode.NONE, by number or name (vLLM takes either, any case)
 
 
 def flag_value(args: Sequence[str], flag: str) -> int | None:
@@ -36,6 +40,60 @@ def _without_flag(args: Sequence[str], flag: str) -> list[str]:
     return out
 
 
+def _dashed(arg: str) -> str:
+    """An option's name as vLLM reads it: `--a_b` is `--a-b` (up to a `=` or a `.`)."""
+    if not arg.startswith("--"):
+        return arg
+    head, sep, tail = arg.partition("=")
+    name, dot, sub = head.partition(".")
+    return name.replace("_", "-") + dot + sub + sep + tail
+
+
+def enforce_eager(args: Sequence[str]) -> bool:
+    """Whether vLLM's args turn --enforce-eager on (the last of it and --no-enforce-eager wins; off by default)."""
+    found = False
+    for arg in map(_dashed, args):
+        if arg in (EAGER_ON, EAGER_OFF):
+            found = arg == EAGER_ON
+    return found
+
+
+def compile_off(args: Sequence[str]) -> str | None:
+    """The argument of vLLM's args that turns torch.compile off other than --enforce-eager
+    (`-O0`, `--optimization-level 0`, a compilation config with mode 0 / NONE), or None. With it a
+    start without --enforce-eager compiles nothing either: the two cannot be told apart."""
+    args = [str(a) for a in args]
+    for i, raw in enumerate(args):
+        arg = _dashed(raw)
+        following = args[i + 1] if i + 1 < len(args) else ""
+        if arg in ("-O0", "-O=0", "--optimization-level=0"):
+            return raw
+        if arg in ("-O", "--optimization-level") and following == "0":
+            return f"{raw} {following}"
+        name, eq, value = arg.partition("=")
+        if name in ("-cc", "--compilation-config"):
+            text = value if eq else following
+            try:
+                config = json.loads(text)
+            except ValueError:
+                continue
+            if isinstance(config, dict) and str(config.get("mode", config.get("level", ""))).lower() in _COMPILE_MODE_NONE:
+                return raw if eq else f"{raw} {following}"
+        elif name in ("-cc.mode", "--compilation-config.mode", "-cc.level", "--compilation-config.level"):
+            if str(value if eq else following).lower() in _COMPILE_MODE_NONE:
+                return raw if eq else f"{raw} {following}"
+    return None
+
+
+def check_enforce_eager(args: Sequence[str], values: Sequence[bool] | None, origin: str) -> None:
+    """A VsupError, one line, when `values` (from `origin`) would measure --enforce-eager off on
+    a config whose vllm.args turn torch.compile off another way: that run would compile nothing."""
+    culprit = compile_off(args)
+    if values and False in values and culprit is not None:
+        raise VsupError(f"{origin}: off (a compiled start) cannot be measured: vllm.args has {culprit!r}, which turns "
+                        f"torch.compile off as --enforce-eager does; take it out of vllm.args, or try only on")
+
+
 def apply_candidate(data: Mapping[str, Any], candidate: Candidate, libraries: Mapping[str, str]) -> dict[str, Any]:
     """The user's configuration (as loaded YAML) with this candidate's settings."""
     out = copy.deepcopy(dict(data))
@@ -55,6 +113,11 @@ def apply_candidate(data: Mapping[str, Any], candidate: Candidate, libraries: Ma
         value = getattr(candidate, field)
         if value is not None:
             args = [*_without_flag(args, flag), flag, str(value)]
+    if candidate.enforce_eager is not None:
+        if not candidate.enforce_eager and (culprit := compile_off(args)) is not None:
+            raise VsupError(f"{candidate.id}: vllm.args has {culprit!r}, which turns torch.compile off: "
+                            "--enforce-eager off would measure no compile")
+        args = [a for a in args if _dashed(a) not in (EAGER_ON, EAGER_OFF)] + ([EAGER_ON] if candidate.enforce_eager else [])
     vllm["args"] = args
     # the set as vllm.preload, explicit either way: "none" measures no preload (not vllm.preload's
     # default auto, which would preload what the other sets try); vllm.env's LD_PRELOAD stays the user's

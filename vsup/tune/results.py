@@ -2,7 +2,8 @@
 
     {"type": "tune", "fingerprint": {...}, ...}         what was searched (checked by --resume)
     {"type": "pruned", "candidate": ID, "reason": ...}  the planner refused it
-    {"type": "run", "candidate": ID, "stage": ..., "ok": ..., "levels": [...], ...}   one per candidate and round
+    {"type": "run", "candidate": ID, "stage": ..., "ok": ..., "levels": [...], ...}   one per candidate and round;
+        its extra.start: what the start took (report.start_figures: vsup_s, ready_s, compile_s, instances)
     {"type": "skipped", "candidate": ID, "stage": ..., "reason": ...}
     {"type": "result", "best": ID, "ranking": [...]}   once the search is over
 
@@ -78,6 +79,11 @@ def run_problem(data: dict[str, Any]) -> str | None:
     if roofline is not None and not (isinstance(roofline, dict) and all(
             isinstance(roofline.get(k), (*_NUMBER, type(None))) for k in ("fraction", "achieved_gbs", "limit_gbs"))):
         return "extra.'roofline' is not {fraction, achieved_gbs, limit_gbs: numbers}"
+    start = data.get("extra", {}).get("start")
+    if start is not None and not (isinstance(start, dict) and all(
+            isinstance(start.get(k), (*_NUMBER, type(None))) and not isinstance(start.get(k), bool)
+            for k in ("vsup_s", "ready_s", "compile_s"))):
+        return "extra.'start' is not {vsup_s, ready_s, compile_s: seconds}"
     return None
 
 

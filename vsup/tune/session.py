@@ -74,6 +74,7 @@ class TuneOptions:
     # One model of a fleet (--model): the CPUs the fleet plan gives it; candidates are planned on them alone
     # and each measured vsup runs with them as its affinity. None: the whole machine.
     cpus: frozenset[int] | None = None
+    enforce_eager_origin: str = "--enforce-eager"  # what errors about the --enforce-eager values name: the option or the key
 
 
 class Tune:
@@ -87,6 +88,7 @@ class Tune:
         if opts.cpus is not None:  # the fleet's reserved cores hold its proxy: the model's share is all instances
             self.machine = restricted(self.machine, opts.cpus)
             self.base = replace(self.base, reserve_cores=0)
+        configs.check_enforce_eager(self.cfg.vllm.args, opts.space.enforce_eager, opts.enforce_eager_origin)
         self.levels = [level_name(concurrency=c) for c in opts.concurrency] + [level_name(rate=r) for r in opts.request_rate]
         self.items: list[WorkItem] | None = load_jsonl(opts.workload, opts.workload_origin) if opts.workload else None
         self.libraries = self._libraries()
@@ -132,7 +134,8 @@ class Tune:
             return tweak_dimensions(self.o.space, preloads=preloads,
                                     base_max_num_seqs=configs.flag_value(self.cfg.vllm.args, "--max-num-seqs"),
                                     base_kvcache_gib=self.cfg.placement.kvcache_gib,
-                                    busiest_per_instance=math.ceil(busiest / best.candidate.instances) if busiest else None)
+                                    busiest_per_instance=math.ceil(busiest / best.candidate.instances) if busiest else None,
+                                    base_enforce_eager=configs.enforce_eager(self.cfg.vllm.args))
         return dims
 
     def make(self, candidate: Candidate) -> Planned | Pruned:
@@ -172,13 +175,13 @@ class Tune:
                            fsroot=self.o.fsroot, env=self.o.environ, stop_timeout=self.cfg.stop.timeout + self.cfg.proxy.drain_timeout + 30,
                            # (a --fsroot machine is not this one: its CPU numbers mean nothing to the scheduler here)
                            cpus=self.o.cpus if self.o.fsroot == "/" else None)
+        extra: dict[str, Any] = {"layout": cand.describe(), "log": str(logs)}
         with run:
             try:
-                levels, load_s = asyncio.run(self._drive(run, trial, start_timeout))
+                levels, load_s = asyncio.run(self._drive(run, trial, start_timeout, extra))
             except CandidateFailed as exc:
                 error = str(exc)
         wall = time.monotonic() - began
-        extra: dict[str, Any] = {"layout": cand.describe(), "log": str(logs)}
         if run.left_behind:
             extra["left_behind"] = run.left_behind
         if error is None:
@@ -191,8 +194,9 @@ class Tune:
         self.results.append(outcome_to_json(outcome))
         return outcome
 
-    async def _drive(self, run: CandidateRun, trial: Trial, start_timeout: float):
-        await run.wait_ready(start_timeout)
+    async def _drive(self, run: CandidateRun, trial: Trial, start_timeout: float, extra: dict[str, Any]):
+        ready_s = await run.wait_ready(start_timeout)
+        extra["start"] = report.start_figures(await run.status(), ready_s)
         async with load.Client(f"{run.proxy_url}/", self.model, api_key=self.api_key,
                                request_timeout=self.cfg.proxy.first_byte_timeout + self.cfg.proxy.idle_timeout) as client:
             if self.items is None:
@@ -288,8 +292,11 @@ class Tune:
             f"machine: {len(self.machine.cpus_usable)} usable CPUs, {len(self.machine.cores)} cores, "
             f"{len(self.machine.cpu_nodes)} NUMA node(s)",
         ]
+        eager = report.eager_tradeoff(table_rows, self._eager_pairs(result))
+        for line in eager:
+            self.out.print(Text(printable(line)))
         write_text(self.o.report_dir / "summary.md", report.summary(result, table_rows, title=title, settings_lines=settings_lines,
-                                                                    bandwidth=self.bandwidth, chart_name=chart_name), "--report")
+                                                                    bandwidth=self.bandwidth, chart_name=chart_name, eager=eager), "--report")
         self.console.print(Text(f"report: {self.o.report_dir / 'summary.md'}" + (f", {self.o.report_dir / 'chart.png'}" if chart_name else "")))
         if result.best is None:
             self.console.print("[red]no candidate could be measured[/red] (see the failed rows and the logs)")
@@ -314,6 +321,20 @@ class Tune:
         # a configuration to read and deploy: the usual mode (less the umask), but never through a link
         write_text(path, configs.render(data, comments), "--write-config", mode=0o644, private=False)
         self.console.print(Text(f"wrote {path}"))  # a path may hold [brackets]: not markup
+
+    def _eager_pairs(self, result: SearchResult) -> list[tuple[str, str]]:
+        """(on, off) ids of the measured candidates that differ only in --enforce-eager: each
+        --enforce-eager tweak and the candidate it was tried on (which runs as the config says)."""
+        base = configs.enforce_eager(self.cfg.vllm.args)
+        pairs = []
+        for cid in result.ranking:
+            cand = self._candidate(cid)
+            if cand.enforce_eager is None or cand.enforce_eager == base:
+                continue
+            partner = replace(cand, enforce_eager=None).id
+            if partner in result.ranking:
+                pairs.append((cid, partner) if cand.enforce_eager else (partner, cid))
+        return pairs
 
     def _candidate(self, cid: str) -> Candidate:
         return {**{p.id: p.candidate for p in self.kept}, **self.made}[cid]
@@ -363,6 +384,8 @@ class Progress:
             if data.ok:
                 lv = data.levels
                 text = ", ".join(f"{x.level} {x.output_throughput:.1f} tok/s" for x in lv)
+                start = report.start_text(data.extra.get("start"))
+                text += f"; ready in {start}" if start != "-" else ""
                 self.console.print(Text(printable(f"{what} {data.stage:<7} {data.candidate_id:<24} {text}")))
             else:
                 self.console.print(Text(printable(f"{what} {data.stage:<7} {data.candidate_id:<24} FAILED: {data.error}")))
