@@ -230,7 +230,7 @@ class PrefixAffinity(LeastLoaded):
         if len(placed) > self._placed_max:
             placed.popitem(last=False)
 
-    def choose(self, ready: tuple[Backend, ...], in_flight: Mapping[str, int], tried: Collection[str] = (), key: Key | None = None) -> Backend | None:
+    def choose(self, ready: tuple[Backend, ...], in_flight: Mapping[str, int], tried: Collection[str] = (), key: Key | None = None, size: int = 0) -> Backend | None:
         if key is None:
             backend, _ = self._least(ready, in_flight, tried)
             if backend is not None:
@@ -271,13 +271,10 @@ class PrefixAffinity(LeastLoaded):
                 self._placed.move_to_end(digest)
                 self._count(key.kind)
             return top
-        values, _ = self.loads([b.name for _, b in candidates], in_flight)
-        # the bound counts whole requests: the KV term (a fraction, a tie-break for least_loaded)
-        # counts as one request only when the cache is full
-        total = 0
-        for name, value in values.items():
-            values[name] = whole = math.floor(value)
-            total += whole
+        # the work before this request's first token, in whole units of its own prefill (load.work):
+        # the bound counts whole requests, so a few decoding streams (a fraction each) move nothing
+        values = {name: float(math.floor(value + 1e-9)) for name, value in self.works([b.name for _, b in candidates], in_flight, size).items()}
+        total = sum(values.values())
         weight = self.weight
         if home is None:
             # Nowhere cached yet (or its instance left, or failed this request): any instance
