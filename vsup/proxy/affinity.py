@@ -23,9 +23,11 @@ requests that share a system prompt, a document or a conversation's opening meet
   bound     bounded-load consistent hashing (Mirrokni, Thorup & Zadimoghaddam 2018): an instance
             takes the request only while its load after it stays within
             ceil((1 + load_factor) * mean load) (the mean with this request counted; per unit of
-            weight: its share of the total), the load being least_loaded's (load.py: the engines'
-            running + waiting with this proxy's in-flight counts on top, or the in-flight counts
-            alone when a figure is missing) in whole requests (a full KV cache counts one more).
+            weight: its share of the total), the load being the work before this request's
+            first token in whole units of its own prefill (load.work: the prompt tokens of the
+            proxy's requests there still without a first byte, other clients' waiting requests
+            from the engine's aged sample, decoding streams a quarter each), so a session stays
+            beside streams in decode and moves from a queue of prefill.
             Otherwise the key's best-scored instance within its bound takes it (the key stays
             placed where it was), so a hot key's overflow keeps going to the same second
             instance (whose cache then holds it too) and different keys overflow to different

@@ -16,8 +16,9 @@ Against hot spots and "death spirals" (cache-aware routing piling misses onto a 
 only instances whose load after the request stays within the bound of prefix_affinity's
 bounded-load hashing, ceil((1 + `affinity_load_factor`) x the mean load), are candidates (the
 least loaded always is); among them the longest cached prefix wins, ties go to the less loaded. A miss
-everywhere is placed by load alone. The load of an instance is `load(name, in_flight)`: the
-proxy's requests in flight by default — the seam for a score from the engines' metrics.
+everywhere is placed by load alone. The load of an instance is prefix_affinity's: the work before
+a new first token (load.work, from the probe the server hands it); `load(name, in_flight)` is the
+seam that replaces it (tests, benches).
 """
 
 from __future__ import annotations

@@ -15,6 +15,10 @@ then every candidate of that choice is scored by its in-flight count alone: mixi
 would make the instance whose figures are missing look the lightest and draw the traffic (the
 silent-instance spiral of vllm-router #179, where a load never counted read as idle).
 
+prefix_affinity's and kv_aware's bound count another load, `work()` below: what delays a new
+request's first token (prefill not yet done), not whole requests, since on CPU a request in
+decode costs the batch little.
+
 `LoadProbe` takes the samples: every `interval` seconds one GET /metrics per ready instance, all
 at once, read with a byte scan for the three gauges (no Prometheus parse: a vLLM /metrics is ~100
 KiB, and the scan reads it in well under a millisecond). Pure functions below, I/O in the probe.
