@@ -150,7 +150,7 @@ def test_prefix_affinity_uses_the_engines_waiting_in_its_bound():
     # the engine of `first` has 3 requests from elsewhere waiting: 3 + 1 is over ceil(1.25 * 4 / 2) = 3
     balancer.probe = Probe({first: Sample(now, 3.0, 0.5, 0, 3.0), other: Sample(now, 0.0, 0.0, 0)})
     assert balancer.choose(ready, {}, (), key).name == other
-    # the same 3 running, in decode: a quarter each, 0 in whole requests: it stays
+    # the same 3 running, in decode: a half each, 1 in whole requests, 1 + 1 within 2: it stays
     balancer.probe = Probe({first: Sample(now, 3.0, 0.5, 0, 0.0), other: Sample(now, 0.0, 0.0, 0)})
     assert balancer.choose(ready, {}, (), key).name == first
     # 3 waiting, but sampled two intervals ago: a quarter of them is left, 0 whole: it stays
@@ -167,18 +167,18 @@ def test_prefix_affinity_counts_the_proxys_own_prefill_not_its_decoding_streams(
     other = "b" if home == "a" else "a"
     probe = balancer.probe = Probe({})  # no engine figures: the proxy's own alone
     size = 4000  # body bytes: 1000 tokens
-    # 7 streams in decode there, none elsewhere: 7/4 = 1 whole, 1 + 1 within ceil(1.25 * 2 / 2) = 2
-    assert balancer.choose(ready, {home: 7}, (), key, size).name == home
-    # 2 of them still without a first byte, each of this request's size: 2 + 5/4 = 3 whole, over: moved
+    # 3 streams in decode there, none elsewhere: 3/2 = 1 whole, 1 + 1 within ceil(1.25 * 2 / 2) = 2
+    assert balancer.choose(ready, {home: 3}, (), key, size).name == home
+    # 2 of them still without a first byte, each of this request's size: 2 + 1/2 = 2 whole, 3 over 2: moved
     probe.prefill.add(home, 1000.0)
     probe.prefill.add(home, 1000.0)
-    assert balancer.choose(ready, {home: 7}, (), key, size).name == other
-    # the same 2 are small prompts (a tenth of this one's): 0.2 + 5/4 = 1 whole: it stays
+    assert balancer.choose(ready, {home: 3}, (), key, size).name == other
+    # the same 2 are small prompts (a tenth of this one's): 0.2 + 1/2 = 0 whole: it stays
     probe.prefill.done(home, 1000.0)
     probe.prefill.done(home, 1000.0)
     probe.prefill.add(home, 100.0)
     probe.prefill.add(home, 100.0)
-    assert balancer.choose(ready, {home: 7}, (), key, size).name == home
+    assert balancer.choose(ready, {home: 3}, (), key, size).name == home
 
 
 def test_the_work_before_a_first_token():

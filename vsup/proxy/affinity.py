@@ -26,7 +26,7 @@ requests that share a system prompt, a document or a conversation's opening meet
             weight: its share of the total), the load being the work before this request's
             first token in whole units of its own prefill (load.work: the prompt tokens of the
             proxy's requests there still without a first byte, other clients' waiting requests
-            from the engine's aged sample, decoding streams a quarter each), so a session stays
+            from the engine's aged sample, decoding streams half a prefill each), so a session stays
             beside streams in decode and moves from a queue of prefill.
             Otherwise the key's best-scored instance within its bound takes it (the key stays
             placed where it was), so a hot key's overflow keeps going to the same second
@@ -275,7 +275,8 @@ class PrefixAffinity(LeastLoaded):
             return top
         # the work before this request's first token, in whole units of its own prefill (load.work):
         # the bound counts whole requests, so a few decoding streams (a fraction each) move nothing
-        values = {name: float(math.floor(value + 1e-9)) for name, value in self.works([b.name for _, b in candidates], in_flight, size).items()}
+        work = self.works([b.name for _, b in candidates], in_flight, size)
+        values = {name: float(math.floor(value + 1e-9)) for name, value in work.items()}
         total = sum(values.values())
         weight = self.weight
         if home is None:
@@ -283,7 +284,8 @@ class PrefixAffinity(LeastLoaded):
             # costs the same prefill, so the least loaded takes it, and keeps it. Placing new keys
             # by their hash instead lets chance pile them up (8 keys on 2 instances hash 6 : 2 or
             # worse 29 % of the time); equal loads go by the hash, so at rest this is rendezvous hashing.
-            least = min(candidates, key=lambda c: (values[c[1].name] / weight(c[1].name), -c[0]))[1]
+            # (by the work itself, not whole requests: a half-busy instance is not a tie)
+            least = min(candidates, key=lambda c: (work[c[1].name] / weight(c[1].name), -c[0]))[1]
             self._place(digest, least.name)
             self._count("placed")
             return least

@@ -201,10 +201,11 @@ class KvAware(LeastOutstanding):
         if not candidates:
             return None
         if self.load is in_flight_load:
-            work = {n: float(math.floor(v + 1e-9)) for n, v in self.works([b.name for b in candidates], in_flight, size).items()}
+            exact = self.works([b.name for b in candidates], in_flight, size)
+            work = {n: float(math.floor(v + 1e-9)) for n, v in exact.items()}  # the bound counts whole requests
         else:  # a load seam given (tests, a bench): its figures
-            work = {b.name: self.load(b.name, in_flight) for b in candidates}
-        least = min(candidates, key=lambda b: work[b.name])
+            exact = work = {b.name: self.load(b.name, in_flight) for b in candidates}
+        least = min(candidates, key=lambda b: exact[b.name])
         if not isinstance(key, Tokens):
             self.decisions["no_tokens"] += 1
             return least

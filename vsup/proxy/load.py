@@ -123,8 +123,8 @@ def loads(names: Collection[str], samples: Mapping[str, Sample], in_flight: Mapp
 
 # What a request in decode weighs against one waiting for its prefill: on CPU a decode step for
 # one more sequence costs the batch little, but many do add up (one instance holding every stream
-# of a hot prompt decodes slower than two): four decoding streams weigh one prefill.
-DECODE_WEIGHT = 0.25
+# of a hot prompt decodes slower than two): two decoding streams weigh one prefill.
+DECODE_WEIGHT = 0.5
 # The engine's figures for other clients' requests halve every this many load_intervals: they
 # finish (or get their first token) while the sample ages, so they must not weigh for the whole
 # interval as if nothing moved.
