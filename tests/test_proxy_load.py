@@ -437,3 +437,19 @@ async def test_a_reload_changes_the_interval_and_a_policy_without_load_stops_sam
 async def _until(predicate) -> None:
     while not predicate():
         await asyncio.sleep(0.02)
+
+
+def test_a_request_to_its_keys_instance_counts_only_what_it_adds_as_prefill():
+    balancer = PrefixAffinity(load_factor=0.25)
+    ready = backends("a", "b")
+    key = Key(777, "session")
+    home = balancer.choose(ready, {}, (), key, 4000).name
+    assert balancer.prefill_bytes(4000) == 4000  # placed: nothing cached yet
+    assert balancer.choose(ready, {}, (), key, 4800).name == home
+    assert balancer.prefill_bytes(4800) == 800  # the next turn: its history is cached there
+    probe = balancer.probe = Probe({})
+    for _ in range(3):  # three misses of this size queued there: over its bound, it escapes
+        probe.prefill.add(home, load.Prefill.estimate(5000))
+    assert balancer.choose(ready, {home: 3}, (), key, 5000).name != home
+    assert balancer.prefill_bytes(5000) == 5000  # a miss where it went
+    assert LeastLoaded().prefill_bytes(5000) == 5000

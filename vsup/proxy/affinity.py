@@ -213,6 +213,8 @@ class PrefixAffinity(LeastLoaded):
         self._seeds: dict[str, int] = {}  # instance name -> its 64-bit hash (names are few and stable)
         self._placed: OrderedDict[int, str] = OrderedDict()  # key digest -> instance, least recent first
         self._placed_max = placed_max
+        self._sizes: dict[int, int] = {}  # key digest -> body bytes of its last request on its instance
+        self._prefill = 0  # prefill_bytes() of the request just chosen for
 
     def key(self, document: dict | None, headers: Mapping[str, str] | None) -> Key | None:
         return routing_key(document, headers, self.prefix_chars)
@@ -230,7 +232,17 @@ class PrefixAffinity(LeastLoaded):
         placed[digest] = name
         placed.move_to_end(digest)
         if len(placed) > self._placed_max:
-            placed.popitem(last=False)
+            self._sizes.pop(placed.popitem(last=False)[0], None)
+
+    def _home(self, digest: int, size: int) -> None:
+        """The request goes to its key's instance: that cache holds the key's last request, so
+        only what this one adds is prefill (a conversation's new turn); remembered for the next."""
+        sizes = self._sizes
+        self._prefill = size - min(sizes.get(digest, 0), size)
+        sizes[digest] = size
+
+    def prefill_bytes(self, size: int) -> int:
+        return self._prefill
 
     def choose(self, ready: tuple[Backend, ...], in_flight: Mapping[str, int], tried: Collection[str] = (), key: Key | None = None, size: int = 0) -> Backend | None:
         if key is None:
@@ -239,6 +251,7 @@ class PrefixAffinity(LeastLoaded):
                 self._count("no_prefix")
             return backend
         digest = key.digest
+        self._prefill = size  # a miss: all of it
         weights = self._weights
         seeds = self._seeds
         home_name = self._placed.get(digest)
@@ -268,9 +281,11 @@ class PrefixAffinity(LeastLoaded):
         if len(candidates) == 1:
             if home is None:
                 self._place(digest, top.name)
+                self._sizes[digest] = size
                 self._count("placed")
             else:
                 self._placed.move_to_end(digest)
+                self._home(digest, size)
                 self._count(key.kind)
             return top
         # the work before this request's first token, in whole units of its own prefill (load.work):
@@ -287,12 +302,14 @@ class PrefixAffinity(LeastLoaded):
             # (by the work itself, not whole requests: a half-busy instance is not a tie)
             least = min(candidates, key=lambda c: (work[c[1].name] / weight(c[1].name), -c[0]))[1]
             self._place(digest, least.name)
+            self._sizes[digest] = size
             self._count("placed")
             return least
         weights_sum = float(sum(weight(b.name) for _, b in candidates)) if weights else float(len(candidates))
         factor = self.load_factor
         if within_bound(values[home.name], total, weight(home.name), weights_sum, factor):  # the common case
             self._placed.move_to_end(digest)
+            self._home(digest, size)
             self._count(key.kind)
             return home
         # Over its bound: the key's best-scored instance within it takes this request, and the key

@@ -40,6 +40,11 @@ class _Rotation:
         """What this policy routes a request by, computed once per request: nothing here."""
         return None
 
+    def prefill_bytes(self, size: int) -> int:
+        """Of the body (`size` bytes) of the request just chosen for, what the instance likely has
+        to prefill (load.Prefill counts it until the first byte): all of it here."""
+        return size
+
     def set_weight(self, name: str, weight: int) -> None:
         if weight < 1:
             raise ValueError(f"weight of {name}: {weight}; must be at least 1 (take it out of rotation instead)")

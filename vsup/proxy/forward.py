@@ -369,7 +369,7 @@ class Forwarder:
             tried.append(backend.name)
             name = backend.name
             self.in_flight[name] = self.in_flight.get(name, 0) + 1
-            tokens = Prefill.estimate(exchange.size)
+            tokens = Prefill.estimate(balancer.prefill_bytes(exchange.size))  # a cached prefix is no prefill
             self.prefill.add(name, tokens)  # until its first byte: work ahead of the next request's first token
             exchange.prefill = (self.prefill, name, tokens)
             exchange.backend = name

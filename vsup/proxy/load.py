@@ -173,7 +173,9 @@ def works(names: Collection[str], samples: Mapping[str, Sample], in_flight: Mapp
 class Prefill:
     """The proxy's own requests still without their first byte, per instance: how many and their
     prompt tokens (estimated: CHARS_PER_TOKEN bytes of body a token). The forwarder adds one when
-    it sends a request and takes it off at the answer's first body byte, or when the attempt ends."""
+    it sends a request and takes it off at the answer's first body byte, or when the attempt ends;
+    the tokens are those the balancer expects uncached (`prefill_bytes`: prefix_affinity counts a
+    request to its key's instance by what it adds to the key's last one)."""
 
     CHARS_PER_TOKEN = 4
 
