@@ -379,20 +379,26 @@ async def test_a_session_stays_beside_decoding_streams_and_moves_from_a_prefill_
         while proxy.in_flight():  # the proxy sees the closed streams end
             await asyncio.sleep(0.01)
 
-        async def waiting() -> str:  # a request whose first token is long in coming: a prefill queued
+        # Two new turns of the conversation, each adding 1.2x the size of a whole first request (the
+        # prefill they need: the rest is cached there), whose first tokens are long in coming.
+        turn = "more " * (len(json.dumps({"model": "fake-model", "messages": messages, "max_tokens": 1})) * 24 // 100)
+        grown = [*messages, {"role": "assistant", "content": "ok"}, {"role": "user", "content": turn}]
+
+        async def waiting(history: list) -> str:
             raw = await c.chat.completions.with_raw_response.create(
-                model="fake-model", messages=messages, max_tokens=1, extra_body={"fake": {"first_token_delay": 3.0}})
+                model="fake-model", messages=history, max_tokens=1, extra_body={"fake": {"first_token_delay": 3.0}})
             return raw.headers["x-fake-instance"]
 
-        queued = [asyncio.ensure_future(waiting())]
+        queued = [asyncio.ensure_future(waiting(grown))]
         while sum(proxy.in_flight().values()) < 1:
             await asyncio.sleep(0.01)
-        queued.append(asyncio.ensure_future(waiting()))  # 1 + 1 within 2: the session's instance still
+        # within the bound: 1.2 / 3.4 of its own size (3.4x the first) is 0 whole
+        queued.append(asyncio.ensure_future(waiting([*grown, {"role": "assistant", "content": "ok"}, {"role": "user", "content": turn + "!"}])))
         while sum(proxy.in_flight().values()) < 2:
             await asyncio.sleep(0.01)
         assert proxy.in_flight() == {home: 2}
         raw = await c.chat.completions.with_raw_response.create(model="fake-model", messages=messages, max_tokens=1)
-        assert raw.headers["x-fake-instance"] != home  # 2 + 1 over ceil(1.25 * 3 / 2) = 2: moved
+        assert raw.headers["x-fake-instance"] != home  # 1.2 + 1.2 = 2 of its size queued there, 2 + 1 over ceil(1.25 * 3 / 2) = 2: moved
         assert await asyncio.gather(*queued) == [home, home]
         text = await metrics_text(proxy)
         assert metric_value(text, "vsup_proxy_policy_decisions_total", policy="prefix_affinity", decision="escaped") == 1
