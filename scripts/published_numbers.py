@@ -531,105 +531,6 @@ def priority(link: str, file: str = "priority_bench.json") -> str:
             f"progressing): {'met' if goal['met'] else 'not met'}. {conditions(data, link)}")
 
 
-# ---- bench/start_bench.py -------------------------------------------------------------------------
-
-GIB = 1024**3
-
-
-def start_line(link: str, file: str = "start_bench.json") -> str:
-    """Issue 31's bound, one sentence: all ready against the slowest instance's own start."""
-    data = with_file(file)
-    f = data["figures"]
-    st = f["settings"]
-    own = ", ".join(fmt_s(i["own_start_s"]) for i in f["instances"])
-    weights = f["plan"]["weights_bytes"]
-    peak = {k: max(i["load_peak_bytes"][k] for i in f["instances"]) for k in ("anon", "file")}
-    return (f"{st['instances']} real vLLM CPU instances of a real-shape model (1.3 B parameters, fp32, "
-            f"{f['plan']['weights_bytes'] / 1e9:.1f} GB of weights each{', --enforce-eager' if st['eager'] else ', compiled'}) "
-            f"started {f['start']['mode']} (`start.mode: {f['start']['asked']}`): `vsup run` to all ready "
-            f"{fmt_s(f['all_ready_s'])}, their own starts {own}: {f['ratio']:.2f}× the slowest (bar ≤ {f['bound']:g}×, "
-            f"{'met' if f['met'] else 'not met'}). While loading, an instance's process tree held at most "
-            f"{peak['anon'] / GIB:.2f} GiB of its own memory ({peak['anon'] / weights:.2f}× its weights) and "
-            f"{peak['file'] / GIB:.2f} GiB of mapped checkpoint pages. {conditions(data, link)}")
-
-
-def start_table(link: str, file: str = "start_bench.json") -> str:
-    """The start's phases per instance, the ratio, what auto picked, the memory while loading."""
-    data = with_file(file)
-    f = data["figures"]
-    phases = [p for p in ("booting", "loading", "profiling", "compiling", "opening", "warming")
-              if any(p in i["phases_s"] for i in f["instances"])]
-    weights = f["plan"]["weights_bytes"]
-    lines = [start_line(link, file), "",
-             "| instance | own start | " + " | ".join(phases) + " | load peak: anon | + file pages | once ready: anon |",
-             "|---" * (len(phases) + 5) + "|"]
-    for i in f["instances"]:
-        peak, ready = i["load_peak_bytes"], i["ready_bytes"] or {"anon": 0}
-        lines.append(f"| {i['index']} | {fmt_s(i['own_start_s'])} | "
-                     + " | ".join(fmt_s(i["phases_s"][p]) if p in i["phases_s"] else "–" for p in phases)
-                     + f" | {peak['anon'] / GIB:.2f} GiB ({peak['anon'] / weights:.2f}× weights) | {peak['file'] / GIB:.2f} GiB"
-                     f" | {ready['anon'] / GIB:.2f} GiB |")
-    lines += ["", f"`start.mode: {f['start']['asked']}` picked **{f['start']['mode']}**: {f['start']['reason']}. "
-              f"Load average when all were ready: {f['load_average_at_ready'][0]:.1f}."]
-    return "\n".join(lines)
-
-
-# Shapes of the models docs/operations.md sizes a start for (bf16: 2 bytes a parameter), from their
-# published config.json: Llama-3.1-8B-like 7B, Qwen2.5-14B, Llama-3-70B (8 KV heads of 128 each).
-SIZES = (("7B", 7e9, 32, 8, 128), ("14B", 14e9, 48, 8, 128), ("70B", 70e9, 80, 8, 128))
-KV_TOKENS = 32768  # the KV cache the memory column plans for: 32k tokens (e.g. 8 sequences of 4k)
-DISKS = (("NVMe, 2 GB/s", 2e9), ("slow disk, 125 MB/s", 125e6))
-
-
-def start_sizes(link: str, file: str = "start_bench.json") -> str:
-    """Estimates for bigger models, every figure derived in the open from the real-shape run."""
-    data = with_file(file)
-    f = data["figures"]
-    inst = max(f["instances"], key=lambda i: i["own_start_s"])  # the slowest: the bound's own start
-    ph = inst["phases_s"]
-    weights = f["plan"]["weights_bytes"]
-    rate = weights / ph["loading"]
-    boot = ph.get("booting", 0.0)
-    compile_s = ph.get("profiling", 0.0) + ph.get("compiling", 0.0)
-    rest = ph.get("opening", 0.0) + ph.get("warming", 0.0)
-    ready = inst["ready_bytes"] or {"anon": 0}
-    kv_here = f["plan"]["kvcache_bytes"]
-    overhead = max(0, ready["anon"] - weights - kv_here)
-    layers_here = 28
-    lines = [
-        f"Measured here ({'with' if f['settings']['eager'] else 'without'} `--enforce-eager`, instance {inst['index']}, the "
-        f"slower): booting {fmt_s(boot)}; loading {weights / 1e9:.2f} GB in {fmt_s(ph['loading'])} "
-        f"({rate / 1e9:.2f} GB/s: from the page cache, on one core of a loaded machine); KV cache profiling and the "
-        f"compile warm-up {fmt_s(compile_s)} for {layers_here} layers; opening and vsup's warm-up {fmt_s(rest)}; "
-        f"memory once ready {ready['anon'] / GIB:.2f} GiB of its own (weights {weights / GIB:.2f} GiB + KV cache "
-        f"{kv_here / GIB:.2f} GiB + {overhead / GIB:.2f} GiB of overhead). {conditions(data, link)}",
-        "",
-        f"**Estimates** for bf16 models (2 bytes a parameter), not measurements: load = weights ÷ the read rate; "
-        f"compile = the {fmt_s(compile_s)} measured here × layers ÷ {layers_here} (the graph torch.compile traces grows "
-        f"with the layers); boot and the rest as "
-        f"measured here; memory = weights + a KV cache of {KV_TOKENS:,} tokens (2 × layers × KV heads × 128 × 2 "
-        f"bytes a token) + the overhead measured here.",
-        "",
-        "| model | weights | load: " + " | load: ".join(d for d, _ in DISKS) + " | compile (est.) | start (est.), "
-        + " / ".join(d.split(",")[0] for d, _ in DISKS) + " | KV cache | memory per instance |",
-        "|---|---|" + "---|" * len(DISKS) + "---|---|---|---|",
-    ]
-    for name, params, layers, kv_heads, head in SIZES:
-        w = params * 2
-        loads = [w / bw for _, bw in DISKS]
-        comp = compile_s * layers / layers_here
-        starts = [boot + load + comp + rest for load in loads]
-        kv = KV_TOKENS * 2 * layers * kv_heads * head * 2
-        lines.append(f"| {name} | {w / 1e9:.0f} GB | " + " | ".join(_minutes(x) for x in loads)
-                     + f" | {_minutes(comp)} | " + " / ".join(_minutes(x) for x in starts)
-                     + f" | {kv / GIB:.0f} GiB | {(w + kv + overhead) / GIB:.0f} GiB |")
-    return "\n".join(lines)
-
-
-def _minutes(seconds: float) -> str:
-    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
-
-
 # ---- the blocks -----------------------------------------------------------------------------------
 
 def kv_oracle(link: str, file: str = "kv_bench.json") -> str:
@@ -685,9 +586,6 @@ RENDERERS: dict[str, Callable[[str], str]] = {
     "soak": soak,
     "metrics-cap": metrics_cap,
     "flood": flood,
-    "start": start_line,
-    "start-table": start_table,
-    "start-sizes": start_sizes,
     "priority": priority,
     "priority-vllm": lambda link: priority(link, "priority_bench-vllm.json"),
 }
