@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overhead-gib", type=float, default=1.5, help="placement.overhead_gib (default 1.5)")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--poll", type=float, default=0.5, help="seconds between readings (default 0.5)")
-    parser.add_argument("--startup-timeout", type=float, default=1800.0)
+    parser.add_argument("--startup-timeout", type=float, default=3600.0, help="seconds to all ready (default 3600: a compile on a shared core took over 30 min here)")
     parser.add_argument("--venv", type=Path, default=None, help="vLLM's venv (default: scripts/vllm-env's)")
     parser.add_argument("--model-dir", type=Path, default=Path.home() / ".cache" / "vsup" / "real-shape-llama")
     parser.add_argument("--out-name", default="start_bench.json", help="the result file in docs/bench/")
