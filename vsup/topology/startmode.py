@@ -8,7 +8,7 @@ overrun is memory at the load's peak. The estimate per instance (an estimate: do
 - while it loads it holds its weights once as its own memory — the tensors it fills — plus its
   overhead (measured with real vLLM 0.32 and the real-shape model of tests/test_vllm_realshape.py:
   the loading tree's anonymous memory peaked at its weights + the overhead, no more than once
-  loaded; bench/start_bench.py records it as load_peak_bytes); its KV cache does not exist yet (vLLM allocates it after the load and the compile warm-up);
+  loaded; bench/start_bench.py records it as load_peak_bytes: docs/bench/start_bench-eager.json); its KV cache does not exist yet (vLLM allocates it after the load and the compile warm-up);
 - the checkpoint it reads them from is mmap'd: its pages (page cache, on its own node under
   numactl --membind, and charged to a cgroup) are resident while it loads — a second copy of the
   weights, but one per model, shared by every instance of that model that loads from the same
