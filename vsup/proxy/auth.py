@@ -62,7 +62,7 @@ class BearerAuth:
         """The name of the key the request sent ("" for proxy.api_key, or with no auth), or REFUSED."""
         if not self.enabled:
             return ""
-        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        scheme, _, token = request.authorization.partition(" ")
         if scheme.lower() != "bearer":
             return REFUSED
         sent = token.strip().encode("utf-8", "surrogateescape")
@@ -78,7 +78,7 @@ class BearerAuth:
         """Bearer KEY, or Basic auth whose password is KEY (the browser's login prompt; proxy.api_key only)."""
         if not self.enabled or self.allows(request):
             return True
-        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        scheme, _, token = request.authorization.partition(" ")
         if scheme.lower() != "basic":
             return False
         try:
