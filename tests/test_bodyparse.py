@@ -28,9 +28,6 @@ from vsup.proxy.codec import parse_json
 from vsup.proxy.kv_aware import tokenize_body
 from vsup.proxy.ratelimit import estimate_tokens
 
-# Every transport, pipe and process closed: a leak fails the test that made it.
-pytestmark = pytest.mark.filterwarnings("error::ResourceWarning")
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
