@@ -632,6 +632,8 @@ RENDERERS: dict[str, Callable[[str], str]] = {
     "flood": flood,
     "start": start_line,
     "start-table": start_table,
+    "start-compiled": lambda link: start_line(link, "start_bench.json"),
+    "start-table-compiled": lambda link: start_table(link, "start_bench.json"),
     "priority": priority,
     "priority-vllm": lambda link: priority(link, "priority_bench-vllm.json"),
 }
