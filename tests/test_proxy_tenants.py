@@ -5,7 +5,6 @@ processes of two models behind one ProxyServer, real sockets, another tenant's k
 from __future__ import annotations
 
 import base64
-import contextlib
 import json
 import logging
 from collections import Counter
@@ -14,7 +13,7 @@ import aiohttp
 import pytest
 
 from tests.fakevllm.fixtures import start_fake
-from tests.proxy_support import LEAN, MESSAGES, client, close_clients, url
+from tests.proxy_support import LEAN, MESSAGES, client, running_proxy, url
 from tests.test_observe import SAMPLE_STATUS
 from vsup.config.names import ALIAS, Name, model_names
 from vsup.config.schema import ApiKeyConfig, ProxyConfig, parse_config
@@ -55,15 +54,8 @@ def pool_of(*fakes) -> BackendPool:
     return pool
 
 
-@contextlib.asynccontextmanager
-async def tenant_proxy(pool: BackendPool, **config):
-    proxy = ProxyServer(ProxyConfig(port=0, **config), pool, models=MODELS, names={"a-old": Name("a", ALIAS)})
-    await proxy.start()
-    try:
-        yield proxy
-    finally:
-        await close_clients(proxy)
-        await proxy.drain_and_stop(0)
+def tenant_proxy(pool: BackendPool, **config):
+    return running_proxy(pool, models=MODELS, names={"a-old": Name("a", ALIAS)}, **config)
 
 
 async def call(proxy, path: str, body=None, key: str | None = None, method: str = "POST", auth: str | None = None):
