@@ -170,6 +170,21 @@ def shm_files_of(pids) -> set[str]:
     return {name for name in names if os.path.exists(f"/dev/shm/{name}")}
 
 
+def close_and_sweep(run, marker: str) -> None:
+    """Stop a test's `vsup run` and kill what of its vLLM trees outlived it (by session and by the
+    test's env marker), removing the /dev/shm files they had mapped."""
+    leftovers = processes_in_sessions(set(run.seen_pids)) | processes_with_env(marker)
+    mapped = shm_files_of(leftovers)
+    run.close()
+    for pid in alive(leftovers):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for name in mapped:
+        Path("/dev/shm", name).unlink(missing_ok=True)
+
+
 def cpus_allowed(pid: int) -> dict[int, frozenset[int]]:
     """tid -> Cpus_allowed_list of every thread of a process."""
     out = {}
@@ -251,16 +266,7 @@ def vllm_run(tmp: Path, config: dict, vsup: list[str]):
         run.wait_ready(timeout=STARTUP_TIMEOUT)
         yield Served(run, vsup, marker, config)
     finally:
-        leftovers = processes_in_sessions(set(run.seen_pids)) | processes_with_env(marker)
-        mapped = shm_files_of(leftovers)
-        run.close()
-        for pid in alive(leftovers):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        for name in mapped:
-            Path("/dev/shm", name).unlink(missing_ok=True)
+        close_and_sweep(run, marker)
 
 
 @pytest.fixture(scope="module")

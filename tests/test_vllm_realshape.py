@@ -29,12 +29,10 @@ import yaml
 
 from tests.test_vllm_e2e import (
     alive,
+    close_and_sweep,
     comm,
     metric_total,
-    processes_in_sessions,
-    processes_with_env,
     served_config,
-    shm_files_of,
     tree,
 )
 from tests.vsup_harness import VSUP, VsupRun, instance_get
@@ -110,16 +108,7 @@ def started(vllm_install, real_shape_model, tmp_path_factory):
             time.sleep(0.5)
         yield Started(run, marker, readings, shown, readings[-1][0])
     finally:
-        leftovers = processes_in_sessions(set(run.seen_pids)) | processes_with_env(marker)
-        mapped = shm_files_of(leftovers)
-        run.close()
-        for pid in alive(leftovers):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        for name in mapped:
-            Path("/dev/shm", name).unlink(missing_ok=True)
+        close_and_sweep(run, marker)
 
 
 def seen(started: Started, index: int) -> list[dict]:
