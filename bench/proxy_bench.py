@@ -661,7 +661,13 @@ def print_ratios(runs: list[list[dict]], target: str, reference: str, what: str)
         ratios = []
         for run in runs:
             rows = {row["target"]: row for row in run}
-            ratios.append(rows[target][key] / rows[reference][key])
+            # µs/chunk is 0 when the stream phase cost less than its requests at the small-request
+            # rate (a tiny run on a loaded box): that run has no ratio for it
+            if rows[reference][key] > 0:
+                ratios.append(rows[target][key] / rows[reference][key])
+        if not ratios:
+            print(f"{label}, {what}: not measured (the reference's figure was 0 in every run)")
+            continue
         shown = ", ".join(f"{r:.2f}" for r in ratios)
         print(f"{label}, {what}: median {median(ratios):.2f} (runs: {shown})")
         out[key] = {"median": round(median(ratios), 3), "runs": [round(r, 3) for r in ratios]}

@@ -531,6 +531,50 @@ def priority(link: str, file: str = "priority_bench.json") -> str:
             f"progressing): {'met' if goal['met'] else 'not met'}. {conditions(data, link)}")
 
 
+# ---- bench/start_bench.py -------------------------------------------------------------------------
+
+GIB = 1024**3
+
+
+def start_line(link: str, file: str = "start_bench-eager.json") -> str:
+    """Issue 31's bound, one sentence: all ready against the slowest instance's own start."""
+    data = with_file(file)
+    f = data["figures"]
+    st = f["settings"]
+    own = ", ".join(fmt_s(i["own_start_s"]) for i in f["instances"])
+    weights = f["plan"]["weights_bytes"]
+    peak = {k: max(i["load_peak_bytes"][k] for i in f["instances"]) for k in ("anon", "file")}
+    return (f"{st['instances']} real vLLM CPU instances of a real-shape model (1.3 B parameters, fp32, "
+            f"{f['plan']['weights_bytes'] / 1e9:.1f} GB of weights each{', --enforce-eager' if st['eager'] else ', compiled'}) "
+            f"started {f['start']['mode']} (`start.mode: {f['start']['asked']}`): `vsup run` to all ready "
+            f"{fmt_s(f['all_ready_s'])}, their own starts {own}: {f['ratio']:.2f}× the slowest (bar ≤ {f['bound']:g}×, "
+            f"{'met' if f['met'] else 'not met'}). While loading, an instance's process tree held at most "
+            f"{peak['anon'] / GIB:.2f} GiB of its own memory (its {weights / GIB:.2f} GiB of weights and "
+            f"{(peak['anon'] - weights) / GIB:.2f} GiB more) and "
+            f"{peak['file'] / GIB:.2f} GiB of mapped checkpoint pages. {conditions(data, link)}")
+
+
+def start_table(link: str, file: str = "start_bench-eager.json") -> str:
+    """The start's phases per instance, the ratio, what auto picked, the memory while loading."""
+    data = with_file(file)
+    f = data["figures"]
+    phases = [p for p in ("booting", "loading", "profiling", "compiling", "opening", "warming")
+              if any(p in i["phases_s"] for i in f["instances"])]
+    weights = f["plan"]["weights_bytes"]
+    lines = [start_line(link, file), "",
+             "| instance | own start | " + " | ".join(phases) + " | load peak: anon | + file pages | once ready: anon |",
+             "|---" * (len(phases) + 5) + "|"]
+    for i in f["instances"]:
+        peak, ready = i["load_peak_bytes"], i["ready_bytes"] or {"anon": 0}
+        lines.append(f"| {i['index']} | {fmt_s(i['own_start_s'])} | "
+                     + " | ".join(fmt_s(i["phases_s"][p]) if p in i["phases_s"] else "–" for p in phases)
+                     + f" | {peak['anon'] / GIB:.2f} GiB ({peak['anon'] / weights:.2f}× weights) | {peak['file'] / GIB:.2f} GiB"
+                     f" | {ready['anon'] / GIB:.2f} GiB |")
+    lines += ["", f"`start.mode: {f['start']['asked']}` picked **{f['start']['mode']}**: {f['start']['reason']}. "
+              f"Load average when all were ready: {f['load_average_at_ready'][0]:.1f}."]
+    return "\n".join(lines)
+
+
 # ---- the blocks -----------------------------------------------------------------------------------
 
 def kv_oracle(link: str, file: str = "kv_bench.json") -> str:
@@ -586,6 +630,10 @@ RENDERERS: dict[str, Callable[[str], str]] = {
     "soak": soak,
     "metrics-cap": metrics_cap,
     "flood": flood,
+    "start": start_line,
+    "start-table": start_table,
+    "start-compiled": lambda link: start_line(link, "start_bench.json"),
+    "start-table-compiled": lambda link: start_table(link, "start_bench.json"),
     "priority": priority,
     "priority-vllm": lambda link: priority(link, "priority_bench-vllm.json"),
 }

@@ -43,8 +43,8 @@ def ready_pool(fakes: Iterable[FakeVllm], ready: bool = True) -> BackendPool:
 
 
 @contextlib.asynccontextmanager
-async def running_proxy(pool: BackendPool, api_key: str | None = None, **config):
-    proxy = ProxyServer(ProxyConfig(port=0, **config), pool, api_key=api_key)
+async def running_proxy(pool: BackendPool, api_key: str | None = None, *, models=None, names=None, **config):
+    proxy = ProxyServer(ProxyConfig(port=0, **config), pool, api_key=api_key, models=models, names=names)
     await proxy.start()
     try:
         yield proxy

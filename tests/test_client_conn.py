@@ -108,6 +108,30 @@ async def test_absolute_form_and_percent_encoded_targets():
     assert seen["path"] == "/v1/a.b" and seen["raw_path"] == "http://h:1/v1/a%2Eb?q=%20" and seen["query"] == "q=%20"
 
 
+async def test_the_headers_a_handler_reads_case_insensitive_and_the_first_of_a_repeated_one():
+    async def headers(request: Request) -> Response:
+        view = request.headers
+        return Response(body=json.dumps({
+            "content_type": request.content_type, "authorization": request.authorization, "expect": request.expect,
+            "session": view.get("x-SESSION-id"), "missing": view.get("X-None"), "names": sorted(view), "count": len(view),
+        }).encode())
+
+    async with front(headers) as (_, port):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /h HTTP/1.1\r\nHost: x\r\nCONTENT-TYPE: application/json\r\nauthorization: Bearer k1\r\n"
+                     b"Authorization: Bearer k2\r\nX-Session-ID: s1\r\nx-session-id: s2\r\nConnection: close\r\n\r\n")
+        seen = json.loads(answers(await read_until_closed(reader))[0][1])
+        writer.close()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /h HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        bare = json.loads(answers(await read_until_closed(reader))[0][1])
+        writer.close()
+    assert seen == {"content_type": "application/json", "authorization": "Bearer k1", "expect": None, "session": "s1",
+                    "missing": None, "count": 5,  # each name once, as first sent
+                    "names": sorted(["Host", "CONTENT-TYPE", "authorization", "X-Session-ID", "Connection"])}
+    assert (bare["content_type"], bare["authorization"], bare["expect"]) == ("", "", None)
+
+
 async def test_a_stream_is_chunked_for_1_1_and_delimited_by_the_close_for_1_0():
     async def stream(request: Request) -> StreamAnswer:
         out = StreamAnswer(request, 200)

@@ -319,7 +319,7 @@ async def test_proxy_appends_the_cached_text_and_serves_pages_behind_the_key():
 
 class _Request:
     def __init__(self, authorization: str | None) -> None:
-        self.headers = {"Authorization": authorization} if authorization else {}
+        self.authorization = authorization or ""
 
 
 def test_browser_auth_takes_bearer_or_the_key_as_basic_password_only():

@@ -135,4 +135,5 @@ async def test_a_real_oom_kill_is_named_and_a_kill_9_is_not(tmp_path):
         assert other.sigkill_cause().startswith("killed by SIGKILL from outside vsup (not the OOM killer: oom_kill unchanged at ")
         await processes.stop_tree(other, 1.0)
     finally:
+        log.close()
         group.rmdir()

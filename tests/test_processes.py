@@ -598,3 +598,40 @@ def test_sweep_stale_shm_removes_only_old_unused_files_of_ours(tmp_path, where):
         holder.stdout.close()
         for path in (old_unused, old_in_use, fresh, other_prefix):
             path.unlink(missing_ok=True)
+
+
+def test_sweep_keeps_a_semaphore_whose_creator_maps_it_under_its_first_name():
+    """glibc's sem_open makes a semaphore under a temporary name, maps it, then links it to its
+    real name and unlinks the first: its creator's /proc/<pid>/maps shows `sem.XXXXXX (deleted)`,
+    never `sem.mp-…`. A starting vLLM's multiprocessing (spawn) creates such semaphores before the
+    children that open them by name exist; on a loaded box that takes more than the sweep's minute,
+    and a sweep that read names only deleted a live semaphore (the Worker then died rebuilding it).
+    The sweep matches the file's inode against every mapping under /dev/shm, deleted names too."""
+    if not Path("/dev/shm").is_dir():
+        pytest.skip("no /dev/shm here")
+    creator = subprocess.Popen(
+        [sys.executable, "-c", "import multiprocessing as mp, time\n"
+         "lock = mp.get_context('spawn').Lock()\n"
+         "print(lock._semlock.name, flush=True)\n"
+         "time.sleep(600)\n"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
+    try:
+        name = creator.stdout.readline().decode().strip()
+        assert name.startswith("/mp-"), name
+        path = Path("/dev/shm") / ("sem." + name[1:])
+        assert path.exists()
+        hour_ago = time.time() - 3600
+        os.utime(path, (hour_ago, hour_ago))
+        removed = sweep_stale_shm(prefixes=("sem." + name[1:],), min_age=60)
+        assert removed == [] and path.exists()
+    finally:
+        creator.kill()
+        creator.wait()
+        creator.stdout.close()
+    # once its creator is gone, the same file is stale: the sweep removes it (the resource tracker may have first)
+    deadline = time.monotonic() + 10
+    while path.exists() and time.monotonic() < deadline:
+        if sweep_stale_shm(prefixes=("sem." + name[1:],), min_age=60) == [str(path)]:
+            break
+        time.sleep(0.2)
+    assert not path.exists()

@@ -224,3 +224,66 @@ async def test_a_reload_changes_the_stall_limit_of_requests_already_in_flight(fa
         await clock.advance(2)
         results = await asyncio.wait_for(asyncio.gather(*sent), 10)
         assert [status for status, _ in results] == [200, 200] and proxy.pool.is_ejected("h")
+
+
+async def _kept_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """GET /health on a kept connection; its whole answer read (the connection stays open)."""
+    writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    assert head.startswith(b"HTTP/1.1 200 ") and b"connection: close" not in head.lower()
+    length = next(int(line.split(b":")[1]) for line in head.lower().split(b"\r\n") if line.startswith(b"content-length:"))
+    await asyncio.wait_for(reader.readexactly(length), 5)
+
+
+async def _open_after(clock: ProxyClock, reader: asyncio.StreamReader, seconds: float) -> bool:
+    """Still open `seconds` (virtual) from now?"""
+    await clock.advance(seconds)
+    await asyncio.sleep(0.05)
+    return not reader.at_eof()
+
+
+async def _closed_soon(reader: asyncio.StreamReader) -> bool:
+    return await asyncio.wait_for(reader.read(), 5) == b""
+
+
+@contextlib.asynccontextmanager
+async def _connection(proxy):
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+    try:
+        yield reader, writer
+    finally:
+        writer.close()
+
+
+async def test_a_kept_connections_idle_and_header_deadlines_move_with_its_requests(fake):
+    # The header (30 s) and idle (60 s) deadlines share one timer, moved lazily: each must still
+    # close the connection at its own time, never at the time an earlier deadline was set for.
+    clock = ProxyClock()
+    async with proxy_on(clock, [Backend("d", fake.url)]) as proxy:
+        # idle: 60 s from the answer, although the headers' 30 s timer was armed first
+        async with _connection(proxy) as (reader, writer):
+            await _kept_answer(reader, writer)
+            assert await _open_after(clock, reader, 60 - JUST)
+            await clock.advance(2 * JUST)
+            assert await _closed_soon(reader)
+        # the next request's headers: 30 s from its first byte, though the idle deadline was sooner
+        async with _connection(proxy) as (reader, writer):
+            await _kept_answer(reader, writer)
+            assert await _open_after(clock, reader, 40)
+            writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # no end of its headers
+            assert await _open_after(clock, reader, 30 - JUST)
+            await clock.advance(2 * JUST)
+            assert await _closed_soon(reader)
+        text = await metrics_text(proxy)
+        assert metric_value(text, "vsup_proxy_client_timeouts_total", phase="headers") == 1
+
+
+async def test_an_idle_deadline_sooner_than_the_headers_one_closes_at_its_time(fake):
+    # proxy.header_timeout longer than the keep-alive idle limit (60 s): the idle deadline is the
+    # earlier one, so it gets a timer of its own
+    clock = ProxyClock()
+    async with proxy_on(clock, [Backend("d", fake.url)], header_timeout=100.0) as proxy, _connection(proxy) as (reader, writer):
+        await _kept_answer(reader, writer)
+        assert await _open_after(clock, reader, 60 - JUST)
+        await clock.advance(2 * JUST)
+        assert await _closed_soon(reader)

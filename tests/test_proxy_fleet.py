@@ -15,9 +15,9 @@ import pytest
 
 from tests.fakevllm.cli import LoraModule, UsageError, parse_args
 from tests.fakevllm.fixtures import start_fake
-from tests.proxy_support import LEAN, MESSAGES, client, close_clients, metric_value, metrics_text, url
+from tests.proxy_support import LEAN, MESSAGES, client, metric_value, metrics_text, running_proxy, url
 from vsup.config.schema import ProxyConfig
-from vsup.proxy import ProxyServer, bodyparse, codec
+from vsup.proxy import bodyparse, codec
 from vsup.proxy.backends import Backend, BackendPool
 
 MODELS = {"chat": ProxyConfig(), "embed": ProxyConfig(policy="least_outstanding")}
@@ -56,17 +56,14 @@ def pool_of(fakes, tagged: bool = True) -> BackendPool:
 
 @contextlib.asynccontextmanager
 async def fleet_proxy(pool: BackendPool, models=MODELS, api_key: str | None = None, **config):
-    proxy = ProxyServer(ProxyConfig(port=0, **config), pool, api_key=api_key, models=models)
-    await proxy.start()
-    try:
+    async with running_proxy(pool, api_key, models=models, **config) as proxy:
         yield proxy
-    finally:
-        await close_clients(proxy)
-        await proxy.drain_and_stop(0)
 
 
-async def post(proxy, path: str, body, key: str | None = None, method: str = "POST") -> tuple[int, dict, dict | str]:
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
+async def post(proxy, path: str, body=None, key: str | None = None, method: str = "POST",
+               auth: str | None = None) -> tuple[int, dict, dict | str]:
+    """(status, headers, JSON or text) of one request; `auth`: a whole Authorization value instead of Bearer `key`."""
+    headers = {"Authorization": auth or f"Bearer {key}"} if key or auth else {}
     async with aiohttp.ClientSession() as session:
         data = json.dumps(body) if body is not None else None
         if data is not None:

@@ -5,17 +5,15 @@ processes of two models behind one ProxyServer, real sockets, another tenant's k
 from __future__ import annotations
 
 import base64
-import contextlib
-import json
 import logging
 from collections import Counter
 
-import aiohttp
 import pytest
 
 from tests.fakevllm.fixtures import start_fake
-from tests.proxy_support import LEAN, MESSAGES, client, close_clients, url
+from tests.proxy_support import LEAN, MESSAGES, client, running_proxy
 from tests.test_observe import SAMPLE_STATUS
+from tests.test_proxy_fleet import post
 from vsup.config.names import ALIAS, Name, model_names
 from vsup.config.schema import ApiKeyConfig, ProxyConfig, parse_config
 from vsup.errors import ConfigError
@@ -55,27 +53,11 @@ def pool_of(*fakes) -> BackendPool:
     return pool
 
 
-@contextlib.asynccontextmanager
-async def tenant_proxy(pool: BackendPool, **config):
-    proxy = ProxyServer(ProxyConfig(port=0, **config), pool, models=MODELS, names={"a-old": Name("a", ALIAS)})
-    await proxy.start()
-    try:
-        yield proxy
-    finally:
-        await close_clients(proxy)
-        await proxy.drain_and_stop(0)
+def tenant_proxy(pool: BackendPool, **config):
+    return running_proxy(pool, models=MODELS, names={"a-old": Name("a", ALIAS)}, **config)
 
 
-async def call(proxy, path: str, body=None, key: str | None = None, method: str = "POST", auth: str | None = None):
-    headers = {"Authorization": auth or f"Bearer {key}"} if key or auth else {}
-    async with aiohttp.ClientSession() as session:
-        async with session.request(method, url(proxy, path), json=body, headers=headers) as response:
-            text = await response.text()
-            try:
-                parsed = json.loads(text)
-            except ValueError:
-                parsed = text
-            return response.status, dict(response.headers), parsed
+call = post  # (status, headers, JSON or text), Bearer `key` or a whole `auth` value
 
 
 async def answered_by(proxy, model: str, key: str, times: int = 6) -> Counter:

@@ -15,9 +15,8 @@ import aiohttp
 import pytest
 
 from tests.fakevllm.fixtures import start_fake
-from tests.proxy_support import LEAN, client, close_clients, url, wait_for
+from tests.proxy_support import LEAN, client, running_proxy, url, wait_for
 from vsup.config.schema import ApiKeyConfig, ProxyConfig
-from vsup.proxy import ProxyServer
 from vsup.proxy.backends import Backend, BackendPool
 
 pytestmark = pytest.mark.timeout(120)
@@ -43,13 +42,8 @@ async def proxy_over(fake, tokens_per_minute: int = 1000):
     pool.add(Backend(fake.name, fake.url, "chat"))
     pool.set_state(fake.name, "ready", True)
     keys = [ApiKeyConfig(name="tenant", key="k-tenant", tokens_per_minute=tokens_per_minute)]
-    proxy = ProxyServer(ProxyConfig(port=0, api_keys=keys), pool, models={"chat": ProxyConfig()})
-    await proxy.start()
-    try:
+    async with running_proxy(pool, models={"chat": ProxyConfig()}, api_keys=keys) as proxy:
         yield proxy
-    finally:
-        await close_clients(proxy)
-        await proxy.drain_and_stop(0)
 
 
 def chat(content: str = "hi", **fields) -> dict:

@@ -39,6 +39,7 @@ from tests.test_vllm_e2e import (
     DEMO_CONFIG,
     STARTUP_TIMEOUT,
     alive,
+    close_and_sweep,
     comm,
     cpus_allowed,
     processes_in_sessions,
@@ -439,14 +440,5 @@ def test_one_vsup_run_serves_chat_and_embeddings_and_survives_a_kill9_of_the_emb
         wait_until(lambda: not alive(victim_tree), 120, f"the killed tree {victim_tree} to be gone")
     finally:
         client.close()
-        leftovers = processes_in_sessions(set(run.seen_pids)) | processes_with_env(marker)
-        mapped = shm_files_of(leftovers)
-        run.close()
-        for pid in alive(leftovers):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        for name in mapped:
-            Path("/dev/shm", name).unlink(missing_ok=True)
+        close_and_sweep(run, marker)
 

@@ -36,3 +36,19 @@ def vllm_install() -> tuple[Path, Path]:
     model = Path(_run_step([str(venv / "bin" / "python"), str(ROOT / "scripts" / "build_tiny_model.py")],
                            "scripts/build_tiny_model.py", 900))
     return venv, model
+
+
+# The real-shape model of issue 31: Qwen2-1.5B's shape as a random-weight Llama (1.32 B parameters,
+# fp32: 5.3 GB of weights). Cached beside the tiny model; its build is about a minute of CPU and
+# writes 5.3 GB (5 min of wall time on this shared 2-core box while other work ran).
+REAL_SHAPE = ("--hidden", "1536", "--layers", "28", "--heads", "12", "--kv-heads", "2", "--head-dim", "128",
+              "--intermediate", "8960", "--max-positions", "8192")
+
+
+@pytest.fixture(scope="session")
+def real_shape_model(vllm_install) -> Path:
+    """The real-shape random model directory (~/.cache/vsup/real-shape-llama), built once per machine."""
+    venv, _tiny = vllm_install
+    out = Path(os.environ.get("HOME", ".")) / ".cache" / "vsup" / "real-shape-llama"
+    return Path(_run_step([str(venv / "bin" / "python"), str(ROOT / "scripts" / "build_tiny_model.py"), *REAL_SHAPE,
+                           "--out", str(out)], "scripts/build_tiny_model.py (real shape)", 1800))

@@ -280,7 +280,7 @@ class RestartConfig(_Section):
 
 
 class StartConfig(_Section):
-    mode: Literal["auto", "staggered", "parallel"] = Field("auto", description="auto: all at once when each node's memory (and the cgroup limit) holds their load peaks together — an instance's peak, an estimate: its weights twice while it loads (the tensors and the checkpoint pages they come from) or its weights + KV cache once loaded, plus its overhead —, else staggered; vsup's log and `vsup plan` say which and why (docs/supervisor.md); staggered: the next instance starts when the previous is ready (or its start failed); parallel: all at once", json_schema_extra=START)
+    mode: Literal["auto", "staggered", "parallel"] = Field("auto", description="auto: all at once when each node's memory (and the cgroup limit) holds their load peaks together — while loading each holds its weights + overhead and every model's checkpoint pages are resident once (measured: bench/start_bench.py), once loaded weights + KV cache + overhead —, else staggered; vsup's log and `vsup plan` say which and why (docs/supervisor.md); staggered: the next instance starts when the previous is ready (or its start failed); parallel: all at once", json_schema_extra=START)
 
 
 class StopConfig(_Section):

@@ -79,7 +79,7 @@ class BearerAuth:
         """The name of the key the request sent ("" for proxy.api_key, or with no auth), or REFUSED."""
         if not self.enabled:
             return ""
-        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        scheme, _, token = request.authorization.partition(" ")
         if scheme.lower() != "bearer":
             return REFUSED
         sent = token.strip().encode("utf-8", "surrogateescape")
@@ -116,7 +116,7 @@ class BearerAuth:
         return 200 if self.may(client, kind) else 403
 
     def _basic(self, request: Request) -> str | None:
-        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        scheme, _, token = request.authorization.partition(" ")
         if scheme.lower() != "basic":
             return REFUSED
         try:

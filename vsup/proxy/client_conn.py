@@ -55,6 +55,8 @@ LINGER = 1.0
 LINGER_BYTES = 1024 * 1024
 # The client's socket is written to until this much is unsent, then the relay waits (drain).
 LOW_WATER = 64 * 1024
+# A deadline's timer that fires this much early (the loop's timers are in milliseconds) counts as on time.
+DEADLINE_SLACK = 0.001
 
 
 def _ends_head(data: bytes) -> bool:
@@ -76,8 +78,15 @@ class ClientConnection(asyncio.Protocol):
         self.peer: object = None
         self.counted = False  # holds one of the policy's connection counts
         self.closing = False
-        self.timer: Handle | None = None
-        self.idle = False  # the timer is the keep-alive idle limit (the next request's first byte re-arms it)
+        self.timer: Handle | None = None  # a probe's deadline, or the linger after a last answer
+        # The header and keep-alive idle deadlines: `deadline` (None: none) and what it calls, on one
+        # timer that is moved lazily (see _arm): a keep-alive request re-arms them twice and
+        # clears them once, which is then a few assignments, not a timer made and cancelled each time.
+        self.deadline: float | None = None
+        self.on_deadline: Callable[[], None] = self._head_late
+        self.deadline_timer: Handle | None = None
+        self.deadline_timer_at = 0.0
+        self.idle = False  # the deadline is the keep-alive idle limit (the next request's first byte re-arms it)
         # Not None: the bytes are not for the parser (a probe's request line, or a refused
         # connection's rest, read and dropped until it closes: see last_word).
         self.probe: bytearray | None = None
@@ -111,7 +120,7 @@ class ClientConnection(asyncio.Protocol):
         self.refusal = refusal = policy.opened(self.address)
         if refusal is None:
             self.counted = True
-            self.timer = self.clock.call_later(policy.header_timeout, self._head_late)
+            self._arm(policy.header_timeout, self._head_late)
         elif policy.probe_slot(self, self.address):
             self.probing = True
             self.probe = bytearray()
@@ -123,6 +132,7 @@ class ClientConnection(asyncio.Protocol):
     def connection_lost(self, exc) -> None:
         self.closing = True
         self._cancel_timer()
+        self._stop_deadline()
         if self.counted:
             self.counted = False
             self.policy.closed(self.address)
@@ -178,7 +188,7 @@ class ClientConnection(asyncio.Protocol):
                 self._refuse(HeadTooLarge(f"the request line and headers are {head} bytes or more, over proxy.max_header_bytes"))
                 return  # before the parser holds any of it
             if self.idle:  # a keep-alive request's first bytes: its headers' deadline runs from now
-                self._arm(self.policy.header_timeout, self._head_late)
+                self._arm(self.policy.header_timeout, self._head_late, False)
             self.head_bytes = head
         try:
             self.parser.feed_data(data)
@@ -227,15 +237,28 @@ class ClientConnection(asyncio.Protocol):
         self.in_body = True
         length: int | None = None
         chunked = upgrade = False
+        # the headers every request reads, taken in this one pass (the first of a repeated one)
+        content_type: bytes | None = None
+        authorization: bytes | None = None
+        expect: bytes | None = None
         for name, value in self.headers:
             low = name.lower()
-            if low == b"content-length":
+            if low == b"content-type":
+                if content_type is None:
+                    content_type = value
+            elif low == b"content-length":
                 try:
                     length = int(value)
                 except ValueError:
                     raise BadRequest("Content-Length is not a number") from None
+            elif low == b"authorization":
+                if authorization is None:
+                    authorization = value
             elif low == b"transfer-encoding":
                 chunked = b"chunked" in value.lower()
+            elif low == b"expect":
+                if expect is None:
+                    expect = value
             elif low == b"upgrade":
                 upgrade = True
         if upgrade or method == "CONNECT":
@@ -249,6 +272,9 @@ class ClientConnection(asyncio.Protocol):
             method, self.url.decode("utf-8", "surrogateescape"), tuple(self.headers),
             (1, 1) if version == "1.1" else (1, 0), parser.should_keep_alive(), self.address or None,
             body, length, chunked, self,
+            content_type=content_type.decode("utf-8", "surrogateescape") if content_type is not None else "",
+            authorization=authorization.decode("utf-8", "surrogateescape") if authorization is not None else "",
+            expect=expect.decode("utf-8", "surrogateescape") if expect is not None else None,
         )
         self.pipeline.append(request)
         if self.task is None:
@@ -313,29 +339,56 @@ class ClientConnection(asyncio.Protocol):
             return
         if self.head_bytes:  # the next request's head has begun: its deadline runs from its first byte
             return
-        self._arm(self.policy.timeout, self._idle_too_long)
+        self._arm(self.policy.timeout, self._idle_too_long, True)
 
     # -- ends of a connection ------------------------------------------------------------------
 
-    def _arm(self, delay: float, callback: Callable[[], None]) -> None:
-        self._cancel_timer()
-        self.timer = self.clock.call_later(delay, callback)
-        self.idle = callback == self._idle_too_long
+    def _arm(self, delay: float, callback: Callable[[], None], idle: bool = False) -> None:
+        """`callback` in `delay` seconds, in place of the deadline set before. The timer already
+        there is kept when it is due no later (it then finds the deadline moved, and waits again
+        for the rest): only a deadline earlier than the timer makes a new one."""
+        at = self.clock.time() + delay
+        self.deadline = at
+        self.on_deadline = callback
+        self.idle = idle
+        if self.deadline_timer is None or self.deadline_timer_at > at:
+            if self.deadline_timer is not None:
+                self.deadline_timer.cancel()
+            self.deadline_timer = self.clock.call_at(at, self._deadline_due)
+            self.deadline_timer_at = at
+
+    def _deadline_due(self) -> None:
+        self.deadline_timer = None
+        at = self.deadline
+        if at is None or self.closing:
+            return
+        if self.clock.time() < at - DEADLINE_SLACK:  # moved later since the timer was set: wait for the rest
+            self.deadline_timer = self.clock.call_at(at, self._deadline_due)
+            self.deadline_timer_at = at
+            return
+        self.deadline = None
+        self.idle = False
+        self.on_deadline()
 
     def _cancel_timer(self) -> None:
+        """No deadline (its timer, if any, finds none when due) and no probe or linger timer."""
         self.idle = False
+        self.deadline = None
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
 
+    def _stop_deadline(self) -> None:
+        if self.deadline_timer is not None:
+            self.deadline_timer.cancel()
+            self.deadline_timer = None
+
     def _head_late(self) -> None:
-        self.timer = None
         if not self.closing and self.transport is not None and self.task is None:
             self.policy.no_request_in_time(self.peer)
             self._close()
 
     def _idle_too_long(self) -> None:
-        self.timer = None
         if self.task is None and not self.pipeline and self.head_bytes == 0:
             self._close()
 
@@ -344,12 +397,14 @@ class ClientConnection(asyncio.Protocol):
         if self.transport is not None and not self.closing:
             self.closing = True
             self._cancel_timer()
+            self._stop_deadline()
             self.transport.close()
 
     def _abort(self) -> None:
         if self.transport is not None:
             self.closing = True
             self._cancel_timer()
+            self._stop_deadline()
             self.transport.abort()
 
     def _malformed(self, error: BadRequest) -> None:
@@ -393,6 +448,7 @@ class ClientConnection(asyncio.Protocol):
         if transport.can_write_eof():
             transport.write_eof()
             self._cancel_timer()
+            self._stop_deadline()
             self.timer = self.clock.call_later(LINGER, self._linger_over)
         else:
             transport.close()

@@ -261,7 +261,7 @@ class Forwarder:
                 return read
             body = read
         document = None
-        if body and is_json(request.headers.get("Content-Type", "")):
+        if body and is_json(request.content_type):
             parsed = await self._parse(body, request.remote)
             if not isinstance(parsed, dict):
                 return parsed
@@ -314,7 +314,7 @@ class Forwarder:
             return None, self.balancer
         asked = document.get("model") if document is not None else None
         if asked is None and body and document is None:  # an upload (audio): its form's model field
-            asked = codec.form_field(body, request.headers.get("Content-Type", ""), "model")
+            asked = codec.form_field(body, request.content_type, "model")
         if asked is None:  # no body, or one without a model: the query parameter, if any
             asked = request.query.get("model")
         picked = router.pick(asked, False)
@@ -443,7 +443,7 @@ class Forwarder:
         exchange.phase = "body"
         # One deadline for the whole body: the watchdog's `last` is not moved on by each piece.
         exchange.arm(self.clients.body_timeout, "proxy.body_timeout", self.clock.time())
-        expect = request.headers.get("Expect")
+        expect = request.expect
         if expect is not None and expect.lower() == "100-continue" and request.version == HTTP_11:
             # The client waits for this before sending its body: auth and the declared size passed.
             transport = request.transport
@@ -455,7 +455,7 @@ class Forwarder:
         response: Response
         # A big JSON body that is no object is refused by its first bytes: the rest is not read.
         check = request.content_length is None or request.content_length > INLINE_BYTES
-        check = check and is_json(request.headers.get("Content-Type", ""))
+        check = check and is_json(request.content_type)
         try:
             while piece := await payload.readany():
                 size += len(piece)

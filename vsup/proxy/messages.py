@@ -1,8 +1,10 @@
 """One client request and the proxy's answers to it, as the front door (client_conn.py) hands them
 to the handlers and writes them back: no framework's classes, only what the proxy uses.
 
-- `Request`: the parsed line and headers (as sent, and a case-insensitive view decoded on first
-  use), the peer, whether the connection may be kept, and its body as a bounded stream (`Body`).
+- `Request`: the parsed line and headers (as sent; the few the proxy reads on every request as
+  attributes, collected by the parser's pass; any other through a case-insensitive view that looks
+  it up when asked), the peer, whether the connection may be kept, and its body as a bounded
+  stream (`Body`).
 - `Response`: a complete answer (status, headers, body), written in one write.
 - `StreamAnswer`: an answer whose body is relayed as it arrives; its head is written by the
   forwarder in one write, its body through a `BodySink` straight onto the client's transport
@@ -13,11 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+from collections.abc import Iterator, Mapping
 from http import HTTPStatus
 from typing import TYPE_CHECKING
 from urllib.parse import parse_qsl, unquote
 
-from multidict import CIMultiDict, CIMultiDictProxy, MultiDict, MultiDictProxy
+from multidict import CIMultiDict, MultiDict, MultiDictProxy
 
 from vsup.proxy.codec import origin_form
 
@@ -136,16 +139,53 @@ class Body:
 EMPTY_BODY = Body(None, eof=True)
 
 
+def _text(value: bytes) -> str:
+    return value.decode("utf-8", "surrogateescape")
+
+
+class Headers(Mapping[str, str]):
+    """A request's headers as str, case-insensitive, the first of a repeated name: a view of the
+    raw (name, value) pairs that looks a name up when asked (a few per request, on a dozen
+    headers), instead of a dictionary built for every request."""
+
+    __slots__ = ("_raw",)
+
+    def __init__(self, raw: tuple[tuple[bytes, bytes], ...]) -> None:
+        self._raw = raw
+
+    def __getitem__(self, name: str) -> str:
+        wanted = name.lower().encode("utf-8", "surrogateescape")
+        for key, value in self._raw:
+            if len(key) == len(wanted) and key.lower() == wanted:
+                return _text(value)
+        raise KeyError(name)
+
+    def __iter__(self) -> Iterator[str]:
+        seen: set[bytes] = set()
+        for key, _ in self._raw:
+            low = key.lower()
+            if low not in seen:
+                seen.add(low)
+                yield _text(key)
+
+    def __len__(self) -> int:
+        return len({key.lower() for key, _ in self._raw})
+
+
 class Request:
     """A client's request as parsed: `raw_path` is the target as sent (absolute-form too), `path`
-    its path percent-decoded, `raw_headers` the header lines as sent (name, value) in bytes."""
+    its path percent-decoded, `raw_headers` the header lines as sent (name, value) in bytes.
+    `content_type`, `authorization` ("" when not sent) and `expect` (None) are those headers'
+    values, taken in the parser's one pass over the headers: every request reads them."""
 
     __slots__ = ("method", "raw_path", "origin", "path", "query_string", "raw_headers", "version", "keep_alive", "remote",
-                 "content", "content_length", "chunked", "conn", "started", "_headers", "_query")
+                 "content", "content_length", "chunked", "conn", "started", "content_type", "authorization", "expect",
+                 "_query")
 
     def __init__(self, method: str, raw_path: str, raw_headers: tuple[tuple[bytes, bytes], ...], version: tuple[int, int],
                  keep_alive: bool, remote: str | None, content: Body, content_length: int | None, chunked: bool,
-                 conn: ClientConnection | None = None) -> None:
+                 conn: ClientConnection | None = None, *, content_type: str = "", authorization: str = "",
+                 expect: str | None = None) -> None:
         self.method = method
         self.raw_path = raw_path
         # the target in origin-form, still percent-encoded (what the instance is sent)
@@ -162,16 +202,15 @@ class Request:
         self.chunked = chunked
         self.conn = conn
         self.started = False  # an answer's first byte was written (nothing can replace it now)
-        self._headers: CIMultiDictProxy[str] | None = None
+        self.content_type = content_type
+        self.authorization = authorization
+        self.expect = expect
         self._query: MultiDictProxy[str] | None = None
 
     @property
-    def headers(self) -> CIMultiDictProxy[str]:
-        if self._headers is None:
-            self._headers = CIMultiDictProxy(CIMultiDict(
-                (name.decode("utf-8", "surrogateescape"), value.decode("utf-8", "surrogateescape")) for name, value in self.raw_headers
-            ))
-        return self._headers
+    def headers(self) -> Headers:
+        """Every header, for the lookups that are not on every request (a session or priority header)."""
+        return Headers(self.raw_headers)
 
     @property
     def query(self) -> MultiDictProxy[str]:

@@ -2,7 +2,8 @@
 
 vLLM's `psm_*` (multiprocessing SharedMemory, hundreds of MB) and `sem.mp-*` (named semaphores)
 carry no pid in their names, so ownership is read from the processes themselves: the files a
-process has mapped (/proc/<pid>/maps) or open (/proc/<pid>/fd). `files_in_use(pids)` is taken
+process has mapped (/proc/<pid>/maps) or open (/proc/<pid>/fd), matched by inode too (a
+semaphore's creator maps it under the temporary name glibc made it with). `files_in_use(pids)` is taken
 before a tree is killed; `remove_unused(paths)` deletes those no live process still uses. For an
 instance whose processes were already gone, `sweep_stale_shm` removes matching files that are
 ours (uid), older than `min_age` and used by no live process at all.
@@ -37,8 +38,16 @@ def _matches(path: str, directory: str, prefixes: tuple[str, ...]) -> bool:
     return parent == directory and name.startswith(prefixes)
 
 
-def _files_of(pid: int, directory: str, prefixes: tuple[str, ...]) -> set[str]:
+Inode = tuple[int, int, int]  # (device major, minor, inode): a file, whatever name it was mapped by
+
+
+def _files_of(pid: int, directory: str, prefixes: tuple[str, ...]) -> tuple[set[str], set[Inode]]:
+    """The paths under `directory` with one of the prefixes that `pid` maps or holds open, and the
+    inodes of every file under `directory` it maps or holds open, whatever the name: glibc's
+    sem_open maps a semaphore under a temporary name (`sem.XXXXXX (deleted)` in maps) before it
+    links it to its real one, so the creator's mapping names another file than the one it uses."""
     found: set[str] = set()
+    inodes: set[Inode] = set()
     try:
         with open(f"/proc/{pid}/maps", errors="surrogateescape") as maps:
             text = maps.read()
@@ -49,29 +58,45 @@ def _files_of(pid: int, directory: str, prefixes: tuple[str, ...]) -> set[str]:
             fields = line.split(maxsplit=5)
             if len(fields) == 6:
                 path = fields[5].removesuffix(" (deleted)")
+                if path.startswith(directory + "/"):
+                    major, _, minor = fields[3].partition(":")
+                    try:
+                        inodes.add((int(major, 16), int(minor, 16), int(fields[4])))
+                    except ValueError:
+                        pass
                 if _matches(path, directory, prefixes):
                     found.add(path)
     try:
         fds = os.listdir(f"/proc/{pid}/fd")
     except OSError:
-        return found
+        return found, inodes
     for fd in fds:
         try:
-            path = os.readlink(f"/proc/{pid}/fd/{fd}")
+            path = os.readlink(f"/proc/{pid}/fd/{fd}").removesuffix(" (deleted)")
+            if not path.startswith(directory + "/"):
+                continue
+            st = os.stat(f"/proc/{pid}/fd/{fd}")
         except OSError:
             continue
+        inodes.add((os.major(st.st_dev), os.minor(st.st_dev), st.st_ino))
         if _matches(path, directory, prefixes):
             found.add(path)
-    return found
+    return found, inodes
+
+
+def _in_use(pids: Iterable[int], directory: str, prefixes: tuple[str, ...]) -> tuple[set[str], set[Inode]]:
+    found: set[str] = set()
+    inodes: set[Inode] = set()
+    for pid in pids:
+        paths, ids = _files_of(pid, directory, prefixes)
+        found |= paths
+        inodes |= ids
+    return found, inodes
 
 
 def files_in_use(pids: Iterable[int], shm_dir: str | Path = SHM_DIR, prefixes: tuple[str, ...] = PREFIXES) -> set[str]:
     """Paths under shm_dir with one of the prefixes that these processes map or hold open."""
-    directory = os.path.realpath(shm_dir)
-    found: set[str] = set()
-    for pid in pids:
-        found |= _files_of(pid, directory, prefixes)
-    return found
+    return _in_use(pids, os.path.realpath(shm_dir), prefixes)[0]
 
 
 def remove_unused(paths: Iterable[str], shm_dir: str | Path = SHM_DIR, prefixes: tuple[str, ...] = PREFIXES) -> list[str]:
@@ -165,5 +190,13 @@ def _unlink_unused(candidates: Iterable[str], shm_dir: str | Path, prefixes: tup
     candidates = sorted(candidates)
     if not candidates:
         return []
-    busy = files_in_use(all_pids(), shm_dir, prefixes)
-    return _unlink([path for path in candidates if path not in busy])
+    busy, busy_inodes = _in_use(all_pids(), os.path.realpath(shm_dir), prefixes)
+    return _unlink([path for path in candidates if path not in busy and _inode(path) not in busy_inodes])
+
+
+def _inode(path: str) -> Inode | None:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)

@@ -5,20 +5,24 @@ Each instance loads on its own cores, so starting them together costs no instanc
 fleet serves in the time of its slowest load instead of the sum of them. What parallel starts can
 overrun is memory at the load's peak. The estimate per instance (an estimate: docs/supervisor.md):
 
-- while it loads it may hold its weights `LOAD_COPIES` times — the tensors it fills and the
-  checkpoint pages it reads them from (mmap'd safetensors, on its own node under numactl
-  --membind, and charged to a cgroup) — plus its overhead; its KV cache does not exist yet (vLLM
-  allocates it after the load and the compile warm-up), so that room holds the second copy;
+- while it loads it holds its weights once as its own memory — the tensors it fills — plus its
+  overhead (measured with real vLLM 0.32 and the real-shape model of tests/test_vllm_realshape.py:
+  the loading tree's anonymous memory peaked at its weights + the overhead, no more than once
+  loaded; bench/start_bench.py records it as load_peak_bytes: docs/bench/start_bench-eager.json); its KV cache does not exist yet (vLLM allocates it after the load and the compile warm-up);
+- the checkpoint it reads them from is mmap'd: its pages (page cache, on its own node under
+  numactl --membind, and charged to a cgroup) are resident while it loads — a second copy of the
+  weights, but one per model, shared by every instance of that model that loads from the same
+  files (measured: file pages of the loading tree ≈ the weights, gone from it once loaded);
 - once loaded, what the plan gives it: weights + KV cache + overhead.
 
-So an instance's peak is weights + overhead + max(weights, KV cache): no more than the plan when
-its KV cache is at least as large as its weights. Per holder of memory — each NUMA node's budget
-(MemTotal less the reserve; an instance spanning nodes counts a share on each), the cgroup limit
-over all instances — the parallel peak is the sum of its instances' peaks; one at a time it is
-the plan's demand plus the largest extra one load needs (weights − KV cache). `auto` picks
-parallel when every holder takes the parallel peak, or when staggering would lower no peak that
-does not fit (a node with one instance: its load is the same in either order); else staggered,
-saying which holder and by how much.
+Per holder of memory — each NUMA node's budget (MemTotal less the reserve; an instance spanning
+nodes counts a share on each), the cgroup limit over all instances — all loading at once peak at
+the larger of the sum of their loads (weights + overhead) plus every model's checkpoint pages, and
+the plan's demand (weights + KV cache + overhead, once loaded); one at a time, at the plan's demand
+less one instance's KV cache plus its model's pages, the largest such. `auto` picks parallel when every holder takes the parallel
+peak, or when staggering would lower no peak that does not fit (one model: its pages come either
+way); else staggered, saying which holder and by how much. Several models whose checkpoints would
+not fit together are what staggering is for.
 """
 
 from __future__ import annotations
@@ -29,9 +33,9 @@ from typing import Any, Literal
 from vsup.topology.plan_model import InstancePlan, Plan, format_gib
 
 Mode = Literal["parallel", "staggered"]
-LOAD_COPIES = 2  # the weights an instance may hold at once while it loads (see above; an estimate)
-HOW = ("while an instance loads it may hold its weights twice, the tensors and the checkpoint pages they come from, "
-       "in the room its KV cache takes later")
+LOAD_COPIES = 1  # the weights an instance holds as its own memory while it loads (measured, see above)
+HOW = ("while instances load, each holds its weights and overhead, and every model's checkpoint pages are resident "
+       "once, however many instances read them")
 
 
 @dataclass(frozen=True)
@@ -69,14 +73,16 @@ class StartChoice:
 
 def _peaks(members: list[tuple[InstancePlan, float]]) -> tuple[int, int]:
     """(parallel peak, one-at-a-time peak) of these instances, each with its share of the holder."""
-    parallel = steady = extra = 0.0
+    loading = steady = 0.0
+    pages: dict[str, float] = {}  # model -> its checkpoint's pages while it loads (once, shared by its instances)
     for inst, share in members:
-        weights = inst.weights_bytes or 0
-        load = LOAD_COPIES * weights + inst.overhead_bytes  # while loading, before its KV cache exists
-        parallel += share * max(load, inst.memory_bytes)
+        loading += share * (LOAD_COPIES * (inst.weights_bytes or 0) + inst.overhead_bytes)  # no KV cache yet
         steady += share * inst.memory_bytes
-        extra = max(extra, share * max(0, load - inst.memory_bytes))
-    return round(parallel), round(steady + extra)
+        pages[inst.model] = max(pages.get(inst.model, 0.0), share * (inst.weights_bytes or 0))
+    # one at a time: the others loaded (their plan's memory) while this one loads beside its checkpoint's pages
+    alone = max((share * (LOAD_COPIES * (inst.weights_bytes or 0) + inst.overhead_bytes - inst.memory_bytes) + pages[inst.model]
+                 for inst, share in members), default=0.0)
+    return round(max(loading + sum(pages.values()), steady)), round(max(steady, steady + alone))
 
 
 def holders(plan: Plan) -> list[Holder]:
@@ -126,5 +132,5 @@ def choose_start(plan: Plan, asked: str) -> StartChoice:
             f"fits its {format_gib(tight.budget)} budget"), found, True)
     return StartChoice("parallel", asked, (
         f"a load could peak at {format_gib(tight.parallel)} on {tight.name}, over its {format_gib(tight.budget)} budget, "
-        f"in any order (one instance there needs more while it loads than once loaded: starting the others later would "
-        f"not lower it)"), found, True)
+        f"in any order (its model's checkpoint pages come with the first load: starting the others later would not lower "
+        f"it)"), found, True)
