@@ -359,6 +359,9 @@ async def test_a_session_stays_beside_decoding_streams_and_moves_from_a_prefill_
     """The bound counts the work before a new first token (load.work): streams in decode weigh a
     half each, requests still without their first byte one prefill each (issue 34)."""
     async with running_proxy(ready_pool(fakes[:2]), policy="prefix_affinity", load_interval=0.05) as proxy:
+        # the bound alone: one key stands for the session here, so its requests in flight would make
+        # it a hot key and spread (the next test)
+        proxy._forwarder.balancer.hot_in_flight = 99
         c = client(proxy)
         messages = [{"role": "system", "content": LONG_SYSTEM}, {"role": "user", "content": "hold on"}]
         streams, names = [], []
@@ -402,6 +405,40 @@ async def test_a_session_stays_beside_decoding_streams_and_moves_from_a_prefill_
         assert await asyncio.gather(*queued) == [home, home]
         text = await metrics_text(proxy)
         assert metric_value(text, "vsup_proxy_policy_decisions_total", policy="prefix_affinity", decision="escaped") == 1
+
+
+async def test_a_hot_key_spreads_to_an_idle_instance_and_stays_placed(fakes):
+    """One prompt in front of every request (a shared system prompt): its streams in decode weigh
+    little against the bound, yet all of them on one instance leave the other idle (issue 34's
+    hot key). With two in flight at its instance the next goes where fewer are, the same instance
+    each time; the key stays placed at home."""
+    async with running_proxy(ready_pool(fakes[:2]), policy="prefix_affinity", load_interval=0.05) as proxy:
+        c = client(proxy)
+        messages = [{"role": "system", "content": LONG_SYSTEM}, {"role": "user", "content": "hot"}]
+        streams, names = [], []
+        for _ in range(5):
+            raw = await c.chat.completions.with_raw_response.create(
+                model="fake-model", messages=messages, max_tokens=50, stream=True, extra_body={"fake": {"token_delay": 0.2}})
+            names.append(raw.headers["x-fake-instance"])
+            stream = raw.parse()
+            await anext(aiter(stream))  # decoding
+            streams.append(stream)
+        home = names[0]
+        other = ({"a", "b"} - {home}).pop()
+        # 1 in flight: home; 2: hot, the idle one; then 2 : 1, the same one; at 2 : 2 none has fewer: home
+        assert names == [home, home, other, other, home]
+        balancer = proxy._forwarder.balancer
+        assert balancer._flights == {(home, balancer._digest): 3, (other, balancer._digest): 2}
+        for stream in streams:
+            await stream.close()
+        while proxy.in_flight():
+            await asyncio.sleep(0.01)
+        assert balancer._flights == {}  # every request released what it held
+        raw = await c.chat.completions.with_raw_response.create(model="fake-model", messages=messages, max_tokens=1)
+        assert raw.headers["x-fake-instance"] == home  # still placed where it was
+        text = await metrics_text(proxy)
+        assert metric_value(text, "vsup_proxy_policy_decisions_total", policy="prefix_affinity", decision="spread") == 2
+        assert metric_value(text, "vsup_proxy_policy_decisions_total", policy="prefix_affinity", decision="escaped") == 0
 
 
 async def test_session_header_and_user_field_pin_a_conversation(fakes):

@@ -45,6 +45,14 @@ class _Rotation:
         to prefill (load.Prefill counts it until the first byte): all of it here."""
         return size
 
+    def hold(self, name: str) -> Any:
+        """The request just chosen for goes to `name`: what it holds there until `release` (a
+        policy that counts its keys in flight per instance; nothing here)."""
+        return None
+
+    def release(self, held: Any) -> None:
+        """The request that `hold` answered `held` for has ended there."""
+
     def set_weight(self, name: str, weight: int) -> None:
         if weight < 1:
             raise ValueError(f"weight of {name}: {weight}; must be at least 1 (take it out of rotation instead)")

@@ -372,11 +372,14 @@ class Forwarder:
             tokens = Prefill.estimate(balancer.prefill_bytes(exchange.size))  # a cached prefix is no prefill
             self.prefill.add(name, tokens)  # until its first byte: work ahead of the next request's first token
             exchange.prefill = (self.prefill, name, tokens)
+            held = balancer.hold(name)  # prefix_affinity: its key's requests in flight there
             exchange.backend = name
             try:
                 outcome = await self._attempt(request, exchange, backend, target, body, headers, extra)
             finally:
                 exchange.prefilled()
+                if held is not None:
+                    balancer.release(held)
                 exchange.backend = None
                 left = self.in_flight[name] - 1
                 if left:
