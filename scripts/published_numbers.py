@@ -336,7 +336,7 @@ def affinity(link: str, name: str = "affinity_bench.json") -> str:
                     met_all = False
                     continue
                 direction, bar = q["bar"].split()
-                met = q["value"] >= float(bar) if direction == ">=" else q["value"] <= float(bar)
+                met = q["met"] if q.get("met") is not None else (q["value"] >= float(bar) if direction == ">=" else q["value"] <= float(bar))
                 met_all = met_all and met
                 cells.append(f"**{q['value']:.2f}**" if met else f"{q['value']:.2f}")
             lines.append(f"| {policy} | {' | '.join(cells)} | {'yes' if met_all else 'no'} |")
