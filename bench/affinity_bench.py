@@ -540,7 +540,9 @@ def figures(phases: list[Phase], instances: list[str], capacities: list[str], ar
                      "few_sessions": args.few_sessions, "backend": "fake vLLM" if args.fake else ("upstreams" if args.upstream else "vLLM")},
         "rows": rows,
     }
-    out["ratios"] = [{"workload": workload, "policy": policy, "what": what, "value": r(value, 2), "bar": f"{direction} {bar:g}"}
+    # "met" judged on the unrounded ratio, as the printed verdict is (1.004 shows as 1.00 yet misses <= 1)
+    out["ratios"] = [{"workload": workload, "policy": policy, "what": what, "value": r(value, 2), "bar": f"{direction} {bar:g}",
+                      "met": None if value != value else (value >= bar if direction == ">=" else value <= bar)}
                      for workload, policy, what, value, direction, bar in bars(summary, args.policies)]
     return out
 

@@ -9,6 +9,7 @@ import asyncio
 import json
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import aiohttp
 import pytest
@@ -20,6 +21,7 @@ from vsup.proxy.backends import Backend, BackendPool
 from vsup.proxy.kv_aware import KvAware, Tokens, tokenize_body
 from vsup.proxy.kv_events import KvEvents
 from vsup.proxy.kv_index import InstanceIndex, block_keys
+from vsup.proxy.load import Prefill
 
 BS = 4
 
@@ -177,6 +179,27 @@ def test_the_choice_weighs_cached_blocks_against_load():
     assert policy.choose(ready, {"a": 1}, (), Tokens(C, [])).name == "b"  # held nowhere: the least loaded
     assert policy.choose(ready, {"b": 1}, (), None).name == "a"  # no tokens: the least loaded
     assert policy.decisions == {"hit": 2, "miss": 2, "escaped": 1, "no_tokens": 1}  # the retry: a miss among those left
+    events.close()
+
+
+def test_the_bound_counts_prefill_not_decode():
+    """With the proxy's load probe, kv_aware's bound is prefix_affinity's work before a first token
+    (load.work): decoding streams weigh half a prefill each, requests without a first byte whole."""
+    events = KvEvents()
+    policy = KvAware(load_factor=0.25, events=events)
+    probe = SimpleNamespace(samples={}, interval=1.0, max_age=3.0, prefill=Prefill())  # what LoadProbe holds
+    policy.probe = probe  # type: ignore[assignment]
+    ready = (Backend("a", "http://a"), Backend("b", "http://b"))
+    for name in ("a", "b"):
+        events.indexes[name] = InstanceIndex()
+    events.indexes["b"].apply(0, [stored([1, 2], A + B)])
+    tokens = Tokens(A + B + C, [])
+    size = 4000  # body bytes: 1000 prompt tokens
+    assert policy.choose(ready, {"b": 3}, (), tokens, size).name == "b"  # 3 decoding: 1 whole, 2 <= ceil(1.25 x 2/2)
+    probe.prefill.add("b", 1000.0)
+    probe.prefill.add("b", 1000.0)
+    assert policy.choose(ready, {"b": 3}, (), tokens, size).name == "a"  # 2 of them queued for prefill: 3 > 2
+    assert policy.decisions["hit"] == 1 and policy.decisions["escaped"] == 1
     events.close()
 
 
@@ -338,7 +361,7 @@ def test_vsup_run_with_kv_aware(tmp_path):
         assert (folder / "0.kv").is_socket() and (folder / "1.kvr").is_socket()  # vsup's private folder
         assert folder.stat().st_mode & 0o077 == 0
         ask("question zero")
-        time.sleep(0.5)  # its events reach the proxy
+        time.sleep(2.0)  # its events reach the proxy (0.5 s was too short on a loaded 2-CPU box)
         for n in range(1, 5):
             ask(f"question {n}")
         hits = [value(a, "vllm:prefix_cache_hits_total") for a in addresses]

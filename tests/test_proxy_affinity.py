@@ -4,6 +4,7 @@ policy end to end with the `openai` SDK in front of fake vLLM processes."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -354,28 +355,90 @@ async def test_an_instance_leaving_moves_only_its_sessions_which_stay_where_they
         assert gone in new
 
 
-async def test_a_busy_instance_sheds_its_key_to_the_least_loaded(fakes):
-    async with running_proxy(ready_pool(fakes), policy="prefix_affinity", affinity_load_factor=0.75) as proxy:
+async def test_a_session_stays_beside_decoding_streams_and_moves_from_a_prefill_queue(fakes):
+    """The bound counts the work before a new first token (load.work): streams in decode weigh a
+    half each, requests still without their first byte one prefill each (issue 34)."""
+    async with running_proxy(ready_pool(fakes[:2]), policy="prefix_affinity", load_interval=0.05) as proxy:
+        # the bound alone: one key stands for the session here, so its requests in flight would make
+        # it a hot key and spread (the next test)
+        proxy._forwarder.balancer.hot_in_flight = 99
         c = client(proxy)
         messages = [{"role": "system", "content": LONG_SYSTEM}, {"role": "user", "content": "hold on"}]
-        slow = {"fake": {"token_delay": 0.2}}
         streams, names = [], []
-        for _ in range(2):  # 0 then 1 on the chosen one: within ceil(1.75 * 1 / 3) = 1, then ceil(1.75 * 2 / 3) = 2
+        for _ in range(3):  # three streams decoding on the session's instance, the other idle
             raw = await c.chat.completions.with_raw_response.create(
-                model="fake-model", messages=messages, max_tokens=20, stream=True, extra_body=slow)
+                model="fake-model", messages=messages, max_tokens=50, stream=True, extra_body={"fake": {"token_delay": 0.2}})
             names.append(raw.headers["x-fake-instance"])
             stream = raw.parse()
-            await anext(aiter(stream))
+            await anext(aiter(stream))  # its first token is out: decoding
             streams.append(stream)
-        assert names[0] == names[1]
+        home = names[0]
+        assert set(names) == {home}  # 3 x 1/2 = 1 whole + 1 within ceil(1.25 * 2 / 2) = 2 (in whole requests: 4 > 3, escaped)
+        await asyncio.sleep(0.2)  # the engines' samples agree: their 3 running are the proxy's own
         raw = await c.chat.completions.with_raw_response.create(model="fake-model", messages=messages, max_tokens=1)
-        assert raw.headers["x-fake-instance"] != names[0]  # 2 there, 0 elsewhere: over ceil(1.75 * 3 / 3) = 2, escaped
+        assert raw.headers["x-fake-instance"] == home
         for stream in streams:
             await stream.close()
+        while proxy.in_flight():  # the proxy sees the closed streams end
+            await asyncio.sleep(0.01)
+
+        # Two new turns of the conversation, each adding 1.2x the size of a whole first request (the
+        # prefill they need: the rest is cached there), whose first tokens are long in coming.
+        turn = "more " * (len(json.dumps({"model": "fake-model", "messages": messages, "max_tokens": 1})) * 24 // 100)
+        grown = [*messages, {"role": "assistant", "content": "ok"}, {"role": "user", "content": turn}]
+
+        async def waiting(history: list) -> str:
+            raw = await c.chat.completions.with_raw_response.create(
+                model="fake-model", messages=history, max_tokens=1, extra_body={"fake": {"first_token_delay": 3.0}})
+            return raw.headers["x-fake-instance"]
+
+        queued = [asyncio.ensure_future(waiting(grown))]
+        while sum(proxy.in_flight().values()) < 1:
+            await asyncio.sleep(0.01)
+        # within the bound: 1.2 / 3.4 of its own size (3.4x the first) is 0 whole
+        queued.append(asyncio.ensure_future(waiting([*grown, {"role": "assistant", "content": "ok"}, {"role": "user", "content": turn + "!"}])))
+        while sum(proxy.in_flight().values()) < 2:
+            await asyncio.sleep(0.01)
+        assert proxy.in_flight() == {home: 2}
+        raw = await c.chat.completions.with_raw_response.create(model="fake-model", messages=messages, max_tokens=1)
+        assert raw.headers["x-fake-instance"] != home  # 1.2 + 1.2 = 2 of its size queued there, 2 + 1 over ceil(1.25 * 3 / 2) = 2: moved
+        assert await asyncio.gather(*queued) == [home, home]
         text = await metrics_text(proxy)
         assert metric_value(text, "vsup_proxy_policy_decisions_total", policy="prefix_affinity", decision="escaped") == 1
-        assert metric_value(text, "vsup_proxy_policy_decisions_total", policy="prefix_affinity", decision="placed") == 1
-        assert metric_value(text, "vsup_proxy_policy_decisions_total", policy="prefix_affinity", decision="affinity") == 1
+
+
+async def test_a_hot_key_spreads_to_an_idle_instance_and_stays_placed(fakes):
+    """One prompt in front of every request (a shared system prompt): its streams in decode weigh
+    little against the bound, yet all of them on one instance leave the other idle (issue 34's
+    hot key). With two in flight at its instance the next goes where fewer are, the same instance
+    each time; the key stays placed at home."""
+    async with running_proxy(ready_pool(fakes[:2]), policy="prefix_affinity", load_interval=0.05) as proxy:
+        c = client(proxy)
+        messages = [{"role": "system", "content": LONG_SYSTEM}, {"role": "user", "content": "hot"}]
+        streams, names = [], []
+        for _ in range(5):
+            raw = await c.chat.completions.with_raw_response.create(
+                model="fake-model", messages=messages, max_tokens=50, stream=True, extra_body={"fake": {"token_delay": 0.2}})
+            names.append(raw.headers["x-fake-instance"])
+            stream = raw.parse()
+            await anext(aiter(stream))  # decoding
+            streams.append(stream)
+        home = names[0]
+        other = ({"a", "b"} - {home}).pop()
+        # 1 in flight: home; 2: hot, the idle one; then 2 : 1, the same one; at 2 : 2 none has fewer: home
+        assert names == [home, home, other, other, home]
+        balancer = proxy._forwarder.balancer
+        assert balancer._flights == {(home, balancer._digest): 3, (other, balancer._digest): 2}
+        for stream in streams:
+            await stream.close()
+        while proxy.in_flight():
+            await asyncio.sleep(0.01)
+        assert balancer._flights == {}  # every request released what it held
+        raw = await c.chat.completions.with_raw_response.create(model="fake-model", messages=messages, max_tokens=1)
+        assert raw.headers["x-fake-instance"] == home  # still placed where it was
+        text = await metrics_text(proxy)
+        assert metric_value(text, "vsup_proxy_policy_decisions_total", policy="prefix_affinity", decision="spread") == 2
+        assert metric_value(text, "vsup_proxy_policy_decisions_total", policy="prefix_affinity", decision="escaped") == 0
 
 
 async def test_session_header_and_user_field_pin_a_conversation(fakes):

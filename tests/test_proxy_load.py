@@ -34,9 +34,11 @@ def backends(*names: str) -> tuple[Backend, ...]:
 class Probe:
     """A load source with samples set by the test (what LoadProbe holds)."""
 
-    def __init__(self, samples: dict[str, Sample], max_age: float = 3.0) -> None:
+    def __init__(self, samples: dict[str, Sample], max_age: float = 3.0, interval: float = 1.0) -> None:
         self.samples = samples
         self.max_age = max_age
+        self.interval = interval
+        self.prefill = load.Prefill()
 
 
 # ---------------------------------------------------------------------------------- the gauges
@@ -44,16 +46,16 @@ class Probe:
 def test_the_gauges_are_read_from_vllm_shaped_text():
     running, waiting = 3, 2
     text = VllmMetrics("/srv/models/a model {x}", lambda: running, lambda: waiting).render()
-    assert load.parse(text) == (5.0, 3 / 64)
+    assert load.parse(text) == (5.0, 3 / 64, 2.0)
     # two engines (data parallel) add up; KV usage is the fuller one's; _by_reason is not counted twice
     text = (b'# HELP vllm:num_requests_running x\n# TYPE vllm:num_requests_running gauge\n'
             b'vllm:num_requests_running{engine="0",model_name="m"} 2.0\nvllm:num_requests_running{engine="1",model_name="m"} 1.0\n'
             b'vllm:num_requests_waiting{engine="0",model_name="m"} 4.0\nvllm:num_requests_waiting{engine="1",model_name="m"} 0.0\n'
             b'vllm:num_requests_waiting_by_reason{engine="0",model_name="m",reason="capacity"} 4.0\n'
             b'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5\nvllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.25\n')
-    assert load.parse(text) == (7.0, 0.5)
+    assert load.parse(text) == (7.0, 0.5, 4.0)
     old = b"vllm:num_requests_running 1\nvllm:num_requests_waiting 0\nvllm:gpu_cache_usage_perc 0.9\n"
-    assert load.parse(old) == (1.0, 0.9)  # vLLM before 0.10 named the KV gauge gpu_cache_usage_perc
+    assert load.parse(old) == (1.0, 0.9, 0.0)  # vLLM before 0.10 named the KV gauge gpu_cache_usage_perc
     assert load.parse(b"vllm:num_requests_running 1\n") is None  # no waiting: not trusted
     assert load.parse(b"process_cpu_seconds_total 3\n") is None  # not a vLLM
     assert load.parse(b"vllm:num_requests_running NaN\nvllm:num_requests_waiting 1\n") is None
@@ -138,20 +140,84 @@ def test_weights_divide_the_load():
     assert balancer.choose(ready, {}).name == "a"
 
 
-def test_prefix_affinity_uses_the_engines_load_in_its_bound():
+def test_prefix_affinity_uses_the_engines_waiting_in_its_bound():
     balancer = PrefixAffinity(load_factor=0.25)
     ready = backends("a", "b")
     key = Key(12345, "affinity")
     first = balancer.choose(ready, {}, (), key).name
     other = "b" if first == "a" else "a"
     now = time.monotonic()
-    # the engine of `first` holds 3 requests from elsewhere: 3 + 1 is over ceil(1.25 * 4 / 2) = 3
-    balancer.probe = Probe({first: Sample(now, 3.0, 0.5, 0), other: Sample(now, 0.0, 0.0, 0)})
+    # the engine of `first` has 3 requests from elsewhere waiting: 3 + 1 is over ceil(1.25 * 4 / 2) = 3
+    balancer.probe = Probe({first: Sample(now, 3.0, 0.5, 0, 3.0), other: Sample(now, 0.0, 0.0, 0)})
     assert balancer.choose(ready, {}, (), key).name == other
-    balancer.probe = Probe({first: Sample(now, 1.0, 0.5, 0), other: Sample(now, 0.0, 0.0, 0)})
-    # 1 + 1 is within ceil(1.25 * 2 / 2) = 2 (the KV fraction is no request)
+    # the same 3 running, in decode: a half each, 1 in whole requests, 1 + 1 within 2: it stays
+    balancer.probe = Probe({first: Sample(now, 3.0, 0.5, 0, 0.0), other: Sample(now, 0.0, 0.0, 0)})
     assert balancer.choose(ready, {}, (), key).name == first
-    assert balancer.decisions == {"placed": 1, "affinity": 1, "escaped": 1}
+    # 3 waiting, but sampled two intervals ago: a quarter of them is left, 0 whole: it stays
+    balancer.probe = Probe({first: Sample(now - 2.0, 3.0, 0.5, 0, 3.0), other: Sample(now - 2.0, 0.0, 0.0, 0)})
+    assert balancer.choose(ready, {}, (), key).name == first
+    assert balancer.decisions == {"placed": 1, "affinity": 2, "escaped": 1}
+
+
+def test_prefix_affinity_counts_the_proxys_own_prefill_not_its_decoding_streams():
+    balancer = PrefixAffinity(load_factor=0.25)
+    ready = backends("a", "b")
+    key = Key(12345, "affinity")
+    home = balancer.choose(ready, {}, (), key).name
+    other = "b" if home == "a" else "a"
+    probe = balancer.probe = Probe({})  # no engine figures: the proxy's own alone
+    size = 4000  # body bytes: 1000 tokens
+    # 3 streams in decode there, none elsewhere: 3/2 = 1 whole, 1 + 1 within ceil(1.25 * 2 / 2) = 2
+    assert balancer.choose(ready, {home: 3}, (), key, size).name == home
+    # 2 of them still without a first byte, each of this request's size: 2 + 1/2 = 2 whole, 3 over 2: moved
+    probe.prefill.add(home, 1000.0)
+    probe.prefill.add(home, 1000.0)
+    assert balancer.choose(ready, {home: 3}, (), key, size).name == other
+    # the same 2 are small prompts (a tenth of this one's): 0.2 + 1/2 = 0 whole: it stays
+    probe.prefill.done(home, 1000.0)
+    probe.prefill.done(home, 1000.0)
+    probe.prefill.add(home, 100.0)
+    probe.prefill.add(home, 100.0)
+    assert balancer.choose(ready, {home: 3}, (), key, size).name == home
+
+
+def test_the_work_before_a_first_token():
+    # prefill in units of the new request's prompt; decode a quarter each; others as counted
+    assert load.work(2000.0, 2, 6, 0.0, 0.0, 1000.0) == 2.0 + 4 * load.DECODE_WEIGHT
+    assert load.work(0.0, 0, 0, 1.5, 2.0, 1000.0) == 1.5 + 2.0 * load.DECODE_WEIGHT
+    assert load.work(300.0, 3, 3, 0.0, 0.0, 0.0) == 3.0  # no size given: each pending request one
+    assert load.work(0.0, 0, 0, 0.0, 0.0, 0.0) == 0.0
+
+
+def test_the_engines_others_are_what_the_proxy_did_not_send_and_age():
+    # 6 running + 4 waiting; the proxy had 5 in flight, 2 of them without a first byte
+    sample = Sample(0.0, 10.0, 0.0, 5, 4.0, 2)
+    assert load.others(sample, 0.0, 1.0) == (2.0, 3.0)  # 5 foreign: 2 waiting (4 - the proxy's 2), 3 decoding
+    assert load.others(sample, 1.0, 1.0) == (1.0, 1.5)  # one interval later: halved
+    assert load.others(sample, 2.0, 0.5) == (2.0 / 16, 3.0 / 16)
+    # all the engine's requests are the proxy's: nothing foreign, whatever waits
+    assert load.others(Sample(0.0, 4.0, 0.0, 4, 4.0, 0), 0.0, 1.0) == (0.0, 0.0)
+    # foreign waiting is at most what is foreign
+    assert load.others(Sample(0.0, 5.0, 0.0, 4, 5.0, 0), 0.0, 1.0) == (1.0, 0.0)
+
+
+def test_works_drop_the_engines_figures_when_one_is_missing():
+    now = 100.0
+    samples = {"a": Sample(now, 4.0, 0.0, 0, 4.0), "b": Sample(now, 0.0, 0.0, 0)}
+    assert load.works(["a", "b"], samples, {}, {}, {}, 0.0, now, 1.0, 3.0) == {"a": 4.0, "b": 0.0}
+    stale = {"a": samples["a"], "b": Sample(now - 10, 0.0, 0.0, 0)}
+    assert load.works(["a", "b"], stale, {"a": 1}, {}, {}, 0.0, now, 1.0, 3.0) == {"a": load.DECODE_WEIGHT, "b": 0.0}
+
+
+def test_the_prefill_count_adds_and_takes_off():
+    prefill = load.Prefill()
+    prefill.add("a", 100.0)
+    prefill.add("a", 50.0)
+    prefill.done("a", 100.0)
+    assert (prefill.tokens, prefill.requests) == ({"a": 50.0}, {"a": 1})
+    prefill.done("a", 50.0)
+    assert (prefill.tokens, prefill.requests) == ({}, {})
+    assert load.Prefill.estimate(4000) == 1000.0 and load.Prefill.estimate(0) == 1.0
 
 
 # ---------------------------------------------------------------------------------- bounded-load hashing (hypothesis)
@@ -371,3 +437,19 @@ async def test_a_reload_changes_the_interval_and_a_policy_without_load_stops_sam
 async def _until(predicate) -> None:
     while not predicate():
         await asyncio.sleep(0.02)
+
+
+def test_a_request_to_its_keys_instance_counts_only_what_it_adds_as_prefill():
+    balancer = PrefixAffinity(load_factor=0.25)
+    ready = backends("a", "b")
+    key = Key(777, "session")
+    home = balancer.choose(ready, {}, (), key, 4000).name
+    assert balancer.prefill_bytes(4000) == 4000  # placed: nothing cached yet
+    assert balancer.choose(ready, {}, (), key, 4800).name == home
+    assert balancer.prefill_bytes(4800) == 800  # the next turn: its history is cached there
+    probe = balancer.probe = Probe({})
+    for _ in range(3):  # three misses of this size queued there: over its bound, it escapes
+        probe.prefill.add(home, load.Prefill.estimate(5000))
+    assert balancer.choose(ready, {home: 3}, (), key, 5000).name != home
+    assert balancer.prefill_bytes(5000) == 5000  # a miss where it went
+    assert LeastLoaded().prefill_bytes(5000) == 5000

@@ -23,14 +23,21 @@ requests that share a system prompt, a document or a conversation's opening meet
   bound     bounded-load consistent hashing (Mirrokni, Thorup & Zadimoghaddam 2018): an instance
             takes the request only while its load after it stays within
             ceil((1 + load_factor) * mean load) (the mean with this request counted; per unit of
-            weight: its share of the total), the load being least_loaded's (load.py: the engines'
-            running + waiting with this proxy's in-flight counts on top, or the in-flight counts
-            alone when a figure is missing) in whole requests (a full KV cache counts one more).
+            weight: its share of the total), the load being the work before this request's
+            first token in whole units of its own prefill (load.work: the prompt tokens of the
+            proxy's requests there still without a first byte, other clients' waiting requests
+            from the engine's aged sample, decoding streams half a prefill each), so a session stays
+            beside streams in decode and moves from a queue of prefill.
             Otherwise the key's best-scored instance within its bound takes it (the key stays
             placed where it was), so a hot key's overflow keeps going to the same second
             instance (whose cache then holds it too) and different keys overflow to different
             instances, not all onto one neighbour. Some instance is always within its bound (were
             every one over, the loads would sum to more than they do).
+  hot key   the bound alone lets one instance hold every stream of a prompt that fronts many
+            requests (a shared system prompt): in decode they weigh little, yet another instance
+            idles beside them. So once a key has HOT_IN_FLIGHT requests in flight at its instance,
+            the next goes to an instance with fewer in flight than that one would then have (the
+            one that took the key's overflow before, whose cache holds it too): `spread`.
 
 Why a bounded prefix of characters, not tokens or a radix tree (docs/proxy.md compares vllm-router
 and SGLang): the proxy has no tokenizer, and it keeps one small entry per key, not a tree of texts. Requests that agree on
@@ -64,6 +71,9 @@ CHARS_PER_TOKEN = 4
 # about 125 bytes each, so at most ~4 MB; far more prefixes than CPU instances cache (a few dozen
 # long prompts each). A key that falls out is placed again as if new: one extra prefill at most.
 PLACED_MAX = 32768
+# A key with this many requests in flight at its instance is hot: the next one may spread (above).
+# Two, not more: a session asks one question at a time, so only a prompt many clients share gets here.
+HOT_IN_FLIGHT = 2
 
 _MASK = (1 << 64) - 1
 _SEPARATOR = "\x1e"  # between messages; role and text are joined by \x1f, content parts by \x1d
@@ -211,6 +221,12 @@ class PrefixAffinity(LeastLoaded):
         self._seeds: dict[str, int] = {}  # instance name -> its 64-bit hash (names are few and stable)
         self._placed: OrderedDict[int, str] = OrderedDict()  # key digest -> instance, least recent first
         self._placed_max = placed_max
+        self._sizes: dict[int, int] = {}  # key digest -> body bytes of its last request on its instance
+        self._prefill = 0  # prefill_bytes() of the request just chosen for
+        self._digest: int | None = None  # the key of the request just chosen for (hold() counts it)
+        self._flights: dict[tuple[str, int], int] = {}  # (instance, key digest) -> its requests in flight there
+        self._spread: dict[int, str] = {}  # a hot key's digest -> the instance that took its overflow last
+        self.hot_in_flight = HOT_IN_FLIGHT
 
     def key(self, document: dict | None, headers: Mapping[str, str] | None) -> Key | None:
         return routing_key(document, headers, self.prefix_chars)
@@ -228,15 +244,68 @@ class PrefixAffinity(LeastLoaded):
         placed[digest] = name
         placed.move_to_end(digest)
         if len(placed) > self._placed_max:
-            placed.popitem(last=False)
+            gone = placed.popitem(last=False)[0]
+            self._sizes.pop(gone, None)
+            self._spread.pop(gone, None)
 
-    def choose(self, ready: tuple[Backend, ...], in_flight: Mapping[str, int], tried: Collection[str] = (), key: Key | None = None) -> Backend | None:
+    def _home(self, digest: int, size: int) -> None:
+        """The request goes to its key's instance: that cache holds the key's last request, so
+        only what this one adds is prefill (a conversation's new turn); remembered for the next."""
+        sizes = self._sizes
+        self._prefill = size - min(sizes.get(digest, 0), size)
+        sizes[digest] = size
+
+    def prefill_bytes(self, size: int) -> int:
+        return self._prefill
+
+    def hold(self, name: str) -> tuple[str, int] | None:
+        digest = self._digest
+        if digest is None:
+            return None
+        held = (name, digest)
+        self._flights[held] = self._flights.get(held, 0) + 1
+        return held
+
+    def release(self, held: tuple[str, int]) -> None:
+        left = self._flights.get(held, 0) - 1
+        if left > 0:
+            self._flights[held] = left
+        else:
+            self._flights.pop(held, None)
+
+    def _spare(self, digest: int, home: Backend, candidates: list[tuple[float, Backend]],
+               in_flight: Mapping[str, int]) -> Backend | None:
+        """Where a hot key's request goes instead of its instance: another instance that has fewer
+        requests in flight than the home would have with it (per weight), the one that took the
+        key's overflow before first (its cache holds the prefix too), else the least busy (ties:
+        the key's best-scored). None: every other instance is as busy, the home keeps it."""
+        weight = self.weight
+        limit = in_flight.get(home.name, 0) / weight(home.name)
+        spare: Backend | None = None
+        best = (0.0, 0.0)
+        before = self._spread.get(digest)
+        for score, backend in candidates:
+            name = backend.name
+            if name == home.name:
+                continue
+            busy = (in_flight.get(name, 0) + 1) / weight(name)
+            if busy > limit:
+                continue
+            if name == before:
+                return backend
+            if spare is None or (busy, -score) < best:
+                spare, best = backend, (busy, -score)
+        return spare
+
+    def choose(self, ready: tuple[Backend, ...], in_flight: Mapping[str, int], tried: Collection[str] = (), key: Key | None = None, size: int = 0) -> Backend | None:
         if key is None:
+            self._digest = None
             backend, _ = self._least(ready, in_flight, tried)
             if backend is not None:
                 self._count("no_prefix")
             return backend
-        digest = key.digest
+        digest = self._digest = key.digest
+        self._prefill = size  # a miss: all of it
         weights = self._weights
         seeds = self._seeds
         home_name = self._placed.get(digest)
@@ -266,32 +335,46 @@ class PrefixAffinity(LeastLoaded):
         if len(candidates) == 1:
             if home is None:
                 self._place(digest, top.name)
+                self._sizes[digest] = size
                 self._count("placed")
             else:
                 self._placed.move_to_end(digest)
+                self._home(digest, size)
                 self._count(key.kind)
             return top
-        values, _ = self.loads([b.name for _, b in candidates], in_flight)
-        # the bound counts whole requests: the KV term (a fraction, a tie-break for least_loaded)
-        # counts as one request only when the cache is full
-        total = 0
-        for name, value in values.items():
-            values[name] = whole = math.floor(value)
-            total += whole
+        # the work before this request's first token, in whole units of its own prefill (load.work):
+        # the bound counts whole requests, so a few decoding streams (a fraction each) move nothing
+        work = self.works([b.name for _, b in candidates], in_flight, size)
+        values = {name: float(math.floor(value + 1e-9)) for name, value in work.items()}
+        total = sum(values.values())
         weight = self.weight
         if home is None:
             # Nowhere cached yet (or its instance left, or failed this request): any instance
             # costs the same prefill, so the least loaded takes it, and keeps it. Placing new keys
             # by their hash instead lets chance pile them up (8 keys on 2 instances hash 6 : 2 or
             # worse 29 % of the time); equal loads go by the hash, so at rest this is rendezvous hashing.
-            least = min(candidates, key=lambda c: (values[c[1].name] / weight(c[1].name), -c[0]))[1]
+            # (by the work itself, not whole requests: a half-busy instance is not a tie)
+            least = min(candidates, key=lambda c: (work[c[1].name] / weight(c[1].name), -c[0]))[1]
             self._place(digest, least.name)
+            self._sizes[digest] = size
             self._count("placed")
             return least
         weights_sum = float(sum(weight(b.name) for _, b in candidates)) if weights else float(len(candidates))
         factor = self.load_factor
         if within_bound(values[home.name], total, weight(home.name), weights_sum, factor):  # the common case
+            if self._flights.get((home.name, digest), 0) >= self.hot_in_flight:
+                # A hot key (one prompt in front of many requests): its decoding streams weigh
+                # little against the bound, and all of them on one instance leave another idle.
+                # The overflow goes where fewer are in flight, the same instance each time.
+                spare = self._spare(digest, home, candidates, in_flight)
+                if spare is not None:
+                    cached = self._spread.get(digest) == spare.name
+                    self._spread[digest] = spare.name
+                    self._prefill = size - min(self._sizes.get(digest, 0), size) if cached else size
+                    self._count("spread")
+                    return spare
             self._placed.move_to_end(digest)
+            self._home(digest, size)
             self._count(key.kind)
             return home
         # Over its bound: the key's best-scored instance within it takes this request, and the key

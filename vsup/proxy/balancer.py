@@ -40,6 +40,19 @@ class _Rotation:
         """What this policy routes a request by, computed once per request: nothing here."""
         return None
 
+    def prefill_bytes(self, size: int) -> int:
+        """Of the body (`size` bytes) of the request just chosen for, what the instance likely has
+        to prefill (load.Prefill counts it until the first byte): all of it here."""
+        return size
+
+    def hold(self, name: str) -> Any:
+        """The request just chosen for goes to `name`: what it holds there until `release` (a
+        policy that counts its keys in flight per instance; nothing here)."""
+        return None
+
+    def release(self, held: Any) -> None:
+        """The request that `hold` answered `held` for has ended there."""
+
     def set_weight(self, name: str, weight: int) -> None:
         if weight < 1:
             raise ValueError(f"weight of {name}: {weight}; must be at least 1 (take it out of rotation instead)")
@@ -84,7 +97,7 @@ class RoundRobin(_Rotation):
 
     name = "round_robin"
 
-    def choose(self, ready: tuple[Backend, ...], in_flight: Mapping[str, int], tried: Collection[str] = (), key: Any = None) -> Backend | None:
+    def choose(self, ready: tuple[Backend, ...], in_flight: Mapping[str, int], tried: Collection[str] = (), key: Any = None, size: int = 0) -> Backend | None:
         if tried or not ready or self._weights:
             return next(self._candidates(ready, tried), None)
         start = self._counter  # the common case, inlined: a first try, no weights
@@ -99,7 +112,7 @@ class LeastOutstanding(_Rotation):
 
     name = "least_outstanding"
 
-    def choose(self, ready: tuple[Backend, ...], in_flight: Mapping[str, int], tried: Collection[str] = (), key: Any = None) -> Backend | None:
+    def choose(self, ready: tuple[Backend, ...], in_flight: Mapping[str, int], tried: Collection[str] = (), key: Any = None, size: int = 0) -> Backend | None:
         return min(self._candidates(ready, tried), key=lambda b: in_flight.get(b.name, 0) / self.weight(b.name), default=None)
 
 
@@ -126,6 +139,16 @@ class LeastLoaded(_Rotation):
             return {n: float(in_flight.get(n, 0)) for n in names}, False
         return load.loads(names, probe.samples, in_flight, time.monotonic(), probe.max_age)
 
+    def works(self, names: list[str], in_flight: Mapping[str, int], size: int) -> dict[str, float]:
+        """Each named instance's work before the first token of a request of `size` body bytes
+        (load.work(): prefill not yet done, aged engine figures, decode a little; not per weight)."""
+        probe = self.probe
+        if probe is None:
+            return {n: float(in_flight.get(n, 0)) for n in names}  # no first bytes known: each in flight may be a prefill
+        prefill = probe.prefill
+        return load.works(names, probe.samples, in_flight, prefill.tokens, prefill.requests,
+                          load.Prefill.estimate(size) if size else 0.0, time.monotonic(), probe.interval, probe.max_age)
+
     def _least(self, ready: tuple[Backend, ...], in_flight: Mapping[str, int], tried: Collection[str]) -> tuple[Backend | None, bool]:
         candidates = list(self._candidates(ready, tried))
         if not candidates:
@@ -135,7 +158,7 @@ class LeastLoaded(_Rotation):
         # min keeps the first of equals: the rotation's, so equal loads still spread
         return min(candidates, key=lambda b: values[b.name] / weight(b.name)), engine
 
-    def choose(self, ready: tuple[Backend, ...], in_flight: Mapping[str, int], tried: Collection[str] = (), key: Any = None) -> Backend | None:
+    def choose(self, ready: tuple[Backend, ...], in_flight: Mapping[str, int], tried: Collection[str] = (), key: Any = None, size: int = 0) -> Backend | None:
         backend, engine = self._least(ready, in_flight, tried)
         if backend is not None:
             self._count("engine_load" if engine else "in_flight")

@@ -8,6 +8,7 @@ import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from vsup.proxy.load import Prefill
     from vsup.proxy.ratelimit import Charge
 
 
@@ -16,7 +17,7 @@ class Exchange:
     (one timer for all requests, see Forwarder._sweep) cancels the handler when the instance stays
     silent past the limit or the proxy drains; per request and per chunk only timestamps are stored."""
 
-    __slots__ = ("task", "limit", "limit_key", "last", "reason", "phase", "stream", "idle_limit", "first_data_at", "sent_at", "held", "backend", "size", "charge")
+    __slots__ = ("task", "limit", "limit_key", "last", "reason", "phase", "stream", "idle_limit", "first_data_at", "sent_at", "held", "backend", "size", "charge", "prefill")
 
     def __init__(self, task: asyncio.Task, now: float) -> None:
         self.task = task
@@ -33,6 +34,7 @@ class Exchange:
         self.backend: str | None = None  # the instance it is on now (stall.py reads it)
         self.size = 0  # its body's bytes
         self.charge: Charge | None = None  # its key's token reservation, settled by the answer (ratelimit.py)
+        self.prefill: tuple[Prefill, str, float] | None = None  # counted as awaiting its first byte there (load.py)
 
     def on_data(self, now: float) -> None:
         """A piece of the response body arrived (the relay inlines this per chunk)."""
@@ -43,8 +45,16 @@ class Exchange:
     def first_data(self, now: float) -> None:
         """From the first body byte on, the limit is the idle timeout."""
         self.first_data_at = now
+        self.prefilled()
         self.limit = self.idle_limit
         self.limit_key = "proxy.idle_timeout"
+
+    def prefilled(self) -> None:
+        """No longer awaiting its first byte (it came, or the attempt ended): off the instance's prefill work."""
+        if self.prefill is not None:
+            prefill, name, tokens = self.prefill
+            self.prefill = None
+            prefill.done(name, tokens)
 
     def arm(self, limit: float, key: str, now: float) -> None:
         """A new phase with its own limit, counted from now."""

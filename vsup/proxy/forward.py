@@ -43,6 +43,7 @@ from vsup.proxy.codec import header_lines, is_json, parse_json, request_headers,
 from vsup.proxy.errors import RETRY_AFTER_SECONDS
 from vsup.proxy.exchange import Exchange
 from vsup.proxy.gate import Gate
+from vsup.proxy.load import Prefill
 from vsup.proxy.messages import HTTP_11, Answer, BadRequest, RawResponse, Request, Response, StreamAnswer
 from vsup.proxy.metrics import ProxyMetrics, route_label
 from vsup.proxy.ratelimit import Charge
@@ -118,6 +119,7 @@ class Forwarder:
         self.budget: BodyBudget | None = None  # proxy.max_body_buffer: the bodies held at once, proxy-wide
         self.parser: BodyParser | None = None  # big JSON bodies parsed off the event loop
         self.in_flight: dict[str, int] = {}
+        self.prefill = Prefill()  # of those, the ones still without their first byte (load.py)
         self.active: set[Exchange] = set()
         self.draining = False
         self.loop = asyncio.get_running_loop()
@@ -350,7 +352,7 @@ class Forwarder:
                 ready = self.pool.ready()
             else:
                 ready = router.current(route) if tried else route.ready  # type: ignore[union-attr]
-            backend = balancer.choose(ready, self.in_flight, tried, key)
+            backend = balancer.choose(ready, self.in_flight, tried, key, exchange.size)
             if backend is None and reason == "stale" and tried.count(last.name) == 1 and self.pool.is_ready(last.name):  # type: ignore[union-attr]
                 # A stale keep-alive connection and no other instance to try: one fresh
                 # connection to the same instance (its idle ones were closed), which either
@@ -367,10 +369,17 @@ class Forwarder:
             tried.append(backend.name)
             name = backend.name
             self.in_flight[name] = self.in_flight.get(name, 0) + 1
+            tokens = Prefill.estimate(balancer.prefill_bytes(exchange.size))  # a cached prefix is no prefill
+            self.prefill.add(name, tokens)  # until its first byte: work ahead of the next request's first token
+            exchange.prefill = (self.prefill, name, tokens)
+            held = balancer.hold(name)  # prefix_affinity: its key's requests in flight there
             exchange.backend = name
             try:
                 outcome = await self._attempt(request, exchange, backend, target, body, headers, extra)
             finally:
+                exchange.prefilled()
+                if held is not None:
+                    balancer.release(held)
                 exchange.backend = None
                 left = self.in_flight[name] - 1
                 if left:

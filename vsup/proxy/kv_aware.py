@@ -16,8 +16,9 @@ Against hot spots and "death spirals" (cache-aware routing piling misses onto a 
 only instances whose load after the request stays within the bound of prefix_affinity's
 bounded-load hashing, ceil((1 + `affinity_load_factor`) x the mean load), are candidates (the
 least loaded always is); among them the longest cached prefix wins, ties go to the less loaded. A miss
-everywhere is placed by load alone. The load of an instance is `load(name, in_flight)`: the
-proxy's requests in flight by default — the seam for a score from the engines' metrics.
+everywhere is placed by load alone. The load of an instance is prefix_affinity's: the work before
+a new first token (load.work, from the probe the server hands it); `load(name, in_flight)` is the
+seam that replaces it (tests, benches).
 """
 
 from __future__ import annotations
@@ -25,12 +26,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import aiohttp
 
+from vsup.proxy import load
 from vsup.proxy.address import Sessions
+from vsup.proxy.affinity import within_bound
 from vsup.proxy.backends import Backend, BackendPool
 from vsup.proxy.balancer import LeastOutstanding
 from vsup.proxy.kv_events import KvEvents
@@ -96,6 +100,7 @@ def tokenize_body(document: dict | None) -> dict | list[int] | None:
 
 class KvAware(LeastOutstanding):
     name = "kv_aware"
+    uses_load = True  # the server hands it a load.LoadProbe (`probe`): the bound's prefill work
 
     def __init__(self, load_factor: float = 0.25, events: KvEvents | None = None) -> None:
         super().__init__()
@@ -106,6 +111,7 @@ class KvAware(LeastOutstanding):
         self.hit_blocks = 0  # blocks the chosen instances held (a running sum: /metrics, the bench)
         self._sessions: Sessions | None = None
         self._model: str | None = None
+        self.probe: load.LoadProbe | None = None
 
     # -- lifecycle: which instances to follow, and when to forget what they held
     def attach(self, pool: BackendPool, model: str | None = None) -> None:
@@ -180,12 +186,26 @@ class KvAware(LeastOutstanding):
             return None
         return Tokens(ids, extras)
 
-    def choose(self, ready: tuple[Backend, ...], in_flight: Mapping[str, int], tried: Collection[str] = (), key: Any = None) -> Backend | None:
+    def works(self, names: list[str], in_flight: Mapping[str, int], size: int) -> dict[str, float]:
+        """The bound's load: each instance's work before this request's first token (load.work)."""
+        probe = self.probe
+        if probe is None:
+            return {n: float(in_flight.get(n, 0)) for n in names}  # no first bytes known: each in flight may be a prefill
+        prefill = probe.prefill
+        return load.works(names, probe.samples, in_flight, prefill.tokens, prefill.requests,
+                          load.Prefill.estimate(size) if size else 0.0, time.monotonic(), probe.interval, probe.max_age)
+
+    def choose(self, ready: tuple[Backend, ...], in_flight: Mapping[str, int], tried: Collection[str] = (), key: Any = None,
+               size: int = 0) -> Backend | None:
         candidates = list(self._candidates(ready, tried))  # rotated: ties spread
         if not candidates:
             return None
-        load = {b.name: self.load(b.name, in_flight) for b in candidates}
-        least = min(candidates, key=lambda b: load[b.name])
+        if self.load is in_flight_load:
+            exact = self.works([b.name for b in candidates], in_flight, size)
+            work = {n: float(math.floor(v + 1e-9)) for n, v in exact.items()}  # the bound counts whole requests
+        else:  # a load seam given (tests, a bench): its figures
+            exact = work = {b.name: self.load(b.name, in_flight) for b in candidates}
+        least = min(candidates, key=lambda b: exact[b.name])
         if not isinstance(key, Tokens):
             self.decisions["no_tokens"] += 1
             return least
@@ -195,9 +215,9 @@ class KvAware(LeastOutstanding):
             size = events.block_size(b.name)
             held[b.name] = events.matched(b.name, key.keys(size)) if size else 0
         # the bounded-load rule (affinity.py): no instance above ceil((1 + ε) x the mean), this request counted
-        cap = math.ceil((1 + self.load_factor) * (sum(load.values()) + 1) / len(candidates))
-        eligible = [b for b in candidates if load[b.name] + 1 <= cap] or [least]
-        best = max(eligible, key=lambda b: (held[b.name], -load[b.name]))  # max keeps the first of equals
+        total = sum(work.values())
+        eligible = [b for b in candidates if within_bound(work[b.name], total, 1.0, float(len(candidates)), self.load_factor)] or [least]
+        best = max(eligible, key=lambda b: (held[b.name], -work[b.name]))  # max keeps the first of equals
         top = max(held.values())
         if top > held[best.name]:
             self.decisions["escaped"] += 1  # the instance holding more is too loaded

@@ -15,6 +15,10 @@ then every candidate of that choice is scored by its in-flight count alone: mixi
 would make the instance whose figures are missing look the lightest and draw the traffic (the
 silent-instance spiral of vllm-router #179, where a load never counted read as idle).
 
+prefix_affinity's and kv_aware's bound count another load, `work()` below: what delays a new
+request's first token (prefill not yet done), not whole requests, since on CPU a request in
+decode costs the batch little.
+
 `LoadProbe` takes the samples: every `interval` seconds one GET /metrics per ready instance, all
 at once, read with a byte scan for the three gauges (no Prometheus parse: a vLLM /metrics is ~100
 KiB, and the scan reads it in well under a millisecond). Pure functions below, I/O in the probe.
@@ -52,6 +56,8 @@ class Sample(NamedTuple):
     requests: float  # running + waiting, as the engine counted them
     kv: float  # KV-cache usage, 0..1
     in_flight: int  # the proxy's own requests in flight to the instance when the figures arrived
+    waiting: float = 0.0  # of `requests`, those waiting (not yet scheduled: no prefill begun)
+    pending: int = 0  # of `in_flight`, those still without their first byte when the figures arrived
 
 
 def _value(line: bytes, name: bytes) -> float | None:
@@ -65,11 +71,12 @@ def _value(line: bytes, name: bytes) -> float | None:
     return value if value == value and value >= 0 else None  # NaN or negative: no figure
 
 
-def parse(text: bytes) -> tuple[float, float] | None:
-    """(running + waiting, KV usage) from a Prometheus text: each gauge summed (running, waiting:
-    over engines, or a front vsup's instances) or its largest value (KV usage); None when the
-    scheduler gauges are missing (not a vLLM, or an old one)."""
+def parse(text: bytes) -> tuple[float, float, float] | None:
+    """(running + waiting, KV usage, waiting) from a Prometheus text: each gauge summed (running,
+    waiting: over engines, or a front vsup's instances) or its largest value (KV usage); None when
+    the scheduler gauges are missing (not a vLLM, or an old one)."""
     requests = 0.0
+    waiting = 0.0
     kv = 0.0
     seen = 0
     for line in text.split(b"\n"):
@@ -82,10 +89,12 @@ def parse(text: bytes) -> tuple[float, float] | None:
                     if bit:
                         requests += value
                         seen |= bit
+                        if bit == 2:
+                            waiting += value
                     else:
                         kv = max(kv, min(1.0, value))
                 break
-    return (requests, kv) if seen == 3 else None
+    return (requests, kv, waiting) if seen == 3 else None
 
 
 def estimate(sample: Sample | None, in_flight: int, now: float, max_age: float) -> float | None:
@@ -110,15 +119,98 @@ def loads(names: Collection[str], samples: Mapping[str, Sample], in_flight: Mapp
     return out, True
 
 
+# -- the work before a new request's first token (prefix_affinity's and kv_aware's bound)
+
+# What a request in decode weighs against one waiting for its prefill: on CPU a decode step for
+# one more sequence costs the batch little, but many do add up (one instance holding every stream
+# of a hot prompt decodes slower than two): two decoding streams weigh one prefill.
+DECODE_WEIGHT = 0.5
+# The engine's figures for other clients' requests halve every this many load_intervals: they
+# finish (or get their first token) while the sample ages, so they must not weigh for the whole
+# interval as if nothing moved.
+OTHERS_HALF_LIFE = 1.0
+
+
+def others(sample: Sample, age: float, interval: float) -> tuple[float, float]:
+    """(waiting, decoding) requests of the engine's sample that this proxy did not send, aged:
+    the engine's running + waiting less the proxy's own in flight at the sample, its waiting less
+    the proxy's own still without a first byte (those may sit in `waiting` or be in their prefill,
+    in `running`), each halved every OTHERS_HALF_LIFE intervals since the sample."""
+    foreign = max(0.0, sample.requests - sample.in_flight)
+    waiting = min(foreign, max(0.0, sample.waiting - sample.pending))
+    decay = 0.5 ** (max(0.0, age) / (OTHERS_HALF_LIFE * interval)) if interval > 0 else 0.0
+    return waiting * decay, (foreign - waiting) * decay
+
+
+def work(prefill_tokens: float, pending: int, in_flight: int, others_waiting: float, others_decoding: float,
+         tokens: float) -> float:
+    """An instance's work before a new request's first token, in units of that request's own
+    prefill (`tokens` of prompt, the cost of a miss; 0: unknown, each pending request counts one): the prompt tokens of the proxy's requests
+    still without a first byte (`prefill_tokens`, `pending` of them), other clients' waiting
+    requests as one such prefill each, and every request in decode at DECODE_WEIGHT."""
+    unit = max(1.0, tokens if tokens > 0 else prefill_tokens / max(1, pending))  # no size given: one pending request each
+    decoding = max(0, in_flight - pending) + others_decoding
+    return prefill_tokens / unit + others_waiting + DECODE_WEIGHT * decoding
+
+
+def works(names: Collection[str], samples: Mapping[str, Sample], in_flight: Mapping[str, int],
+          prefill: Mapping[str, float], pending: Mapping[str, int], tokens: float, now: float, interval: float,
+          max_age: float) -> dict[str, float]:
+    """Each named instance's work() for a request of `tokens` prompt tokens; the engines' others
+    count only when every candidate has a fresh sample (else none do: an instance whose figures
+    are missing must not look the lightest, load.py's module docstring)."""
+    fresh = all((s := samples.get(n)) is not None and now - s.at <= max_age for n in names)
+    out: dict[str, float] = {}
+    for name in names:
+        waiting = decoding = 0.0
+        if fresh:
+            sample = samples[name]
+            waiting, decoding = others(sample, now - sample.at, interval)
+        out[name] = work(prefill.get(name, 0.0), pending.get(name, 0), in_flight.get(name, 0), waiting, decoding, tokens)
+    return out
+
+
+class Prefill:
+    """The proxy's own requests still without their first byte, per instance: how many and their
+    prompt tokens (estimated: CHARS_PER_TOKEN bytes of body a token). The forwarder adds one when
+    it sends a request and takes it off at the answer's first body byte, or when the attempt ends;
+    the tokens are those the balancer expects uncached (`prefill_bytes`: prefix_affinity counts a
+    request to its key's instance by what it adds to the key's last one)."""
+
+    CHARS_PER_TOKEN = 4
+
+    def __init__(self) -> None:
+        self.tokens: dict[str, float] = {}
+        self.requests: dict[str, int] = {}
+
+    @classmethod
+    def estimate(cls, body_bytes: int) -> float:
+        return max(1.0, body_bytes / cls.CHARS_PER_TOKEN)
+
+    def add(self, name: str, tokens: float) -> None:
+        self.tokens[name] = self.tokens.get(name, 0.0) + tokens
+        self.requests[name] = self.requests.get(name, 0) + 1
+
+    def done(self, name: str, tokens: float) -> None:
+        left = self.requests.get(name, 0) - 1
+        if left > 0:
+            self.requests[name] = left
+            self.tokens[name] = max(0.0, self.tokens.get(name, 0.0) - tokens)
+        else:
+            self.requests.pop(name, None)
+            self.tokens.pop(name, None)
+
+
 class LoadProbe:
     """The samples, taken every `interval` seconds from each ready backend's /metrics. Balancers
     read `samples` (and `max_age`); a backend that leaves the rotation, or whose scrape fails,
     loses its sample."""
 
     def __init__(self, ready: Callable[[], tuple[Backend, ...]], in_flight: Mapping[str, int], sessions: Sessions,
-                 interval: float) -> None:
+                 interval: float, prefill: Prefill | None = None) -> None:
         self._ready = ready
         self._in_flight = in_flight  # the forwarder's own dict, read when a sample arrives
+        self.prefill = prefill or Prefill()  # the forwarder's, read when a sample arrives and by the bound
         self._sessions = sessions
         self.interval = interval
         self.samples: dict[str, Sample] = {}
@@ -178,4 +270,5 @@ class LoadProbe:
         if name in self._failing:
             self._failing.discard(name)
             log.info("instance %s: load figures again", name)
-        self.samples[name] = Sample(time.monotonic(), figures[0], figures[1], self._in_flight.get(name, 0))
+        self.samples[name] = Sample(time.monotonic(), figures[0], figures[1], self._in_flight.get(name, 0), figures[2],
+                                    self.prefill.requests.get(name, 0))

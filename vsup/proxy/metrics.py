@@ -206,7 +206,7 @@ class ProxyMetrics:
         yield family
         family = CounterMetricFamily(
             "vsup_proxy_policy_decisions",
-            "Routing decisions of the proxy's policy (prefix_affinity: placed, affinity, session, escaped, no_prefix; kv_aware: hit, miss, escaped, no_tokens)",
+            "Routing decisions of the proxy's policy (prefix_affinity: placed, affinity, session, escaped, spread, no_prefix; kv_aware: hit, miss, escaped, no_tokens)",
             labels=["policy", "decision", *m],
         )
         for decision, count in self.policy_decisions.items():

@@ -144,7 +144,8 @@ class ProxyServer:
         )
         self._forwarder.router = self._router
         self._set_gate(config, self._model_configs)
-        self._probe = LoadProbe(self.pool.ready, self._forwarder.in_flight, self._session, config.load_interval)
+        self._probe = LoadProbe(self.pool.ready, self._forwarder.in_flight, self._session, config.load_interval,
+                                self._forwarder.prefill)
         self._wire_load()
         if self._router is not None:
             for backend in self.pool.ready():
