@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import select
 import socket
 import time
@@ -229,13 +230,20 @@ async def test_affinity_settings_apply_to_the_running_balancer():
             winner = next(u for u in upstreams if u.hits)
             other = next(u for u in upstreams if u is not winner)
             reconfigure(proxy, policy="prefix_affinity", affinity_prefix_chars=16, affinity_load_factor=0)
-            held = asyncio.ensure_future(complete(proxy, session, "a shared beginning: hold"))
+            # The bound counts the work before a first token (load.work), in units of the next
+            # request's prefill; a request to its key's instance counts what its body adds to the
+            # key's last one. So the held one adds 1.5 of the next one's size: 1 whole unit queued.
+            def size(prompt: str) -> int:  # the body complete() sends (aiohttp's json.dumps)
+                return len(json.dumps({"prompt": prompt, "stream": False}))
+            hold = "a shared beginning: hold "
+            hold += "." * (size(prompts[-1]) + size(prompts[0]) * 3 // 2 - size(hold))
+            held = asyncio.ensure_future(complete(proxy, session, hold))
             while len(winner.hits) < 25:
                 await asyncio.sleep(0.01)
-            await complete(proxy, session, prompts[0])  # one in flight is over ceil((1 + 0) x 2 / 2)
+            await complete(proxy, session, prompts[0])  # 1 + 1 is over ceil((1 + 0) x 2 / 2): escaped
             assert len(other.hits) == 1
             reconfigure(proxy, policy="prefix_affinity", affinity_prefix_chars=16, affinity_load_factor=1.0)
-            await complete(proxy, session, prompts[0])
+            await complete(proxy, session, prompts[0])  # 1 + 1 within ceil((1 + 1) x 2 / 2)
             assert len(other.hits) == 1 and len(winner.hits) == 26
             winner.release.set()
             assert (await held)[0] == 200
