@@ -142,12 +142,7 @@ class LeastLoaded(_Rotation):
     def works(self, names: list[str], in_flight: Mapping[str, int], size: int) -> dict[str, float]:
         """Each named instance's work before the first token of a request of `size` body bytes
         (load.work(): prefill not yet done, aged engine figures, decode a little; not per weight)."""
-        probe = self.probe
-        if probe is None:
-            return {n: float(in_flight.get(n, 0)) for n in names}  # no first bytes known: each in flight may be a prefill
-        prefill = probe.prefill
-        return load.works(names, probe.samples, in_flight, prefill.tokens, prefill.requests,
-                          load.Prefill.estimate(size) if size else 0.0, time.monotonic(), probe.interval, probe.max_age)
+        return load.probed_works(self.probe, names, in_flight, size)
 
     def _least(self, ready: tuple[Backend, ...], in_flight: Mapping[str, int], tried: Collection[str]) -> tuple[Backend | None, bool]:
         candidates = list(self._candidates(ready, tried))

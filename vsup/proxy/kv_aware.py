@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import time
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
@@ -188,12 +187,7 @@ class KvAware(LeastOutstanding):
 
     def works(self, names: list[str], in_flight: Mapping[str, int], size: int) -> dict[str, float]:
         """The bound's load: each instance's work before this request's first token (load.work)."""
-        probe = self.probe
-        if probe is None:
-            return {n: float(in_flight.get(n, 0)) for n in names}  # no first bytes known: each in flight may be a prefill
-        prefill = probe.prefill
-        return load.works(names, probe.samples, in_flight, prefill.tokens, prefill.requests,
-                          load.Prefill.estimate(size) if size else 0.0, time.monotonic(), probe.interval, probe.max_age)
+        return load.probed_works(self.probe, names, in_flight, size)
 
     def choose(self, ready: tuple[Backend, ...], in_flight: Mapping[str, int], tried: Collection[str] = (), key: Any = None,
                size: int = 0) -> Backend | None:

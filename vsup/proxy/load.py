@@ -170,6 +170,17 @@ def works(names: Collection[str], samples: Mapping[str, Sample], in_flight: Mapp
     return out
 
 
+def probed_works(probe: LoadProbe | None, names: Collection[str], in_flight: Mapping[str, int],
+                 size: int) -> dict[str, float]:
+    """works() from a balancer's probe for a request of `size` body bytes; without a probe (no
+    first bytes known) each request in flight counts one: it may be a prefill."""
+    if probe is None:
+        return {n: float(in_flight.get(n, 0)) for n in names}
+    prefill = probe.prefill
+    return works(names, probe.samples, in_flight, prefill.tokens, prefill.requests,
+                 Prefill.estimate(size) if size else 0.0, time.monotonic(), probe.interval, probe.max_age)
+
+
 class Prefill:
     """The proxy's own requests still without their first byte, per instance: how many and their
     prompt tokens (estimated: CHARS_PER_TOKEN bytes of body a token). The forwarder adds one when
