@@ -366,8 +366,12 @@ def test_vsup_run_with_kv_aware(tmp_path):
             ask(f"question {n}")
         hits = [value(a, "vllm:prefix_cache_hits_total") for a in addresses]
         assert sorted(h > 0 for h in hits) == [False, True], hits  # every later chat met the one that holds it
-        assert value(proxy, "vsup_proxy_policy_decisions_total", decision="hit") >= 4
-        misses = value(proxy, "vsup_proxy_policy_decisions_total", decision="miss")
+        decisions = {d: value(proxy, "vsup_proxy_policy_decisions_total", decision=d) for d in ("hit", "miss", "escaped", "no_tokens")}
+        # every later chat a hit; one whose /tokenize took over TOKENIZE_TIMEOUT (a loaded box) is
+        # routed by load alone (no_tokens); a loaded local CI run once saw 3 hits of 4, its other
+        # decisions unrecorded: the message now names them all
+        assert decisions["escaped"] == 0 and decisions["hit"] >= 3 and decisions["hit"] + decisions["no_tokens"] >= 4, decisions
+        misses = decisions["miss"]
         holder = next(i for i, h in enumerate(hits) if h > 0)
         pid = run.status()["instances"][holder]["pid"]
         os.kill(pid, signal.SIGKILL)  # the instance dies, its cache with it
