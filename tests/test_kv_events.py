@@ -360,6 +360,10 @@ def test_vsup_run_with_kv_aware(tmp_path):
         folder = Path(addresses[0].removeprefix("unix:")).parent
         assert (folder / "0.kv").is_socket() and (folder / "1.kvr").is_socket()  # vsup's private folder
         assert folder.stat().st_mode & 0o077 == 0
+        # The proxy subscribes to an instance's events once it is ready: a batch published before
+        # that connection is up is lost until the next one reveals the gap (then replayed). On a
+        # loaded box question zero's could be, and question one then missed (seen: 2 misses).
+        time.sleep(2.0)
         ask("question zero")
         time.sleep(2.0)  # its events reach the proxy (0.5 s was too short on a loaded 2-CPU box)
         for n in range(1, 5):
@@ -368,8 +372,7 @@ def test_vsup_run_with_kv_aware(tmp_path):
         assert sorted(h > 0 for h in hits) == [False, True], hits  # every later chat met the one that holds it
         decisions = {d: value(proxy, "vsup_proxy_policy_decisions_total", decision=d) for d in ("hit", "miss", "escaped", "no_tokens")}
         # every later chat a hit; one whose /tokenize took over TOKENIZE_TIMEOUT (a loaded box) is
-        # routed by load alone (no_tokens); a loaded local CI run once saw 3 hits of 4, its other
-        # decisions unrecorded: the message now names them all
+        # routed by load alone (no_tokens)
         assert decisions["escaped"] == 0 and decisions["hit"] >= 3 and decisions["hit"] + decisions["no_tokens"] >= 4, decisions
         misses = decisions["miss"]
         holder = next(i for i, h in enumerate(hits) if h > 0)
