@@ -542,7 +542,7 @@ def figures(phases: list[Phase], instances: list[str], capacities: list[str], ar
     }
     # "met" judged on the unrounded ratio, as the printed verdict is (1.004 shows as 1.00 yet misses <= 1)
     out["ratios"] = [{"workload": workload, "policy": policy, "what": what, "value": r(value, 2), "bar": f"{direction} {bar:g}",
-                      "met": None if value != value else (value >= bar if direction == ">=" else value <= bar)}
+                      "met": None if value != value else meets(value, bar, direction)}
                      for workload, policy, what, value, direction, bar in bars(summary, args.policies)]
     return out
 
@@ -555,8 +555,12 @@ def ratio(a: float, b: float) -> float:
     return a / b if b and b == b and a == a else float("nan")
 
 
+def meets(value: float, bar: float, direction: str) -> bool:
+    return value >= bar if direction == ">=" else value <= bar
+
+
 def check(what: str, value: float, bar: float, direction: str = ">=") -> str:
-    met = value >= bar if direction == ">=" else value <= bar
+    met = meets(value, bar, direction)
     verdict = "n/a" if value != value else ("meets" if met else "MISSES")
     return f"- {what}: {value:.2f} ({verdict} {direction} {bar:g})"
 
