@@ -14,10 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 
+from vsup.batch.slots import CPU_DEFAULT_SLOTS
 from vsup.proxy.backends import Backend
 
-# vLLM's --max-num-seqs on a CPU server when its args set none (vLLM 0.30-0.32's CPU platform default).
-CPU_DEFAULT_SLOTS = 128
 # The answer's header that marks "nothing could take this batch line now" (not an attempt).
 BUSY_HEADER = "x-vsup-batch"
 BUSY = "busy"
