@@ -132,6 +132,7 @@ class ProxyServer:
         # the Batch API (vsup/batch/): on when `batch` is enabled and has a folder; `batch_slots`:
         # each model's slots per instance (vsup/batch/slots.py; vsup run reads them from vllm.args)
         self._batch = batch if batch is not None and batch.enabled and batch_dir is not None else None
+        self._given_batch = batch  # (its share figures apply to send_line without a store too)
         self._batch_dir = batch_dir
         self._batch_slots = dict(batch_slots or {})
         self._store: Store | None = None
@@ -207,6 +208,7 @@ class ProxyServer:
         budget = self._forwarder.budget = BodyBudget(configured_limit(config.max_body_buffer, config.max_body_bytes, _total_memory()))
         self.metrics.body_buffer = lambda: (budget.held, budget.limit)
         self._forwarder.parser = BodyParser()
+        self._configure_batch()
         if self._batch is not None:
             self._start_batch()
         # The client side of HTTP (client_conn.py): our own protocol on httptools, every limit of
@@ -232,8 +234,7 @@ class ProxyServer:
         batch, directory = self._batch, self._batch_dir
         assert batch is not None and directory is not None and self._forwarder is not None
         self._store = Store.open(directory, limits_of(batch))
-        self._configure_batch()
-        self._runner = Runner(self._store, self._send_line, self._forwarder.batch_room, self.serves)
+        self._runner = Runner(self._store, self.send_line, self.batch_room, self.serves)
         self._forwarder.batch_freed = self._runner.wake
         self._batch_routes = BatchRoutes(self._store, self._runner.wake, self.serves, directory)
         self._runner.start()
@@ -241,9 +242,10 @@ class ProxyServer:
 
     def _configure_batch(self) -> None:
         """The live batch keys: the store's limits, the lines' priority, each model's share."""
-        batch, forwarder = self._batch, self._forwarder
-        if batch is None or forwarder is None:
+        forwarder = self._forwarder
+        if forwarder is None:
             return
+        batch = self._batch or self._given_batch or BatchConfig()
         if self._store is not None:
             self._store.limits = limits_of(batch)
         forwarder.batch_priority = batch.priority
@@ -261,12 +263,16 @@ class ProxyServer:
         forwarder.share.configure({name: slots(c, name) for name, c in models.items()}, slots(self.config, None),
                                   {name: c.reserved_slots for name, c in models.items()}, self.config.reserved_slots)
 
+    def batch_room(self, model: str) -> int:
+        """How many more batch lines the instances of `model` take now (the runner's Room)."""
+        return self._forwarder.batch_room(model) if self._forwarder is not None else 0
+
     def serves(self, model: str) -> bool:
         """Whether `model` has instances here (served, ready or not): what batch lines may name."""
         router = self._router
         return router is None or router.serves(model)
 
-    async def _send_line(self, endpoint: str, body: bytes, owner: str) -> tuple[int, bytes, str]:
+    async def send_line(self, endpoint: str, body: bytes, owner: str) -> tuple[int, bytes, str]:
         """The batch runner's Sender: the line as a request of its own through the forwarder, below
         every interactive request (Forwarder.handle(batch=True))."""
         forwarder = self._forwarder
@@ -454,8 +460,10 @@ class ProxyServer:
             self._forwarder.drop_authorization = self._auth.enabled and not self._forward_key
         if batch_slots is not None:
             self._batch_slots = dict(batch_slots)
-        if batch is not None and self._batch is not None and batch.enabled:
-            self._batch = batch
+        if batch is not None:
+            self._given_batch = batch
+            if self._batch is not None and batch.enabled:
+                self._batch = batch
         self._configure_batch()
         if self._runner is not None:
             self._runner.wake()  # a model removed: its lines fail now; more slots: more lines
