@@ -9,6 +9,10 @@ let in-flight requests finish for proxy.drain_timeout, then abort the rest.
 model's vsups behind each name); then requests go by the body's `model` (vsup/proxy/routing.py),
 each model balanced by its own policy: a fleet --config's `models[i].proxy`, else the proxy's.
 Either every upstream names its model or none does.
+
+`--batch-dir DIR` serves the OpenAI Batch API (/v1/files, /v1/batches) from a store in DIR, its
+lines run on what interactive requests leave of the upstreams (the `batch` section of --config
+sets its other keys): the front proxy of an export holds the batches of every node.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from pathlib import Path
 from typing import get_args
 from urllib.parse import urlsplit
 
@@ -24,7 +29,7 @@ import click
 from vsup.config.admission import resolved
 from vsup.config.fleet import is_fleet, models_of
 from vsup.config.names import Name, model_names
-from vsup.config.schema import HealthConfig, ProxyConfig, VsupConfig, load_config
+from vsup.config.schema import BatchConfig, HealthConfig, ProxyConfig, VsupConfig, load_config
 from vsup.errors import VsupError
 from vsup.proxy.backends import Backend, BackendPool
 from vsup.safetext import PrintableFormatter
@@ -95,12 +100,12 @@ def model_configs(pool: BackendPool, proxy_config: ProxyConfig, config: VsupConf
 
 async def serve(proxy_config: ProxyConfig, health: HealthConfig, pool: BackendPool, api_key: str | None,
                 models: dict[str, ProxyConfig] | None = None, names: dict[str, Name] | None = None, *,
-                forward_key: bool = False) -> None:
+                forward_key: bool = False, batch: BatchConfig | None = None, batch_dir: Path | None = None) -> None:
     from vsup.proxy import ProxyServer
     from vsup.proxy.healthcheck import HealthChecker
 
     server = ProxyServer(proxy_config, pool, api_key=api_key, models=models or None, names=names,
-                         forward_key=forward_key)
+                         forward_key=forward_key, batch=batch, batch_dir=batch_dir)
     checker = HealthChecker(pool, interval=health.interval, timeout=health.timeout, failures=health.failures,
                             on_weight=server.set_weight)
     await server.start()
@@ -135,7 +140,11 @@ async def serve(proxy_config: ProxyConfig, health: HealthConfig, pool: BackendPo
 @click.option("--forward-key", is_flag=True, default=False,
               help="Pass each client's Authorization on to the upstreams once checked: they are vsups that check the "
                    "same keys (the front of an export). Without it a proxy with keys drops it.")
-def proxy_command(upstreams, host, port, api_key, policy, config_path, forward_key) -> None:
+@click.option("--batch-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Serve the OpenAI Batch API (/v1/files, /v1/batches) from a store in this folder (vsup's own, "
+                   "0700; kept across restarts): batches run on what interactive requests leave of the upstreams "
+                   "(--config's batch section sets the rest) [default: off].")
+def proxy_command(upstreams, host, port, api_key, policy, config_path, forward_key, batch_dir) -> None:
     """The proxy alone, in front of servers started elsewhere (health-checked on /health; other
     vsups on /ready, weighted by their ready instances)."""
     pool = build_pool(upstreams)
@@ -156,4 +165,8 @@ def proxy_command(upstreams, host, port, api_key, policy, config_path, forward_k
     from vsup.proxy.runloop import run
 
     names = model_names(config) if config is not None and is_fleet(config) else None  # its models' aliases
-    run(serve(proxy_config, health, pool, api_key or proxy_config.api_key, models, names, forward_key=forward_key))
+    batch = (config.batch if config is not None else BatchConfig()) if batch_dir is not None else None
+    if batch is not None and not batch.enabled:
+        raise VsupError("--batch-dir serves the Batch API, which --config turns off (batch.enabled: false): drop one of them")
+    run(serve(proxy_config, health, pool, api_key or proxy_config.api_key, models, names, forward_key=forward_key,
+              batch=batch, batch_dir=batch_dir))

@@ -31,10 +31,12 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Callable
 
 from vsup.config.schema import ProxyConfig
 from vsup.proxy import codec, errors, usage
 from vsup.proxy.backends import Backend, BackendPool
+from vsup.proxy.batch_share import BUSY, BUSY_HEADER, BatchShare, lowest_below
 from vsup.proxy.bodyparse import INLINE_BYTES, BodyParser, NotAnObject, ParserUnavailable, refuse_non_object
 from vsup.proxy.budget import BodyBudget
 from vsup.proxy.clients import ClientPolicy
@@ -130,6 +132,52 @@ class Forwarder:
         self._watchdog: Handle | None = None
         self.rates = PrefillRates()  # each model's slowest recent prefill (stall.py)
         self._stall_check_at = 0.0
+        # batch lines (handle(batch=True)): each instance's share of them (batch_share.py), their
+        # priority (batch.priority; None: one below the lowest in use) and who hears of a freed slot
+        self.share = BatchShare(self.in_flight)
+        self.share.waiting = self._waiting
+        self.share.granted = self._granted
+        self.share.admits = self._admits
+        self.batch_priority: int | None = None
+        self.batch_freed: Callable[[], None] | None = None
+
+    # -- batch lines' figures (batch_share.py reads them)
+    def _waiting(self, queue: str) -> int:
+        gate = self.gate
+        return len(gate.admission.queues.get(queue, ())) if gate is not None else 0
+
+    def _granted(self, name: str) -> int:
+        gate = self.gate
+        return gate.admission.reserved.get(name, 0) if gate is not None else 0
+
+    def _admits(self, backend: Backend) -> bool:
+        gate = self.gate
+        return gate is None or gate.admission.room(backend, self.lowest_priority())
+
+    def lowest_priority(self) -> int:
+        """The batch lines' admission priority."""
+        if self.batch_priority is not None:
+            return self.batch_priority
+        gate = self.gate
+        if gate is None:
+            return -1
+        return lowest_below([k.priority for k in gate.keys.values()] + list(gate.values.values()))
+
+    def batch_room(self, model: str | None) -> int:
+        """How many more batch lines the instances of `model` (None: every instance) take now."""
+        router = self.router
+        if router is None or model is None:
+            return self.share.total(self.pool.ready(), "")
+        route = router.route_of(model)
+        if route is None:  # an unknown name; or backends without models: routed as without a router
+            return 0 if router.tagged else self.share.total(self.pool.ready(), "")
+        return self.share.total(route.ready, route.model)
+
+    def _busy(self) -> Response:
+        """A batch line no instance has room for now: answered at once, never queued (the runner keeps it)."""
+        return errors.error_response(
+            503, "no instance of this model has a slot free for batch lines now: they take only what interactive requests leave",
+            "service_unavailable", "batch_busy", headers={BUSY_HEADER: BUSY, "Retry-After": str(RETRY_AFTER_SECONDS)})
 
     def _sweep(self) -> None:
         """One timer for every request in flight (instead of arming and cancelling timers per
@@ -168,7 +216,9 @@ class Forwarder:
         for exchange in requests:
             exchange.abort("stalled")
 
-    async def handle(self, request: Request, client: str = "") -> Answer:
+    async def handle(self, request: Request, client: str = "", batch: bool = False) -> Answer:
+        """`batch`: a line of a batch (vsup/batch/runner.py): at the batch priority, only to an
+        instance with room in its batch share, answered 503 `x-vsup-batch: busy` at once when none has."""
         route = route_label(request.path)
         if self.draining:
             refused = errors.unavailable("the proxy is shutting down; retry on another replica or shortly", RETRY_AFTER_SECONDS)
@@ -181,7 +231,7 @@ class Forwarder:
         if self._watchdog is None:
             self._watchdog = self.clock.call_at(self.clock.time() + self.tick, self._sweep)
         try:
-            response, backend = await self._handle(request, exchange, client)
+            response, backend = await self._handle(request, exchange, client, batch)
             if exchange.charge is not None:
                 self._settle(exchange.charge, response)
         except asyncio.CancelledError:
@@ -199,7 +249,7 @@ class Forwarder:
             self.metrics.request(route, response.status, backend.name, backend.model)
         return response
 
-    async def _handle(self, request: Request, exchange: Exchange, client: str) -> tuple[Answer, Backend | None]:
+    async def _handle(self, request: Request, exchange: Exchange, client: str, batch: bool = False) -> tuple[Answer, Backend | None]:
         """The stages of a request: read its body, route it to its model, gate it (priority, rate
         limit, admission), prepare the policy's key, then send it to an instance (retrying on
         another before the first byte) and relay the answer."""
@@ -221,7 +271,11 @@ class Forwarder:
         admitted: tuple[Backend, ...] | None = None  # the instances with room (admission), else None
         extra: list[tuple[bytes, bytes]] | None = None  # headers for the answer (x-ratelimit-*)
         gate = self.gate
-        if gate is not None:
+        if batch:  # no wait, no rate limit: only the room interactive requests leave (batch_share.py)
+            admitted = self.share.free(route.ready if route is not None else self.pool.ready(), route.model if route is not None else "")
+            if not admitted:
+                return self._busy(), None
+        elif gate is not None:
             passed = await self._gate(request, exchange, gate, route, client, document, len(body))
             if not isinstance(passed, tuple):
                 return passed, None
@@ -234,7 +288,7 @@ class Forwarder:
         prepare = getattr(balancer, "prepare", None)
         if prepare is not None and key is not None:  # kv_aware: the prompt's tokens, from the instance's /tokenize
             key = await prepare(key, route.ready if route is not None else self.pool.ready(), self.in_flight)
-        return await self._send(request, exchange, route, balancer, key, admitted, extra, body)
+        return await self._send(request, exchange, route, balancer, key, admitted, extra, body, batch)
 
     async def _read(self, request: Request, exchange: Exchange) -> tuple[bytes, dict | None] | Answer:
         """The body (bounded by proxy.max_body_bytes, proxy.body_timeout and the proxy-wide
@@ -329,7 +383,7 @@ class Forwarder:
 
     async def _send(self, request: Request, exchange: Exchange, route: Route | None, balancer, key,
                     admitted: tuple[Backend, ...] | None, extra: list[tuple[bytes, bytes]] | None,
-                    body: bytes) -> tuple[Answer, Backend | None]:
+                    body: bytes, batch: bool = False) -> tuple[Answer, Backend | None]:
         """Attempts on the instances the balancer picks, until one answers or none is left."""
         router = self.router
         gate = self.gate
@@ -352,12 +406,16 @@ class Forwarder:
                 ready = self.pool.ready()
             else:
                 ready = router.current(route) if tried else route.ready  # type: ignore[union-attr]
+            if batch and tried:  # a retry of a batch line: again only where its share has room
+                ready = self.share.free(ready, route.model if route is not None else "")
             backend = balancer.choose(ready, self.in_flight, tried, key, exchange.size)
             if backend is None and reason == "stale" and tried.count(last.name) == 1 and self.pool.is_ready(last.name):  # type: ignore[union-attr]
                 # A stale keep-alive connection and no other instance to try: one fresh
                 # connection to the same instance (its idle ones were closed), which either
                 # reaches a live server or is refused.
                 backend = last
+            if backend is None and batch and fallback is None:
+                return self._busy(), None
             if backend is None:
                 if reason in _UNREACHABLE:
                     return errors.no_reachable_instance(unreachable), None  # 503: none left to try
@@ -369,6 +427,8 @@ class Forwarder:
             tried.append(backend.name)
             name = backend.name
             self.in_flight[name] = self.in_flight.get(name, 0) + 1
+            if batch:
+                self.share.started(name)
             tokens = Prefill.estimate(balancer.prefill_bytes(exchange.size))  # a cached prefix is no prefill
             self.prefill.add(name, tokens)  # until its first byte: work ahead of the next request's first token
             exchange.prefill = (self.prefill, name, tokens)
@@ -386,8 +446,12 @@ class Forwarder:
                     self.in_flight[name] = left
                 else:
                     del self.in_flight[name]
+                if batch:
+                    self.share.ended(name)
                 if gate is not None:
                     gate.admission.release(backend)  # the slot to the best waiter
+                if self.batch_freed is not None:
+                    self.batch_freed()  # a slot for the next batch line, maybe
             if not isinstance(outcome, tuple):  # an answer for the client
                 return outcome, backend
             fallback, reason, why = outcome

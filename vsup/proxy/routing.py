@@ -221,6 +221,23 @@ class ModelRouter:
         route = self._routes.get(model)
         return route.ready if route is not None else ()
 
+    def route_of(self, name: str) -> Route | None:
+        """The Route of a name (a model, an alias, a learned adapter), or None: no refusal counted (batch lines)."""
+        if self.pool.version != self._version:
+            self._rebuild()
+        return self._routes.get(name)
+
+    @property
+    def tagged(self) -> bool:
+        """Some backend names its model: requests are routed by model (else as without a router)."""
+        if self.pool.version != self._version:
+            self._rebuild()
+        return self._tagged
+
+    def serves(self, name: str) -> bool:
+        """Whether a request for `name` has a model here (ready or not): the batch runner's check."""
+        return name in self.configs or self.route_of(name) is not None
+
     def balancer(self, model: str):
         if self.pool.version != self._version:
             self._rebuild()

@@ -16,13 +16,17 @@ import json
 import logging
 import os
 from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import psutil
 
+from vsup.batch.runner import Busy, Runner
+from vsup.batch.slots import CPU_DEFAULT_SLOTS
 from vsup.config import proxy_routes
 from vsup.config.names import Name
-from vsup.config.schema import ProxyConfig
+from vsup.config.schema import BatchConfig, ProxyConfig
 from vsup.errors import VsupError
 from vsup.proxy import errors
 from vsup.proxy.address import Sessions
@@ -30,6 +34,7 @@ from vsup.proxy.affinity import PrefixAffinity
 from vsup.proxy.auth import ADMIN, METRICS, REFUSED, SERVING, BearerAuth, named_keys, roles
 from vsup.proxy.backends import Backend, BackendPool
 from vsup.proxy.balancer import make_balancer
+from vsup.proxy.batch_share import BUSY, BUSY_HEADER
 from vsup.proxy.bodyparse import BodyParser
 from vsup.proxy.budget import BodyBudget, configured_limit
 from vsup.proxy.client_conn import FrontServer
@@ -40,11 +45,14 @@ from vsup.proxy.forward import Forwarder
 from vsup.proxy.gate import Gate, refit
 from vsup.proxy.health import PROXY_HEADER
 from vsup.proxy.load import LoadProbe
-from vsup.proxy.messages import Answer, Request, Response
+from vsup.proxy.messages import Answer, Body, RawResponse, Request, Response
 from vsup.proxy.metrics import CONTENT_TYPE, ProxyMetrics
 from vsup.proxy.models import merged_models, models_of
 from vsup.proxy.routing import ModelRouter
 from vsup.proxy.upstream import UpstreamClient
+
+if TYPE_CHECKING:
+    from vsup.batch.store import Limits, Store
 
 PageHandler = Callable[[Request, BearerAuth], Awaitable[Response]]
 
@@ -60,6 +68,42 @@ SHUTDOWN_GRACE = 1.0
 HEALTHY = b'{"status": "ok"}'
 # Admin routes after which an instance serves other model names (routing.py learns them again).
 _ADAPTER_ROUTES = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
+# The Batch API's routes (batch_routes.py): these paths and those below them.
+_BATCH_PREFIXES = ("/v1/files", "/v1/batches")
+
+
+def _batch_path(path: str) -> bool:
+    return any(path == prefix or path.startswith(prefix + "/") for prefix in _BATCH_PREFIXES)
+
+
+def limits_of(batch: BatchConfig) -> Limits:
+    """The store's limits from the batch: section."""
+    from vsup.batch.store import Limits
+
+    return Limits(max_file_bytes=int(batch.max_file_bytes), max_total_bytes=int(batch.max_total_bytes),
+                  retention=batch.retention, max_attempts=batch.max_attempts)
+
+
+def _request_id(headers: Mapping[str, str] | None, body: bytes) -> str:
+    """An answer's request id: its x-request-id header, else its JSON body's id."""
+    if headers is not None:
+        found = headers.get("x-request-id")
+        if found:
+            return found
+    try:
+        document = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return ""
+    found = document.get("id") if isinstance(document, dict) else None
+    return found if isinstance(found, str) else ""
+
+
+def _raw_header(lines: bytes, name: bytes) -> str | None:
+    for line in lines.split(b"\r\n"):
+        key, sep, value = line.partition(b":")
+        if sep and key.strip().lower() == name:
+            return value.strip().decode("latin-1")
+    return None
 
 
 def _total_memory() -> int:
@@ -81,8 +125,19 @@ class ProxyServer:
 
     def __init__(self, config: ProxyConfig, pool: BackendPool, *, api_key: str | None = None,
                  models: Mapping[str, ProxyConfig] | None = None, clock: Clock | None = None,
-                 names: Mapping[str, Name] | None = None, forward_key: bool = False) -> None:
+                 names: Mapping[str, Name] | None = None, forward_key: bool = False,
+                 batch: BatchConfig | None = None, batch_dir: Path | None = None,
+                 batch_slots: Mapping[str, int] | None = None) -> None:
         self.config = config
+        # the Batch API (vsup/batch/): on when `batch` is enabled and has a folder; `batch_slots`:
+        # each model's slots per instance (vsup/batch/slots.py; vsup run reads them from vllm.args)
+        self._batch = batch if batch is not None and batch.enabled and batch_dir is not None else None
+        self._given_batch = batch  # (its share figures apply to send_line without a store too)
+        self._batch_dir = batch_dir
+        self._batch_slots = dict(batch_slots or {})
+        self._store: Store | None = None
+        self._runner: Runner | None = None
+        self._batch_routes: Any = None
         # a front whose upstreams are vsups checking the same keys passes the client's key on to
         # them; any other proxy drops the Authorization it checked (vLLM has no use for it)
         self._forward_key = forward_key
@@ -153,6 +208,9 @@ class ProxyServer:
         budget = self._forwarder.budget = BodyBudget(configured_limit(config.max_body_buffer, config.max_body_bytes, _total_memory()))
         self.metrics.body_buffer = lambda: (budget.held, budget.limit)
         self._forwarder.parser = BodyParser()
+        self._configure_batch()
+        if self._batch is not None:
+            self._start_batch()
         # The client side of HTTP (client_conn.py): our own protocol on httptools, every limit of
         # the ClientPolicy applied before a handler runs, our own dispatch (below).
         self._front = FrontServer(self._dispatch, self._clients, self._clock)
@@ -166,6 +224,87 @@ class ProxyServer:
             "proxy listening on http://%s:%d (%s, %d instance(s) known, auth %s)",
             config.host, self._port, config.policy, len(self.pool.all()), "on" if self._auth.enabled else "off",
         )
+
+    def _start_batch(self) -> None:
+        """Open the batch store (its recover() requeues the lines a stop left running), serve its
+        routes and start its runner."""
+        from vsup.batch.store import Store
+        from vsup.proxy.batch_routes import BatchRoutes
+
+        batch, directory = self._batch, self._batch_dir
+        assert batch is not None and directory is not None and self._forwarder is not None
+        self._store = Store.open(directory, limits_of(batch))
+        self._runner = Runner(self._store, self.send_line, self.batch_room, self.serves)
+        self._forwarder.batch_freed = self._runner.wake
+        self._batch_routes = BatchRoutes(self._store, self._runner.wake, self.serves, directory)
+        self._runner.start()
+        log.info("batch store %s: the Batch API is served (/v1/files, /v1/batches)", directory)
+
+    def _configure_batch(self) -> None:
+        """The live batch keys: the store's limits, the lines' priority, each model's share."""
+        forwarder = self._forwarder
+        if forwarder is None:
+            return
+        batch = self._batch or self._given_batch or BatchConfig()
+        if self._store is not None:
+            self._store.limits = limits_of(batch)
+        forwarder.batch_priority = batch.priority
+        models = self._model_configs or {}
+        fixed = batch.slots_per_instance if isinstance(batch.slots_per_instance, int) else None
+
+        def slots(config: ProxyConfig, model: str | None) -> int:
+            if fixed is not None:
+                return fixed
+            if model is not None and model in self._batch_slots:
+                return self._batch_slots[model]
+            limit = config.max_in_flight_per_instance
+            return limit if isinstance(limit, int) and limit > 0 else CPU_DEFAULT_SLOTS
+
+        forwarder.share.configure({name: slots(c, name) for name, c in models.items()}, slots(self.config, None),
+                                  {name: c.reserved_slots for name, c in models.items()}, self.config.reserved_slots)
+
+    def batch_room(self, model: str) -> int:
+        """How many more batch lines the instances of `model` take now (the runner's Room)."""
+        return self._forwarder.batch_room(model) if self._forwarder is not None else 0
+
+    def serves(self, model: str) -> bool:
+        """Whether `model` has instances here (served, ready or not): what batch lines may name."""
+        router = self._router
+        return router is None or router.serves(model)
+
+    async def send_line(self, endpoint: str, body: bytes, owner: str) -> tuple[int, bytes, str]:
+        """The batch runner's Sender: the line as a request of its own through the forwarder, below
+        every interactive request (Forwarder.handle(batch=True))."""
+        forwarder = self._forwarder
+        if forwarder is None:
+            raise ConnectionError("the proxy is closed")
+        content = Body(None)
+        content.feed(body)
+        content.feed_eof()
+        headers = ((b"Host", b"vsup-batch"), (b"Content-Type", b"application/json"), (b"Content-Length", str(len(body)).encode()))
+        request = Request("POST", endpoint, headers, (1, 1), True, None, content, len(body), False,
+                          content_type="application/json")
+        answer = await forwarder.handle(request, owner, batch=True)
+        if isinstance(answer, Response):
+            if answer.headers.get(BUSY_HEADER) == BUSY:
+                raise Busy
+            return answer.status, answer.body, _request_id(answer.headers, answer.body)
+        if isinstance(answer, RawResponse):
+            found = _raw_header(answer.header_lines, b"x-request-id")
+            return answer.status, answer.body, found or _request_id(None, answer.body)
+        # a streamed answer (no Content-Length) has nowhere to go: as a broken one, tried again
+        return 502, errors.error_body("the instance answered a batch line with a stream", "upstream_error", "upstream_error"), ""
+
+    async def _close_batch(self) -> None:
+        if self._runner is not None:
+            await self._runner.stop()
+            self._runner = None
+        if self._forwarder is not None:
+            self._forwarder.batch_freed = None
+        self._batch_routes = None
+        if self._store is not None:
+            self._store.close()
+            self._store = None
 
     def _on_backend_change(self, backend: Backend, state: str, ready: bool) -> None:
         # An instance out of rotation (exited, restarting, unhealthy) may be a dead process: its
@@ -269,7 +408,8 @@ class ProxyServer:
         task.add_done_callback(done)
 
     def reconfigure(self, config: ProxyConfig, api_key: str | None, models: Mapping[str, ProxyConfig] | None = None,
-                    names: Mapping[str, Name] | None = None) -> None:
+                    names: Mapping[str, Name] | None = None, batch: BatchConfig | None = None,
+                    batch_slots: Mapping[str, int] | None = None) -> None:
         """Apply changed settings at once (`vsup reload`): timeouts (connect_timeout reaches the
         upstream pools and /v1/models), retries, policy and its affinity settings, API key (also
         the /status page's), admin routes (kept closed, with an error logged, when no key is set), the client connections' limits (clients.py). Requests already in flight keep the timeouts they were armed with.
@@ -278,7 +418,8 @@ class ProxyServer:
         `models`: each model's settings, as in the constructor (a model whose policy is unchanged
         keeps its balancer and counts); {} turns routing by model off; None keeps the models as they
         are (a caller that knows nothing of models cannot turn a fleet's routing off by omission);
-        `names` likewise (None: kept)."""
+        `names` likewise (None: kept). `batch`: its live keys (limits, priority, attempts, slots;
+        enabled and dir are fixed: a store open stays open), None: kept; `batch_slots` likewise."""
         self.config = config
         try:
             named = named_keys(config)
@@ -317,6 +458,15 @@ class ProxyServer:
             self._forwarder.config = config
             self._forwarder.balancer = self._balancer
             self._forwarder.drop_authorization = self._auth.enabled and not self._forward_key
+        if batch_slots is not None:
+            self._batch_slots = dict(batch_slots)
+        if batch is not None:
+            self._given_batch = batch
+            if self._batch is not None and batch.enabled:
+                self._batch = batch
+        self._configure_batch()
+        if self._runner is not None:
+            self._runner.wake()  # a model removed: its lines fail now; more slots: more lines
 
     def add_page(self, path: str, handler: PageHandler) -> None:
         """Answer GET `path` here with `handler(request, auth)` (vsup run's /status page); the auth
@@ -355,6 +505,7 @@ class ProxyServer:
         if self._front is None or self._forwarder is None:
             return
         forwarder = self._forwarder
+        await self._close_batch()  # its lines in flight stay `running`: the next start resumes them
         forwarder.draining = True
         self._front.stop_listening()  # closes the listening socket; open connections stay
         for exchange in list(forwarder.active):
@@ -377,6 +528,7 @@ class ProxyServer:
         await self.drain_and_stop(0)
 
     async def _close(self) -> None:
+        await self._close_batch()
         if self._probe_task is not None:
             self._probe_task.cancel()
             await asyncio.gather(self._probe_task, return_exceptions=True)
@@ -413,6 +565,8 @@ class ProxyServer:
             return errors.bad_request(
                 f"the path {_shown(request.raw_path)} has a '.' or '..' segment: send it without (the proxy does not resolve them)"
             )
+        if self._batch_routes is not None and _batch_path(path):
+            return await self._batch_request(request)
         route = self._routes.get(path) or proxy_routes.templated(path)
         if route is not None:
             auth = self._auth
@@ -443,6 +597,22 @@ class ProxyServer:
         response = await own(request)
         # marks what the proxy answers itself: a health probe that reaches it is not talking to an instance
         response.headers[PROXY_HEADER] = self._pid
+        return response
+
+    async def _batch_request(self, request: Request) -> Answer:
+        """/v1/files and /v1/batches (batch_routes.py): any serving key; the owner is the key's name
+        ("" without keys), None for an admin key (it sees every owner's)."""
+        auth = self._auth
+        client = auth.identify(request)
+        if client is REFUSED:
+            self.metrics.request("auth", 401, "")
+            return errors.unauthorized()
+        if not auth.may(client, SERVING):
+            self.metrics.request("auth", 403, "")
+            return errors.metrics_only(client)
+        owner = None if auth.enabled and auth.may(client, ADMIN) else client
+        response = await self._batch_routes.handle(request, owner)
+        self.metrics.request("/v1/batches" if request.path.startswith("/v1/batches") else "/v1/files", response.status, "")
         return response
 
     async def _models(self) -> Response:

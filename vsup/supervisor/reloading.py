@@ -20,8 +20,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from vsup.batch.folder import default_dir
+from vsup.batch.slots import slots_of
 from vsup.config import proxy_routes
 from vsup.config.admission import resolved
 from vsup.config.fleet import is_fleet, models_of
@@ -50,6 +53,18 @@ def model_proxies(config: VsupConfig) -> dict[str, ProxyConfig]:
     """Each served model's proxy section (its policy, its admission limit as a number), for the
     proxy's routing by model."""
     return {view.name: resolved(view.config) for view in models_of(config)}
+
+
+def batch_slots(config: VsupConfig) -> dict[str, int]:
+    """Each served model's slots per instance for the batch lines' share (vsup/batch/slots.py)."""
+    return {view.name: slots_of(view.config, config.batch) for view in models_of(config)}
+
+
+def batch_dir(config: VsupConfig, environ: Mapping[str, str]) -> Path | None:
+    """The batch store's folder (batch.dir, else the state folder's batches/); None: batch.enabled is false."""
+    if not config.batch.enabled:
+        return None
+    return config.batch.dir if config.batch.dir is not None else default_dir(environ)
 
 
 def read_config(path: str, fsroot: str, environ: Mapping[str, str], running: VsupConfig,
@@ -266,7 +281,8 @@ class Changes:
         sup.config, old_plan, sup.plan = config, sup.plan, plan
         if sup.proxy is not None:
             sup.proxy.reconfigure(config.proxy, sup.environ.get("VSUP_API_KEY") or config.proxy.api_key,
-                                  models=model_proxies(config), names=model_names(config))
+                                  models=model_proxies(config), names=model_names(config), batch=config.batch,
+                                  batch_slots=batch_slots(config))
         sup.metrics.apply(config)
         views = {view.name: view.config for view in models_of(config)}
         single = not is_fleet(config)

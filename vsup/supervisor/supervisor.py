@@ -56,7 +56,7 @@ from vsup.supervisor.lifecycle import Instance
 from vsup.supervisor.memwatch import MemoryWatchdog
 from vsup.supervisor.metrics import Metrics
 from vsup.supervisor.operations import Operations, SystemOperations
-from vsup.supervisor.reloading import Changes, model_proxies
+from vsup.supervisor.reloading import Changes, batch_dir, batch_slots, model_proxies
 from vsup.supervisor.rollout import Record
 from vsup.supervisor.rundir import prepare_instance_dir, prepare_runtime_dir, remove_instance_dir
 from vsup.supervisor.states import Intent, State, Transition
@@ -158,7 +158,8 @@ class Supervisor:
             self.fleet.build()
             api_key = self.environ.get("VSUP_API_KEY") or self.config.proxy.api_key
             self.proxy = ProxyServer(self.config.proxy, self.pool, api_key=api_key, models=model_proxies(self.config),
-                                     names=model_names(self.config))
+                                     names=model_names(self.config), batch=self.config.batch,
+                                     batch_dir=batch_dir(self.config, self.environ), batch_slots=batch_slots(self.config))
             await self.proxy.start()
             self.metrics.start(self.config, self.proxy, session)
             self.control = ControlServer(control_socket_path(self.config, self.environ), self)

@@ -1,0 +1,245 @@
+"""The batch runner: one asyncio task that turns the store's pending lines into requests.
+
+Each round (`step`, on `wake()` or every `poll` seconds):
+  validate   the batches still `validating` (the store parses their input; models() says which
+             model names are served)
+  cancel     a `cancelling` batch's pending lines fail (batch_cancelled)
+  feed       for each model with pending lines: `room(model)` more lines, the held ones first
+             (below), then the oldest batches' pending lines, each sent by `send` in a task of
+             its own; a model no longer served (a reload removed it) fails its lines
+  record     an answer is the line's one result; 429/502/503/504 and a transport failure are
+             requeued (the store fails the line at batch.max_attempts); `Busy` (the proxy had no
+             slot for it after all: interactive traffic took it between room() and send) is no
+             attempt: the line is held here and sent again first when room comes
+  finish     every batch whose lines are all done is finalized (output and error files)
+  expire     every EXPIRE_EVERY s the batches past their 24 h window; every PURGE_EVERY s what
+             is past batch.retention
+
+The store is durable, the runner holds nothing the store does not: a line claimed (sent, or
+held) is `running` there, so a stop or a kill -9 leaves it `running` and the next start's
+recover() puts it back to pending with its attempt counted (a result of the forgotten attempt is
+refused by record()). I/O is behind seams: `send`, `room`, `models` and the clock, so the tests
+drive it over a real Store with a fake sender.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from vsup.batch.store import Claimed, Store
+
+log = logging.getLogger("vsup.batch")
+
+# Answers that say "not now" or "broken off": the line is tried again (up to batch.max_attempts).
+RETRIED = frozenset({429, 502, 503, 504})
+# Seconds between two looks for batches past their completion window, and two purges.
+EXPIRE_EVERY = 10.0
+PURGE_EVERY = 600.0
+# The most of a refusal's message a requeue keeps (the error file shows it when attempts run out).
+WHY_CHARS = 300
+
+
+class Busy(Exception):
+    """Raised by a Sender when nothing could take the line now (the proxy's own 503 `x-vsup-batch:
+    busy`): the line was not tried, and is sent again when room comes."""
+
+
+class Sender(Protocol):
+    async def __call__(self, endpoint: str, body: bytes, owner: str) -> tuple[int, bytes, str]:
+        """(status, body, request id) of the answer; raises Busy, or any other exception for a
+        transport failure."""
+        ...
+
+
+class Room(Protocol):
+    def __call__(self, model: str) -> int:
+        """How many more batch lines the instances of `model` take now."""
+        ...
+
+
+def refusal(status: int, body: bytes) -> str:
+    """Why an answer is retried, for the error file when the attempts run out."""
+    message = ""
+    try:
+        document = json.loads(body)
+        error = document.get("error") if isinstance(document, dict) else None
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            message = error["message"]
+        elif isinstance(document, dict) and isinstance(document.get("message"), str):
+            message = document["message"]
+    except (ValueError, UnicodeDecodeError):
+        message = body[:WHY_CHARS].decode("utf-8", "replace")
+    message = message[:WHY_CHARS]
+    return f"answered {status}" + (f": {message}" if message else "")
+
+
+class Runner:
+    def __init__(self, store: Store, send: Sender, room: Room, models: Callable[[str], bool], *,
+                 poll: float = 0.5, clock: Callable[[], float] = time.monotonic) -> None:
+        self.store = store
+        self.send = send
+        self.room = room
+        self.models = models
+        self.poll = poll
+        self.clock = clock
+        self._wake = asyncio.Event()
+        self._lines: dict[asyncio.Task[None], Claimed] = {}
+        # model -> lines answered Busy: (claimed, endpoint, owner), sent again before any other
+        self._held: dict[str, deque[tuple[Claimed, str, str]]] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._expire_at = 0.0
+        self._purge_at = 0.0
+
+    # -- the contract
+    def start(self) -> asyncio.Task[None]:
+        self._task = asyncio.get_running_loop().create_task(self.run(), name="batch runner")
+        return self._task
+
+    async def run(self) -> None:
+        """Rounds until cancelled."""
+        while True:
+            self._wake.clear()
+            try:
+                self.step()
+            except Exception as exc:  # a full disk, a bug: logged, and the next round tries again
+                log.error("batch runner: %s: %s", type(exc).__name__, exc)
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.poll)
+            except TimeoutError:
+                pass
+
+    def wake(self) -> None:
+        """A new batch, a cancel, a freed slot: a round now, not at the next poll."""
+        self._wake.set()
+
+    async def stop(self) -> None:
+        """The loop and the lines in flight end; those lines stay `running` in the store (the next
+        start's recover() requeues them)."""
+        tasks = [t for t in (self._task, *self._lines) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._task = None
+        self._lines.clear()
+        self._held.clear()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._lines)
+
+    # -- one round
+    def step(self) -> None:
+        store = self.store
+        for batch_id in store.validating():
+            try:
+                store.validate(batch_id, self.models)
+            except Exception as exc:  # that batch's trouble is not the others'
+                log.error("batch %s: validation failed: %s: %s", batch_id, type(exc).__name__, exc)
+        batches = {b["id"]: b for b in store.running()}
+        wanted: dict[str, list[dict[str, Any]]] = {}  # model -> the in-progress batches with lines pending for it
+        for batch in batches.values():
+            if batch["status"] == "cancelling" and batch["pending"]:
+                store.fail_pending(batch["id"], None, "batch_cancelled", "the batch was cancelled before this line ran")
+            elif batch["status"] == "in_progress":
+                for model, pending in batch["models"].items():
+                    if pending:
+                        wanted.setdefault(model, []).append(batch)
+        self._settle_held(batches)
+        for model in sorted(wanted.keys() | self._held.keys()):
+            if not self.models(model):
+                self._removed(model)
+                continue
+            self._feed(model, wanted.get(model, []))
+        for batch_id in store.finish_ready():
+            store.finalize(batch_id)
+        now = self.clock()
+        if now >= self._expire_at:
+            self._expire_at = now + EXPIRE_EVERY
+            for batch_id in store.expire():
+                log.info("batch %s expired: its completion window passed", batch_id)
+        if now >= self._purge_at:
+            self._purge_at = now + PURGE_EVERY
+            freed = store.purge()
+            if freed:
+                log.info("batch store: %d bytes past batch.retention deleted", freed)
+
+    def _feed(self, model: str, batches: list[dict[str, Any]]) -> None:
+        room = self.room(model)
+        held = self._held.get(model)
+        while room > 0 and held:
+            claimed, endpoint, owner = held.popleft()
+            self._launch(claimed, endpoint, owner)
+            room -= 1
+        if held is not None and not held:
+            del self._held[model]
+        for batch in sorted(batches, key=lambda b: b["created_at"]):
+            if room <= 0:
+                return
+            for claimed in self.store.claim(batch["id"], room, model):
+                self._launch(claimed, batch["endpoint"], batch["owner"])
+                room -= 1
+
+    def _settle_held(self, batches: dict[str, dict[str, Any]]) -> None:
+        """Held lines of a batch that stopped running (cancelled, expired) get their result now."""
+        for model, held in list(self._held.items()):
+            kept: deque[tuple[Claimed, str, str]] = deque()
+            for entry in held:
+                batch = batches.get(entry[0].batch_id)
+                status = batch["status"] if batch is not None else None
+                if status == "in_progress":
+                    kept.append(entry)
+                elif status == "cancelling":
+                    self.store.record(entry[0], None, None, "", {"code": "batch_cancelled",
+                                                                 "message": "the batch was cancelled before this line ran"})
+                else:  # expired or gone
+                    self.store.record(entry[0], None, None, "", {"code": "batch_expired",
+                                                                 "message": "the batch's completion window passed before this line ran"})
+            if kept:
+                self._held[model] = kept
+            else:
+                del self._held[model]
+
+    def _removed(self, model: str) -> None:
+        """`model` is served no more (a reload removed it): its lines fail with a clear error."""
+        message = f"the model {model!r} is not served here any more (a reload removed it)"
+        for claimed, _endpoint, _owner in self._held.pop(model, ()):
+            self.store.record(claimed, None, None, "", {"code": "model_not_found", "message": message})
+        failed = self.store.fail_pending(None, model, "model_not_found", message)
+        if failed:
+            log.warning("batch lines of the model %r: %d failed: it is not served any more", model, failed)
+
+    def _launch(self, claimed: Claimed, endpoint: str, owner: str) -> None:
+        task = asyncio.get_running_loop().create_task(self._line(claimed, endpoint, owner))
+        self._lines[task] = claimed
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._lines.pop(task, None)
+        if not task.cancelled() and task.exception() is not None:
+            error = task.exception()
+            log.error("batch runner: a line's result could not be stored: %s: %s", type(error).__name__, error)
+        self._wake.set()
+
+    async def _line(self, claimed: Claimed, endpoint: str, owner: str) -> None:
+        """One line: sent, and its answer recorded (or the line requeued, or held)."""
+        try:
+            status, body, request_id = await self.send(endpoint, claimed.body, owner)
+        except Busy:
+            self._held.setdefault(claimed.model, deque()).append((claimed, endpoint, owner))
+            return
+        except asyncio.CancelledError:
+            raise  # stopping: the line stays `running` (recover() at the next start)
+        except Exception as exc:  # the proxy could not send it (a transport failure): an attempt
+            self.store.requeue(claimed, f"not sent: {type(exc).__name__}: {exc}"[:WHY_CHARS])
+            return
+        if status in RETRIED:
+            self.store.requeue(claimed, refusal(status, body))
+        else:
+            self.store.record(claimed, status, body, request_id)

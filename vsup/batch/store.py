@@ -1,0 +1,675 @@
+"""The batch store: files, batches and each line's state and result in one SQLite file (WAL).
+
+Synchronous, one connection, small operations (the proxy's event loop calls it). Every change is one
+transaction, so a result and the counts it moves land together and a kill -9 leaves nothing half
+written. A line is `pending`, `running` (claimed, with its attempt number) or `done` (its one
+result). At open, `recover()` puts running lines back to pending with attempt+1: the answer of the
+attempt a crash interrupted is refused by `record()`, so each custom_id has exactly one result.
+
+Files' bytes live in the table `blobs` in pieces of at most 1 MiB (one row each), so an upload is
+written and a download read a piece at a time, never whole. (The spec named sqlite3's blobopen;
+rows of pieces do the same job and let finalize append an output file whose size it does not know
+in advance. The API is the spec's.)
+
+Owners: `owner` is the client's key name ("" when the proxy has no keys); None is an admin, who
+sees everything. Another owner's object raises NotFound worded exactly as a missing one.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from vsup.batch import lines as lines_mod
+from vsup.batch.dbfile import open_db
+from vsup.batch.errors import BadInput, Conflict, NotFound, TooLarge
+from vsup.batch.status import TERMINAL, TIMESTAMP, Status, check
+
+MiB = 1 << 20
+GiB = 1 << 30
+PIECE = MiB           # a blob row's most bytes; content() yields pieces of this size
+DAY = 86400
+WINDOW = 24 * 3600    # completion_window "24h", the only one OpenAI offers
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS files (
+    n INTEGER PRIMARY KEY AUTOINCREMENT,          -- the order of creation (pagination)
+    id TEXT NOT NULL UNIQUE,
+    owner TEXT NOT NULL,
+    filename TEXT NOT NULL,
+    purpose TEXT NOT NULL,
+    bytes INTEGER NOT NULL,
+    created_at INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS blobs (
+    file_id TEXT NOT NULL,
+    piece INTEGER NOT NULL,
+    data BLOB NOT NULL,
+    PRIMARY KEY (file_id, piece)
+);
+CREATE TABLE IF NOT EXISTS batches (
+    n INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT NOT NULL UNIQUE,
+    owner TEXT NOT NULL,
+    endpoint TEXT NOT NULL,
+    input_file_id TEXT NOT NULL,
+    completion_window TEXT NOT NULL,
+    status TEXT NOT NULL,
+    ending TEXT,                                  -- what finalizing ends in: completed or expired
+    errors TEXT,                                  -- JSON list of LineErrors (a failed validation)
+    output_file_id TEXT,
+    error_file_id TEXT,
+    created_at INTEGER NOT NULL,
+    in_progress_at INTEGER,
+    expires_at INTEGER NOT NULL,
+    finalizing_at INTEGER,
+    completed_at INTEGER,
+    failed_at INTEGER,
+    expired_at INTEGER,
+    cancelling_at INTEGER,
+    cancelled_at INTEGER,
+    total INTEGER NOT NULL DEFAULT 0,
+    completed INTEGER NOT NULL DEFAULT 0,
+    failed INTEGER NOT NULL DEFAULT 0,
+    held INTEGER NOT NULL DEFAULT 0,              -- bytes of its lines' bodies and results (usage())
+    metadata TEXT
+);
+CREATE INDEX IF NOT EXISTS batches_status ON batches (status, n);
+CREATE TABLE IF NOT EXISTS lines (
+    batch_id TEXT NOT NULL,
+    number INTEGER NOT NULL,                      -- the input file's line (1-based)
+    custom_id TEXT NOT NULL,
+    model TEXT NOT NULL,
+    body BLOB NOT NULL,
+    state TEXT NOT NULL DEFAULT 'pending',        -- pending | running | done
+    attempt INTEGER NOT NULL DEFAULT 1,
+    status_code INTEGER,
+    response BLOB,
+    request_id TEXT,
+    error TEXT,                                   -- JSON {code, message}
+    PRIMARY KEY (batch_id, number),
+    UNIQUE (batch_id, custom_id)
+);
+CREATE INDEX IF NOT EXISTS lines_by_state ON lines (batch_id, state, number);
+CREATE INDEX IF NOT EXISTS lines_by_model ON lines (batch_id, state, model, number);
+CREATE INDEX IF NOT EXISTS lines_running ON lines (state) WHERE state = 'running';
+"""
+
+_OPEN = (Status.IN_PROGRESS, Status.CANCELLING, Status.FINALIZING)
+_UNFINISHED = tuple(s.value for s in Status if s not in TERMINAL)
+
+# what a line not yet done gets when its batch ends without it
+_LEFT = {
+    Status.EXPIRED: ("batch_expired", "This request could not be executed before the completion window expired."),
+    Status.CANCELLED: ("batch_cancelled", "The batch was cancelled before this request was run."),
+    Status.COMPLETED: ("batch_failed", "The batch was finalized before this request was run."),
+}
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_file_bytes: int = 200 * MiB      # batch.max_file_bytes
+    max_total_bytes: int = 10 * GiB      # batch.max_total_bytes: every file's bytes + lines and results, in all
+    retention: float = 30 * DAY          # batch.retention (s): files and finished batches kept this long; 0: forever
+    max_attempts: int = 3                # batch.max_attempts: a line's tries before it fails
+
+
+@dataclass(frozen=True)
+class Claimed:
+    batch_id: str
+    number: int
+    custom_id: str
+    model: str
+    body: bytes
+    attempt: int
+
+
+def _file_object(row: sqlite3.Row) -> dict:
+    return {"id": row["id"], "object": "file", "bytes": row["bytes"], "created_at": row["created_at"],
+            "expires_at": None, "filename": row["filename"], "purpose": row["purpose"],
+            "status": "processed", "status_details": None}
+
+
+def _batch_object(row: sqlite3.Row) -> dict:
+    errors = json.loads(row["errors"]) if row["errors"] else None
+    return {
+        "id": row["id"], "object": "batch", "endpoint": row["endpoint"],
+        "errors": None if errors is None else {"object": "list", "data": errors},
+        "input_file_id": row["input_file_id"], "completion_window": row["completion_window"],
+        "status": row["status"], "output_file_id": row["output_file_id"], "error_file_id": row["error_file_id"],
+        "created_at": row["created_at"], "in_progress_at": row["in_progress_at"], "expires_at": row["expires_at"],
+        "finalizing_at": row["finalizing_at"], "completed_at": row["completed_at"], "failed_at": row["failed_at"],
+        "expired_at": row["expired_at"], "cancelling_at": row["cancelling_at"], "cancelled_at": row["cancelled_at"],
+        "request_counts": {"total": row["total"], "completed": row["completed"], "failed": row["failed"]},
+        "metadata": json.loads(row["metadata"]) if row["metadata"] else None,
+    }
+
+
+def _no_file(file_id: str, param: str = "file_id") -> NotFound:
+    return NotFound(f"No such File object: {file_id}", param)
+
+
+def _no_batch(batch_id: str) -> NotFound:
+    return NotFound(f"No such Batch object: {batch_id}", "batch_id")
+
+
+def _check_metadata(metadata: Any) -> None:
+    """OpenAI's rule: at most 16 pairs, keys up to 64 characters, values strings up to 512."""
+    if metadata is None:
+        return
+    ok = isinstance(metadata, dict) and len(metadata) <= 16 and all(
+        isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512 for k, v in metadata.items())
+    if not ok:
+        raise BadInput("metadata must be an object of at most 16 string values (keys up to 64 characters, "
+                       "values up to 512)", "metadata")
+
+
+class _Writer:
+    """A file's bytes appended to `blobs` a piece at a time."""
+
+    def __init__(self, db: sqlite3.Connection, file_id: str):
+        self.db, self.file_id = db, file_id
+        self.buffer: list[bytes] = []
+        self.buffered = 0
+        self.pieces = 0
+        self.size = 0
+
+    def write(self, data: bytes) -> None:
+        self.buffer.append(data)
+        self.buffered += len(data)
+        self.size += len(data)
+        while self.buffered >= PIECE:
+            joined = b"".join(self.buffer)
+            self._put(joined[:PIECE])
+            rest = joined[PIECE:]
+            self.buffer, self.buffered = ([rest] if rest else []), len(rest)
+
+    def close(self) -> None:
+        if self.buffered:
+            self._put(b"".join(self.buffer))
+            self.buffer, self.buffered = [], 0
+
+    def _put(self, data: bytes) -> None:
+        self.db.execute("INSERT INTO blobs (file_id, piece, data) VALUES (?, ?, ?)", (self.file_id, self.pieces, data))
+        self.pieces += 1
+
+
+class Store:
+    """The batch store; see the module's docstring. Open it with `Store.open`."""
+
+    def __init__(self, db: sqlite3.Connection, limits: Limits, clock: Callable[[], float]):
+        self._db = db
+        self._db.row_factory = sqlite3.Row
+        self._lock = threading.RLock()
+        self.limits = limits
+        self._clock = clock
+
+    @classmethod
+    def open(cls, directory: Path, limits: Limits, clock: Callable[[], float] = time.time) -> Store:
+        """The store in `directory` (made 0700; `batches.sqlite3` 0600, never through a link), recovered."""
+        db = open_db(Path(directory))
+        try:
+            db.executescript(_SCHEMA)
+        except BaseException:
+            db.close()
+            raise
+        store = cls(db, limits, clock)
+        store.recover()
+        return store
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    # -- plumbing
+
+    def _now(self) -> int:
+        return int(self._clock())
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction (BEGIN IMMEDIATE: the write lock is taken at once)."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def _one(self, sql: str, args: tuple = ()) -> sqlite3.Row | None:
+        with self._lock:
+            return self._db.execute(sql, args).fetchone()
+
+    def _all(self, sql: str, args: tuple = ()) -> list[sqlite3.Row]:
+        with self._lock:
+            return self._db.execute(sql, args).fetchall()
+
+    def _file_row(self, file_id: str, owner: str | None, param: str = "file_id") -> sqlite3.Row:
+        row = self._one("SELECT * FROM files WHERE id = ?", (file_id,))
+        if row is None or (owner is not None and row["owner"] != owner):
+            raise _no_file(file_id, param)
+        return row
+
+    def _batch_row(self, batch_id: str, owner: str | None = None) -> sqlite3.Row:
+        row = self._one("SELECT * FROM batches WHERE id = ?", (batch_id,))
+        if row is None or (owner is not None and row["owner"] != owner):
+            raise _no_batch(batch_id)
+        return row
+
+    def usage(self) -> int:
+        """Bytes held in all: every file, and the lines and results of unfinished batches."""
+        files = self._one("SELECT COALESCE(SUM(bytes), 0) FROM files")
+        held = self._one("SELECT COALESCE(SUM(held), 0) FROM batches")
+        assert files is not None and held is not None
+        return int(files[0]) + int(held[0])
+
+    # -- files
+
+    def add_file(self, owner: str, filename: str, purpose: str, source: BinaryIO, size: int) -> dict:
+        """Store `size` bytes read from `source` as a new file of `owner`; the OpenAI file object."""
+        if purpose != "batch":
+            raise BadInput(f"purpose {purpose!r} cannot be uploaded here; \"batch\" works", "purpose")
+        limits = self.limits
+        if size > limits.max_file_bytes:
+            raise TooLarge("batch.max_file_bytes", limits.max_file_bytes, f"the file ({size} bytes)")
+        if self.usage() + size > limits.max_total_bytes:
+            raise TooLarge("batch.max_total_bytes", limits.max_total_bytes, f"the file ({size} bytes)")
+        try:
+            filename.encode()
+        except UnicodeEncodeError:
+            raise BadInput("the file's name is not valid Unicode text", "file") from None
+        file_id = "file-" + secrets.token_hex(16)
+        with self._tx() as db:
+            writer = _Writer(db, file_id)
+            while writer.size <= size:
+                data = source.read(min(PIECE, size + 1 - writer.size))
+                if not data:
+                    break
+                writer.write(data)
+            if writer.size != size:
+                raise BadInput(f"the upload has {writer.size} bytes where {size} were announced", "file")
+            writer.close()
+            now = self._now()
+            db.execute("INSERT INTO files (id, owner, filename, purpose, bytes, created_at) VALUES (?, ?, ?, ?, ?, ?)",
+                       (file_id, owner, filename, purpose, size, now))
+            row = db.execute("SELECT * FROM files WHERE id = ?", (file_id,)).fetchone()
+        return _file_object(row)
+
+    def file(self, file_id: str, owner: str | None) -> dict:
+        return _file_object(self._file_row(file_id, owner))
+
+    def files(self, owner: str | None, purpose: str | None = None, after: str | None = None,
+              limit: int = 10000, order: str = "desc") -> tuple[list[dict], bool]:
+        """A page of files (newest first with order "desc"), and whether more follow."""
+        if order not in ("asc", "desc"):
+            raise BadInput(f"order {order!r} is not one of \"asc\", \"desc\"", "order")
+        if not 1 <= limit <= 10000:
+            raise BadInput(f"limit {limit} is out of range; 1 to 10000 works", "limit")
+        where, args = ["1"], []
+        if owner is not None:
+            where.append("owner = ?")
+            args.append(owner)
+        if purpose is not None:
+            where.append("purpose = ?")
+            args.append(purpose)
+        if after is not None:
+            where.append("n < ?" if order == "desc" else "n > ?")
+            args.append(self._file_row(after, owner, "after")["n"])
+        rows = self._all(f"SELECT * FROM files WHERE {' AND '.join(where)} ORDER BY n {order.upper()} LIMIT ?",
+                         (*args, limit + 1))
+        return [_file_object(r) for r in rows[:limit]], len(rows) > limit
+
+    def content(self, file_id: str, owner: str | None) -> Iterator[bytes]:
+        """The file's bytes in pieces of at most 1 MiB; NotFound at once (not at the first piece)."""
+        self._file_row(file_id, owner)
+        return self._pieces(file_id)
+
+    def _pieces(self, file_id: str) -> Iterator[bytes]:
+        piece = 0
+        while True:  # one small query per piece: no cursor held open between them
+            row = self._one("SELECT data FROM blobs WHERE file_id = ? AND piece = ?", (file_id, piece))
+            if row is None:
+                return
+            yield bytes(row[0])
+            piece += 1
+
+    def delete_file(self, file_id: str, owner: str | None) -> dict:
+        with self._tx() as db:
+            self._file_row(file_id, owner)
+            reader = db.execute(f"SELECT id FROM batches WHERE input_file_id = ? AND status IN ({_marks(_UNFINISHED)})",
+                                (file_id, *_UNFINISHED)).fetchone()
+            if reader is not None:
+                raise Conflict(f"{file_id} is the input of {reader['id']}, which has not ended; "
+                               "cancel that batch or wait for it to end first", "file_id")
+            db.execute("DELETE FROM blobs WHERE file_id = ?", (file_id,))
+            db.execute("DELETE FROM files WHERE id = ?", (file_id,))
+        return {"id": file_id, "object": "file", "deleted": True}
+
+    # -- batches
+
+    def create(self, owner: str, input_file_id: str, endpoint: str, completion_window: str,
+               metadata: dict | None) -> dict:
+        """A new batch (status validating) over the owner's input file."""
+        if endpoint not in lines_mod.ENDPOINTS:
+            raise BadInput(f"endpoint {endpoint!r} cannot be batched; one of {', '.join(lines_mod.ENDPOINTS)} works",
+                           "endpoint")
+        if completion_window != "24h":
+            raise BadInput(f"completion_window {completion_window!r} is not offered; \"24h\" works", "completion_window")
+        _check_metadata(metadata)
+        batch_id = "batch_" + secrets.token_hex(16)
+        with self._tx() as db:
+            source = self._file_row(input_file_id, owner, "input_file_id")
+            if source["purpose"] != "batch":
+                raise BadInput(f"{input_file_id} has purpose {source['purpose']!r}; an input file needs purpose \"batch\"",
+                               "input_file_id")
+            now = self._now()
+            db.execute("INSERT INTO batches (id, owner, endpoint, input_file_id, completion_window, status, created_at, "
+                       "expires_at, metadata) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                       (batch_id, owner, endpoint, input_file_id, completion_window, Status.VALIDATING.value, now,
+                        now + WINDOW, None if metadata is None else json.dumps(metadata)))
+        return self.batch(batch_id, None)
+
+    def batch(self, batch_id: str, owner: str | None) -> dict:
+        return _batch_object(self._batch_row(batch_id, owner))
+
+    def batches(self, owner: str | None, after: str | None = None, limit: int = 20) -> tuple[list[dict], bool]:
+        """A page of batches, newest first, and whether more follow."""
+        if not 1 <= limit <= 100:
+            raise BadInput(f"limit {limit} is out of range; 1 to 100 works", "limit")
+        where, args = ["1"], []
+        if owner is not None:
+            where.append("owner = ?")
+            args.append(owner)
+        if after is not None:
+            row = self._one("SELECT n, owner FROM batches WHERE id = ?", (after,))
+            if row is None or (owner is not None and row["owner"] != owner):
+                raise NotFound(f"No such Batch object: {after}", "after")
+            where.append("n < ?")
+            args.append(row["n"])
+        rows = self._all(f"SELECT * FROM batches WHERE {' AND '.join(where)} ORDER BY n DESC LIMIT ?", (*args, limit + 1))
+        return [_batch_object(r) for r in rows[:limit]], len(rows) > limit
+
+    def cancel(self, batch_id: str, owner: str | None) -> dict:
+        """validating / in_progress -> cancelling (its pending lines fail now; running ones finish);
+        a cancelling or cancelled batch is answered as it is (a retried cancel); Conflict otherwise."""
+        with self._tx() as db:
+            row = self._batch_row(batch_id, owner)
+            status = Status(row["status"])
+            if status not in (Status.CANCELLING, Status.CANCELLED):
+                if status not in (Status.VALIDATING, Status.IN_PROGRESS):
+                    raise Conflict(f"{batch_id} is {status.value}; only a validating or in_progress batch can be cancelled",
+                                   "batch_id")
+                self._move(db, batch_id, status, Status.CANCELLING)
+                self._fail_pending(db, batch_id, None, *_LEFT[Status.CANCELLED])
+        return self.batch(batch_id, None)
+
+    def _move(self, db: sqlite3.Connection, batch_id: str, old: Status, new: Status, **columns: Any) -> None:
+        """`old` -> `new` (checked against the table), its timestamp set, with other columns."""
+        check(old, new)
+        columns = {"status": new.value, TIMESTAMP[new]: self._now(), **columns}
+        sets = ", ".join(f"{name} = ?" for name in columns)
+        db.execute(f"UPDATE batches SET {sets} WHERE id = ?", (*columns.values(), batch_id))
+
+    # -- the runner's side (no owner checks)
+
+    def validating(self) -> list[str]:
+        return [r[0] for r in self._all("SELECT id FROM batches WHERE status = ? ORDER BY n", (Status.VALIDATING.value,))]
+
+    def validate(self, batch_id: str, models: Callable[[str], bool] | None) -> dict:
+        """Read the input file: errors -> failed with `errors`; else a row per line, -> in_progress.
+        A batch no longer validating (cancelled meanwhile) is left as it is."""
+        with self._tx() as db:
+            row = self._batch_row(batch_id)
+            if row["status"] != Status.VALIDATING:
+                return _batch_object(row)
+            size = db.execute("SELECT bytes FROM files WHERE id = ?", (row["input_file_id"],)).fetchone()
+            errors: list[lines_mod.LineError] = []
+            if size is None:  # (a running batch's input cannot be deleted; kept for safety)
+                errors.append(lines_mod.error("file_not_found", f"the input file {row['input_file_id']} is gone", None, None))
+            elif self.usage() + size[0] > self.limits.max_total_bytes:
+                too = TooLarge("batch.max_total_bytes", self.limits.max_total_bytes, "running this batch")
+                errors.append(lines_mod.error(too.code or "", too.message, None, None))
+            total = held = 0
+            if not errors:
+                for item in lines_mod.scan(self._pieces(row["input_file_id"]), row["endpoint"], models):
+                    if not isinstance(item, lines_mod.Line):
+                        if len(errors) < lines_mod.MAX_ERRORS:
+                            errors.append(item)
+                        continue
+                    if errors:
+                        continue  # only errors are gathered now
+                    db.execute("INSERT INTO lines (batch_id, number, custom_id, model, body) VALUES (?, ?, ?, ?, ?)",
+                               (batch_id, item.number, item.custom_id, item.model, item.body))
+                    total += 1
+                    held += len(item.body)
+            if errors:
+                db.execute("DELETE FROM lines WHERE batch_id = ?", (batch_id,))
+                self._move(db, batch_id, Status.VALIDATING, Status.FAILED, errors=json.dumps(errors))
+            else:
+                self._move(db, batch_id, Status.VALIDATING, Status.IN_PROGRESS, total=total, held=held)
+        return self.batch(batch_id, None)
+
+    def claim(self, batch_id: str, n: int, model: str | None = None) -> list[Claimed]:
+        """Up to n pending lines (of `model`, if given), oldest first, now running; none unless in_progress."""
+        if n <= 0:
+            return []
+        with self._tx() as db:
+            status = db.execute("SELECT status FROM batches WHERE id = ?", (batch_id,)).fetchone()
+            if status is None or status[0] != Status.IN_PROGRESS:
+                return []
+            if model is None:
+                rows = db.execute("SELECT number, custom_id, model, body, attempt FROM lines WHERE batch_id = ? "
+                                  "AND state = 'pending' ORDER BY number LIMIT ?", (batch_id, n)).fetchall()
+            else:
+                rows = db.execute("SELECT number, custom_id, model, body, attempt FROM lines WHERE batch_id = ? "
+                                  "AND state = 'pending' AND model = ? ORDER BY number LIMIT ?", (batch_id, model, n)).fetchall()
+            db.executemany("UPDATE lines SET state = 'running' WHERE batch_id = ? AND number = ?",
+                           [(batch_id, r["number"]) for r in rows])
+        return [Claimed(batch_id, r["number"], r["custom_id"], r["model"], bytes(r["body"]), r["attempt"]) for r in rows]
+
+    def record(self, claimed: Claimed, status_code: int | None, body: bytes | None, request_id: str,
+               error: dict | None = None) -> bool:
+        """The line's one result; False (ignored) when that attempt was forgotten or the line is done.
+        A result that would take the store over batch.max_total_bytes is kept as an error instead."""
+        ok = error is None and status_code is not None and 200 <= status_code < 300
+        if error is None and status_code is None:
+            error = {"code": "no_response", "message": "the request got no answer"}
+        size = len(body or b"")
+        if size and self.usage() + size > self.limits.max_total_bytes:
+            too = TooLarge("batch.max_total_bytes", self.limits.max_total_bytes, "this request's answer")
+            status_code, body, ok, size = None, None, False, 0
+            error = {"code": too.code, "message": too.message}
+        with self._tx() as db:
+            done = db.execute("UPDATE lines SET state = 'done', status_code = ?, response = ?, request_id = ?, error = ? "
+                              "WHERE batch_id = ? AND number = ? AND state = 'running' AND attempt = ?",
+                              (status_code, body, request_id, None if error is None else json.dumps(error),
+                               claimed.batch_id, claimed.number, claimed.attempt)).rowcount
+            if done:
+                db.execute("UPDATE batches SET completed = completed + ?, failed = failed + ?, held = held + ? WHERE id = ?",
+                           (int(ok), int(not ok), size, claimed.batch_id))
+        return bool(done)
+
+    def requeue(self, claimed: Claimed, why: str) -> bool:
+        """Back to pending with attempt+1; the attempt that reaches max_attempts fails the line instead."""
+        with self._tx() as db:
+            key = (claimed.batch_id, claimed.number, claimed.attempt)
+            if claimed.attempt >= self.limits.max_attempts:
+                error = json.dumps({"code": "attempts_exhausted", "message": why})
+                done = db.execute("UPDATE lines SET state = 'done', error = ? WHERE batch_id = ? AND number = ? "
+                                  "AND state = 'running' AND attempt = ?", (error, *key)).rowcount
+                if done:
+                    db.execute("UPDATE batches SET failed = failed + 1 WHERE id = ?", (claimed.batch_id,))
+            else:
+                done = db.execute("UPDATE lines SET state = 'pending', attempt = attempt + 1 WHERE batch_id = ? "
+                                  "AND number = ? AND state = 'running' AND attempt = ?", key).rowcount
+        return bool(done)
+
+    def fail_pending(self, batch_id: str | None, model: str | None, code: str, message: str) -> int:
+        """Every pending line (of that batch, of that model) fails with {code, message}; how many."""
+        with self._tx() as db:
+            return self._fail_pending(db, batch_id, model, code, message)
+
+    def _fail_pending(self, db: sqlite3.Connection, batch_id: str | None, model: str | None, code: str, message: str) -> int:
+        where, args = ["state = 'pending'"], []
+        if batch_id is not None:
+            where.append("batch_id = ?")
+            args.append(batch_id)
+        if model is not None:
+            where.append("model = ?")
+            args.append(model)
+        sql_where = " AND ".join(where)
+        counts = db.execute(f"SELECT batch_id, COUNT(*) FROM lines WHERE {sql_where} GROUP BY batch_id", args).fetchall()
+        db.execute(f"UPDATE lines SET state = 'done', error = ? WHERE {sql_where}",
+                   (json.dumps({"code": code, "message": message}), *args))
+        db.executemany("UPDATE batches SET failed = failed + ? WHERE id = ?", [(c[1], c[0]) for c in counts])
+        return sum(c[1] for c in counts)
+
+    def running(self) -> list[dict]:
+        """The in_progress, cancelling and finalizing batches with their counts and pending lines per model."""
+        rows = self._all(f"SELECT * FROM batches WHERE status IN ({_marks(_OPEN)}) ORDER BY n", tuple(s.value for s in _OPEN))
+        out = []
+        for row in rows:
+            counts = self._all("SELECT state, model, COUNT(*) FROM lines WHERE batch_id = ? AND state != 'done' "
+                               "GROUP BY state, model", (row["id"],))
+            models = {c[1]: c[2] for c in counts if c[0] == "pending"}
+            out.append({
+                "id": row["id"], "owner": row["owner"], "endpoint": row["endpoint"], "status": row["status"],
+                "total": row["total"], "completed": row["completed"], "failed": row["failed"],
+                "pending": sum(models.values()), "running": sum(c[2] for c in counts if c[0] == "running"),
+                "models": models, "created_at": row["created_at"], "in_progress_at": row["in_progress_at"],
+                "expires_at": row["expires_at"], "metadata": json.loads(row["metadata"]) if row["metadata"] else None,
+            })
+        return out
+
+    def finish_ready(self) -> list[str]:
+        """Batches to finalize: in_progress with every line done, cancelling with none running, finalizing."""
+        rows = self._all(
+            "SELECT id FROM batches b WHERE (status = 'in_progress' AND NOT EXISTS (SELECT 1 FROM lines l "
+            "WHERE l.batch_id = b.id AND l.state IN ('pending', 'running'))) OR (status = 'cancelling' AND NOT EXISTS "
+            "(SELECT 1 FROM lines l WHERE l.batch_id = b.id AND l.state = 'running')) OR status = 'finalizing' ORDER BY n")
+        return [r[0] for r in rows]
+
+    def finalize(self, batch_id: str) -> dict:
+        """-> finalizing -> the output file (2xx answers) and the error file (the rest), purpose
+        "batch_output", in line order -> completed (cancelled from cancelling; expired past
+        expires_at). A line not done by then fails. Idempotent: a finished batch is returned as it is."""
+        row = self._batch_row(batch_id)
+        if row["status"] in TERMINAL:
+            return _batch_object(row)
+        if row["status"] == Status.IN_PROGRESS:
+            with self._tx() as db:
+                row = self._batch_row(batch_id)
+                if row["status"] == Status.IN_PROGRESS:
+                    ending = Status.EXPIRED if self._now() >= row["expires_at"] else Status.COMPLETED
+                    self._move(db, batch_id, Status.IN_PROGRESS, Status.FINALIZING, ending=ending.value)
+        with self._tx() as db:
+            row = self._batch_row(batch_id)
+            status = Status(row["status"])
+            if status in TERMINAL:
+                return _batch_object(row)
+            ending = Status.CANCELLED if status == Status.CANCELLING else Status(row["ending"] or Status.COMPLETED)
+            check(status, ending)  # (a validating batch cannot be finalized)
+            code, message = _LEFT[ending]
+            db.execute("UPDATE lines SET state = 'done', error = ? WHERE batch_id = ? AND state != 'done'",
+                       (json.dumps({"code": code, "message": message}), batch_id))
+            output, errors, completed, failed = self._write_results(db, row)
+            self._move(db, batch_id, status, ending, output_file_id=output, error_file_id=errors,
+                       completed=completed, failed=failed, held=0)
+            db.execute("DELETE FROM lines WHERE batch_id = ?", (batch_id,))
+        return self.batch(batch_id, None)
+
+    def _write_results(self, db: sqlite3.Connection, row: sqlite3.Row) -> tuple[str | None, str | None, int, int]:
+        """The output and error files of a batch's lines (None where no line goes), and the counts."""
+        names = {True: "file-" + secrets.token_hex(16), False: "file-" + secrets.token_hex(16)}
+        writers = {ok: _Writer(db, file_id) for ok, file_id in names.items()}
+        counts = {True: 0, False: 0}
+        cursor = db.execute("SELECT custom_id, status_code, response, request_id, error FROM lines WHERE batch_id = ? "
+                            "ORDER BY number", (row["id"],))
+        for line in cursor:
+            ok = line["error"] is None and line["status_code"] is not None and 200 <= line["status_code"] < 300
+            writers[ok].write(_result_line(line))
+            counts[ok] += 1
+        now = self._now()
+        ids: dict[bool, str | None] = {}
+        for ok, writer in writers.items():
+            if not counts[ok]:
+                ids[ok] = None
+                continue
+            writer.close()
+            ids[ok] = names[ok]
+            db.execute("INSERT INTO files (id, owner, filename, purpose, bytes, created_at) VALUES (?, ?, ?, ?, ?, ?)",
+                       (names[ok], row["owner"], f"{row['id']}_{'output' if ok else 'error'}.jsonl", "batch_output",
+                        writer.size, now))
+        return ids[True], ids[False], counts[True], counts[False]
+
+    def expire(self) -> list[str]:
+        """In_progress batches past expires_at: their pending lines fail (batch_expired), then finalize."""
+        ids = [r[0] for r in self._all("SELECT id FROM batches WHERE status = 'in_progress' AND expires_at <= ? ORDER BY n",
+                                       (self._now(),))]
+        for batch_id in ids:
+            self.fail_pending(batch_id, None, *_LEFT[Status.EXPIRED])
+            self.finalize(batch_id)
+        return ids
+
+    def purge(self) -> int:
+        """Files and finished batches past batch.retention deleted (a file an unfinished batch reads
+        stays); the bytes freed."""
+        retention = self.limits.retention
+        if retention <= 0:
+            return 0
+        cutoff = self._now() - retention
+        terminal = tuple(s.value for s in TERMINAL)
+        freed = 0
+        with self._tx() as db:
+            old = db.execute(
+                f"SELECT id, held FROM batches WHERE status IN ({_marks(terminal)}) AND "
+                "COALESCE(completed_at, failed_at, expired_at, cancelled_at, created_at) < ?", (*terminal, cutoff)).fetchall()
+            for batch in old:
+                db.execute("DELETE FROM lines WHERE batch_id = ?", (batch["id"],))
+                db.execute("DELETE FROM batches WHERE id = ?", (batch["id"],))
+                freed += batch["held"]
+            files = db.execute(
+                f"SELECT id, bytes FROM files f WHERE created_at < ? AND NOT EXISTS (SELECT 1 FROM batches b WHERE "
+                f"b.input_file_id = f.id AND b.status IN ({_marks(_UNFINISHED)}))", (cutoff, *_UNFINISHED)).fetchall()
+            for file in files:
+                db.execute("DELETE FROM blobs WHERE file_id = ?", (file["id"],))
+                db.execute("DELETE FROM files WHERE id = ?", (file["id"],))
+                freed += file["bytes"]
+        return freed
+
+    def recover(self) -> None:
+        """After a crash: running lines back to pending with attempt+1 (the interrupted attempt's
+        answer is refused by record()), and finalizing batches finalized again."""
+        with self._tx() as db:
+            db.execute("UPDATE lines SET state = 'pending', attempt = attempt + 1 WHERE state = 'running'")
+        for row in self._all("SELECT id FROM batches WHERE status = 'finalizing' ORDER BY n"):
+            self.finalize(row[0])
+
+
+def _marks(values: tuple) -> str:
+    return ", ".join("?" * len(values))
+
+
+def _result_line(line: sqlite3.Row) -> bytes:
+    """One line of an output or error file, in OpenAI's format."""
+    response = None
+    if line["status_code"] is not None:
+        raw = line["response"]
+        try:
+            body: Any = json.loads(raw) if raw is not None else None
+        except (ValueError, RecursionError):
+            body = bytes(raw).decode("utf-8", "replace")  # not JSON (a proxy's plain-text error): kept as text
+        response = {"status_code": line["status_code"], "request_id": line["request_id"], "body": body}
+    error = json.loads(line["error"]) if line["error"] else None
+    item = {"id": "batch_req_" + secrets.token_hex(16), "custom_id": line["custom_id"], "response": response, "error": error}
+    return json.dumps(item, separators=(",", ":")).encode() + b"\n"
