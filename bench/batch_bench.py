@@ -17,9 +17,10 @@ One `vsup run` (batch on, its store in a folder of the run) serves every phase, 
              (default: a few around the instances' slots); the best lines/s is the baseline.
   batch      the same number of lines (fresh text) as a batch through the openai SDK
              (client.files.create, client.batches.create), nothing else running: lines/s from
-             batches.create to the status `completed` seen by polling (every 0.2 s).
-  beside     another batch, and the interactive chats again while it runs (from its first finished
-             line until --chats chats or 95 % of its lines): TTFT p50/p90 under a batch.
+             batches.create to the status `completed` seen by polling (every 0.1 s).
+  beside     another batch (--beside-lines), and the interactive chats again while it runs (from its
+             first finished line until --chats chats or 95 % of its lines): TTFT p50/p90 beside a
+             batch. (The chats end early when the batch does: the figures say how many there were.)
   kill       (--kill-halfway) another batch; at half its lines vsup (the supervisor process: its
              proxy and batch runner live in it) is killed with SIGKILL, as the OOM killer would;
              its instances die with it (PR_SET_PDEATHSIG). The same `vsup run` is started again
@@ -44,6 +45,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import signal
@@ -71,7 +73,7 @@ POOLING_ARGS = ["--runner", "pooling", "--convert", "embed"]
 TTFT_BAR = 1.5        # a chat's TTFT p50 beside a batch at most this many times its p50 alone
 THROUGHPUT_BAR = 0.9  # a batch alone at least this fraction of the best client loop's lines/s
 TERMINAL = {"completed", "failed", "expired", "cancelled"}
-POLL = 0.2            # seconds between two batches.retrieve
+POLL = 0.1            # seconds between two batches.retrieve
 WORDS = ("the a of to in on for with model server request token stream core node memory cache process "
          "thread worker engine queue batch prompt answer question river mountain city window garden music "
          "paper light water stone bird tree road and or but if then when while because so").split()
@@ -90,8 +92,9 @@ def text(rng: random.Random, words: int) -> str:
 
 
 def percentile(values: list[float], q: float) -> float:
+    """The nearest-rank percentile: the smallest value with at least q of them at or below it."""
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1)))] if ordered else float("nan")
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)] if ordered else float("nan")
 
 
 def ttft_figures(ttfts: list[float]) -> dict:
@@ -101,14 +104,15 @@ def ttft_figures(ttfts: list[float]) -> dict:
 
 # ---- the lines ------------------------------------------------------------------------------------
 
-def line_bodies(args, salt: str) -> list[dict]:
-    """--lines request bodies of the batch's endpoint, fresh text per salt (no phase meets a
-    prefix cache another filled)."""
+def line_bodies(args, salt: str, lines: int | None = None) -> list[dict]:
+    """`lines` (--lines) request bodies of the batch's endpoint, fresh text per salt (no phase
+    meets a prefix cache another filled)."""
     rng = random.Random(f"{args.seed}/{salt}")
+    count = args.lines if lines is None else lines
     if args.endpoint == EMBED_ENDPOINT:
-        return [{"model": EMBED, "input": text(rng, args.prompt_words)} for _ in range(args.lines)]
+        return [{"model": EMBED, "input": text(rng, args.prompt_words)} for _ in range(count)]
     return [{"model": CHAT, "messages": [{"role": "user", "content": "Summarize: " + text(rng, args.prompt_words)}],
-             "max_tokens": args.batch_tokens, "ignore_eos": True, "temperature": 0} for _ in range(args.lines)]
+             "max_tokens": args.batch_tokens, "ignore_eos": True, "temperature": 0} for _ in range(count)]
 
 
 def jsonl(bodies: list[dict], endpoint: str, salt: str) -> tuple[bytes, list[str]]:
@@ -297,9 +301,9 @@ async def client_loop(url: str, endpoint: str, bodies: list[dict], concurrency: 
 
 # ---- batches through the openai SDK --------------------------------------------------------------
 
-async def submit(client: openai.AsyncOpenAI, args, salt: str) -> tuple[str, list[str], float]:
+async def submit(client: openai.AsyncOpenAI, args, salt: str, lines: int | None = None) -> tuple[str, list[str], float]:
     """Upload a fresh input file and create its batch: (batch id, custom_ids, upload seconds)."""
-    data, ids = jsonl(line_bodies(args, salt), args.endpoint, salt)
+    data, ids = jsonl(line_bodies(args, salt, lines), args.endpoint, salt)
     began = time.monotonic()
     uploaded = await client.files.create(file=(f"{salt}.jsonl", data), purpose="batch")
     upload_s = time.monotonic() - began
@@ -373,7 +377,7 @@ async def batch_alone(client: openai.AsyncOpenAI, args) -> dict:
 
 async def beside(client: openai.AsyncOpenAI, url: str, args) -> dict:
     """A batch and the chats beside it: from its first finished line until --chats chats or 95 %."""
-    batch_id, ids, _ = await submit(client, args, "beside")
+    batch_id, ids, _ = await submit(client, args, "beside", args.beside_lines)
     began = time.monotonic()
     state: dict = {}
     watcher = asyncio.create_task(poll(client, batch_id, lambda b: False, args.batch_timeout, state))
@@ -381,7 +385,7 @@ async def beside(client: openai.AsyncOpenAI, url: str, args) -> dict:
 
     def running() -> bool:
         batch = state.get("batch")
-        return not watcher.done() and (batch is None or (batch.status == "in_progress" and done_lines(batch) < 0.95 * args.lines))
+        return not watcher.done() and (batch is None or (batch.status == "in_progress" and done_lines(batch) < 0.95 * args.beside_lines))
 
     ttfts = await chats(url, args, "beside", running)
     chats_done = done_lines(state["batch"]) if "batch" in state else 0
@@ -392,7 +396,8 @@ async def beside(client: openai.AsyncOpenAI, url: str, args) -> dict:
     if batch.status != "completed" or not check["met"]:
         raise RuntimeError(f"batch beside the chats: status {batch.status}, {check}")
     return {**ttft_figures(ttfts), "batch_id": batch_id, "batch_lines_done_when_chats_ended": chats_done,
-            "batch_seconds": round(elapsed, 2), "batch_lines_per_s": round(args.lines / elapsed, 3)}
+            "batch_lines": args.beside_lines, "batch_seconds": round(elapsed, 2),
+            "batch_lines_per_s": round(args.beside_lines / elapsed, 3)}
 
 
 async def kill_halfway(client: openai.AsyncOpenAI, vsup: Vsup, args) -> dict:
@@ -523,9 +528,11 @@ def build_step(argv: list[str], what: str) -> Path:
 def parse_args(argv: list[str] | None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--fake", action="store_true", help="fake vLLM instances (tests/fakevllm) instead of vLLM")
-    parser.add_argument("--quick", action="store_true", help="a smoke run: 40 lines, 15 chats")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 40 lines, 10 chats beside 150 lines")
     parser.add_argument("--endpoint", choices=(CHAT_ENDPOINT, EMBED_ENDPOINT), default=CHAT_ENDPOINT, help="the batch's endpoint")
     parser.add_argument("--lines", type=int, default=None, help="lines per batch and per loop pass (default 200; --quick 40)")
+    parser.add_argument("--beside-lines", type=int, default=None, help="lines of the batch the chats are measured beside "
+                        "(default: --lines; --quick 150): it must outlast --chats chats")
     parser.add_argument("--chats", type=int, default=None, help="interactive chats per measurement (default 40; --quick 15)")
     parser.add_argument("--kill-halfway", action="store_true", help="also: kill -9 vsup at half a batch, start it again, "
                         "check one result per custom_id")
@@ -550,13 +557,15 @@ def parse_args(argv: list[str] | None):
                         "or batch_bench-embeddings.json, for a real-vLLM run; none for --fake)")
     args = parser.parse_args(argv)
     args.seed = args.seed or random.Random().randbytes(4).hex()
-    defaults = {"lines": 40 if args.quick else 200, "chats": 15 if args.quick else 40,
+    defaults = {"lines": 40 if args.quick else 200, "chats": 10 if args.quick else 40,
                 "instances": 2 if args.endpoint == CHAT_ENDPOINT else 1,
                 "max_num_seqs": 4 if args.fake else 16, "batch_tokens": 8 if args.fake else 32}
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    for name in ("lines", "chats", "instances", "chat_instances", "prompt_words", "batch_tokens", "chat_tokens"):
+    if args.beside_lines is None:
+        args.beside_lines = max(args.lines, 150) if args.quick else args.lines
+    for name in ("lines", "beside_lines", "chats", "instances", "chat_instances", "prompt_words", "batch_tokens", "chat_tokens"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.max_num_seqs < 2:
