@@ -66,7 +66,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 from result import Recorder  # noqa: E402  (bench/result.py: docs/bench/<name>.json)
 
-VSUP = str(ROOT / ".venv" / "bin" / "vsup") if (ROOT / ".venv" / "bin" / "vsup").exists() else "vsup"
+# the `vsup` of the Python running the bench (a test's venv), else this checkout's .venv, else PATH's
+VSUP = next((str(p) for p in (Path(sys.executable).with_name("vsup"), ROOT / ".venv" / "bin" / "vsup") if p.exists()), "vsup")
 CHAT, EMBED = "chat", "embed"
 CHAT_ENDPOINT, EMBED_ENDPOINT = "/v1/chat/completions", "/v1/embeddings"
 POOLING_ARGS = ["--runner", "pooling", "--convert", "embed"]
@@ -119,7 +120,7 @@ def jsonl(bodies: list[dict], endpoint: str, salt: str) -> tuple[bytes, list[str
     """The batch input file (OpenAI's line format) and its custom_ids in order."""
     ids = [f"{salt}-{n:05d}" for n in range(len(bodies))]
     data = "".join(json.dumps({"custom_id": cid, "method": "POST", "url": endpoint, "body": body}) + "\n"
-                   for cid, body in zip(ids, bodies))
+                   for cid, body in zip(ids, bodies, strict=True))
     return data.encode(), ids
 
 
@@ -211,6 +212,14 @@ class Vsup:
                     pass
                 await asyncio.sleep(0.2)
         raise RuntimeError(f"vsup run not ready within {timeout:.0f} s:\n{self.log_tail()}")
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode if self.proc is not None else None
 
     def kill9(self) -> None:
         """SIGKILL the supervisor alone (its proxy and batch runner are in it), as the OOM killer would."""
@@ -409,7 +418,9 @@ async def kill_halfway(client: openai.AsyncOpenAI, vsup: Vsup, args) -> dict:
     batch = await poll(client, batch_id, lambda b: done_lines(b) >= half, args.batch_timeout)
     if batch.status in TERMINAL:
         raise RuntimeError(f"kill halfway: the batch ended ({batch.status}) before half its lines")
+    killed_pid = vsup.pid
     vsup.kill9()
+    killed_exit = vsup.returncode
     at_kill = done_lines(batch)
     killed = time.monotonic()
     print(f"  kill -9 vsup at {at_kill} of {args.lines} lines; starting it again", file=sys.stderr)
@@ -420,7 +431,8 @@ async def kill_halfway(client: openai.AsyncOpenAI, vsup: Vsup, args) -> dict:
     output, errors = await results(client, batch)
     check = one_per_custom_id(ids, output, errors)
     counts = batch.request_counts
-    return {"batch_id": batch_id, "lines": args.lines, "lines_done_at_kill": at_kill, "restart_ready_s": round(ready_s, 2),
+    return {"batch_id": batch_id, "lines": args.lines, "lines_done_at_kill": at_kill, "killed_exit": killed_exit,
+            "new_supervisor": vsup.pid != killed_pid, "restart_ready_s": round(ready_s, 2),
             "seconds_after_kill": round(ended - killed, 2), "seconds": round(ended - began, 2), "status": batch.status,
             "request_counts": {"total": counts.total, "completed": counts.completed, "failed": counts.failed} if counts else None,
             **check, "met": check["met"] and batch.status == "completed"}
