@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from vsup.batch import store as store_module
 from vsup.batch.errors import BadInput, Conflict, NotFound, TooLarge
 from vsup.batch.store import PIECE, Claimed, Limits, Store
 from vsup.errors import VsupError
@@ -561,27 +562,118 @@ def test_limits_can_be_changed_on_a_running_store(store):
 def test_a_crash_in_the_middle_of_finalize_is_finished_at_the_next_open(tmp_path, monkeypatch):
     folder = tmp_path / "b"
     store = Store.open(folder, Limits())
-    batch_id = started(store, jsonl(4))
+    batch_id = started(store, jsonl(5))
     for c in store.claim(batch_id, 4):
-        store.record(c, 200, answer(c), "r")
+        store.record(c, 200 if c.number % 2 else 500, answer(c), "r")
+    assert store.finalize(batch_id, step=2)["status"] == "finalizing"  # two lines written, committed
 
-    def crash(*args):
-        raise KeyboardInterrupt  # the process dies while the files are written
+    def crash(line):
+        raise KeyboardInterrupt  # the process dies while the next step is written
 
-    monkeypatch.setattr(Store, "_write_results", crash)
+    monkeypatch.setattr(store_module, "_result_line", crash)
     with pytest.raises(KeyboardInterrupt):
-        store.finalize(batch_id)
+        store.finalize(batch_id, step=2)
     monkeypatch.undo()
     assert store.batch(batch_id, None)["status"] == "finalizing"
     assert store.finish_ready() == [batch_id]  # a runner that lived on would finish it
+    assert store.files(None, purpose="batch_output") == ([], False)  # a half-written file is never shown
     crashed = store  # never closed before the next open, as a killed process leaves it
     again = Store.open(folder, Limits())
     done = again.batch(batch_id, "alice")
-    assert done["status"] == "completed"
-    assert sorted(o["custom_id"] for o in read(again, done["output_file_id"])) == [f"req-{i}" for i in range(4)]
-    assert len(again.files(None)[0]) == 2  # input and output, not a half-written second output
+    assert done["status"] == "completed" and done["request_counts"] == {"total": 5, "completed": 2, "failed": 3}
+    output, errors = read(again, done["output_file_id"]), read(again, done["error_file_id"])
+    assert [o["custom_id"] for o in output] == ["req-0", "req-2"]
+    assert [e["custom_id"] for e in errors] == ["req-1", "req-3", "req-4"]
+    assert errors[-1]["error"]["code"] == "batch_failed"  # never claimed: the batch ended without it
+    pieces = again._db.execute("SELECT COUNT(*) FROM blobs").fetchone()[0]
+    assert pieces == 3 + 2  # the input's one piece, and each file's pieces: one per step, nothing left over
     again.close()
     crashed.close()
+
+
+def test_finalize_in_steps_writes_the_same_files_as_at_once(tmp_path):
+    outputs = []
+    for step in (None, 1, 3, 1000):
+        store = Store.open(tmp_path / f"s{step}", Limits())
+        batch_id = started(store, jsonl(10))
+        for c in store.claim(batch_id, 10):
+            store.record(c, 200 if c.number != 7 else 404, answer(c), f"r{c.number}")
+        calls = 0
+        while (done := store.finalize(batch_id, step=step))["status"] == "finalizing":
+            calls += 1
+            assert store.finish_ready() == [batch_id]
+        assert calls == {None: 0, 1: 10, 3: 3, 1000: 0}[step]
+        strip = [{**o, "id": "-"} for o in read(store, done["output_file_id"]) + read(store, done["error_file_id"])]
+        outputs.append(strip)
+        store.close()
+    assert all(o == outputs[0] for o in outputs) and len(outputs[0]) == 10
+
+
+def test_validation_in_steps_survives_a_reopen_and_finds_duplicates_far_apart(tmp_path):
+    folder = tmp_path / "b"
+    data = jsonl(300) + json.dumps({"custom_id": "req-5", "method": "POST", "url": CHAT, "body": {"model": "m"}}).encode()
+    store = Store.open(folder, Limits())
+    batch = store.create("alice", upload(store, data)["id"], CHAT, "24h", None)
+    assert store.validate(batch["id"], None, step=1000)["status"] == "validating"
+    store.close()
+    store = Store.open(folder, Limits())
+    steps = 1
+    while (now := store.validate(batch["id"], None, step=1000))["status"] == "validating":
+        steps += 1
+        assert store.validating() == [batch["id"]]
+    assert steps > 10
+    assert now["status"] == "failed"
+    assert now["errors"]["data"] == [{"code": "duplicate_custom_id", "param": "custom_id", "line": 301,
+                                      "message": now["errors"]["data"][0]["message"]}]
+    store.close()
+
+
+def test_validation_in_steps_keeps_every_line(tmp_path):
+    store = Store.open(tmp_path / "b", Limits())
+    data = jsonl(200) + b"\n\n"  # (blank lines at the end)
+    batch = store.create("alice", upload(store, data)["id"], CHAT, "24h", None)
+    while store.validate(batch["id"], None, step=333)["status"] == "validating":
+        pass
+    assert store.batch(batch["id"], None)["request_counts"]["total"] == 200
+    numbers = [c.number for c in store.claim(batch["id"], 500)]
+    assert numbers == list(range(1, 201))
+    store.close()
+
+
+def test_lines_across_pieces_of_a_large_input(store):
+    body = {"model": "m", "prompt": "x" * 3000}
+    data = b"".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": CHAT, "body": body}).encode() + b"\n"
+                    for i in range(1000))  # ~3 MiB: lines cross the 1 MiB pieces
+    batch = store.create("alice", upload(store, data)["id"], CHAT, "24h", None)
+    while store.validate(batch["id"], None)["status"] == "validating":
+        pass
+    claimed = store.claim(batch["id"], 1000)
+    assert [c.custom_id for c in claimed] == [f"c{i}" for i in range(1000)]
+    assert all(json.loads(c.body) == body for c in claimed)
+
+
+def test_an_upload_cut_short_by_a_crash_leaves_nothing(tmp_path):
+    folder = tmp_path / "b"
+    store = Store.open(folder, Limits())
+
+    class Dies(io.BytesIO):
+        def read(self, n=-1):
+            if self.tell() >= PIECE:
+                raise KeyboardInterrupt
+            return super().read(n)
+
+    data = b"x" * (3 * PIECE)
+    with pytest.raises(KeyboardInterrupt):
+        store.add_file("alice", "big", "batch", Dies(data), len(data))
+    assert store.usage() == 0 and store._db.execute("SELECT COUNT(*) FROM blobs").fetchone()[0] == 0
+    # the same, killed: its pieces are there, counted, and gone at the next open
+    store._db.execute("INSERT INTO uploads (file_id) VALUES ('file-x')")
+    store._db.execute("INSERT INTO blobs (file_id, piece, data) VALUES ('file-x', 0, ?)", (b"y" * 100,))
+    assert store.usage() == 100
+    store.close()
+    again = Store.open(folder, Limits())
+    assert again.usage() == 0 and again.files(None) == ([], False)
+    again.close()
 
 
 CHILD = textwrap.dedent("""
