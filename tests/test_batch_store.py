@@ -609,6 +609,20 @@ def test_finalize_in_steps_writes_the_same_files_as_at_once(tmp_path):
     assert all(o == outputs[0] for o in outputs) and len(outputs[0]) == 10
 
 
+def test_a_finalize_step_ends_after_its_bytes_too(store, monkeypatch):
+    monkeypatch.setattr(store_module, "STEP_BYTES", 3000)
+    batch_id = started(store, jsonl(6))
+    big = json.dumps({"data": "e" * 1000}).encode()
+    for c in store.claim(batch_id, 6):
+        store.record(c, 200, big, "r")
+    calls = 1
+    while store.finalize(batch_id, step=1000)["status"] == "finalizing":
+        calls += 1
+    assert calls == 3  # about 1 KiB a line: three lines a step
+    output = read(store, store.batch(batch_id, None)["output_file_id"])
+    assert [o["custom_id"] for o in output] == [f"req-{i}" for i in range(6)]
+
+
 def test_validation_in_steps_survives_a_reopen_and_finds_duplicates_far_apart(tmp_path):
     folder = tmp_path / "b"
     data = jsonl(300) + json.dumps({"custom_id": "req-5", "method": "POST", "url": CHAT, "body": {"model": "m"}}).encode()

@@ -662,16 +662,22 @@ class Store:
                    False: _Writer(db, row["err_id"], row["err_pieces"], row["err_bytes"])}
         sql = ("SELECT number, custom_id, status_code, response, request_id, error FROM lines WHERE batch_id = ? "
                "AND number > ? ORDER BY number")
-        rows = db.execute(sql + ("" if step is None else " LIMIT ?"),
-                          (batch_id, row["progress"]) + (() if step is None else (step,))).fetchall()
-        for line in rows:
+        cursor = db.execute(sql, (batch_id, row["progress"]))
+        last, count, more = row["progress"], 0, False
+        start = writers[True].size + writers[False].size
+        for line in cursor:
             ok = line["error"] is None and line["status_code"] is not None and 200 <= line["status_code"] < 300
             writers[ok].write(_result_line(line))
+            last, count = line["number"], count + 1
+            # a step ends after `step` lines or STEP_BYTES written (an embedding's answer is large)
+            if step is not None and (count >= step or writers[True].size + writers[False].size - start >= STEP_BYTES):
+                more = True
+                break
+        cursor.close()
         for writer in writers.values():
             writer.close()
-        last = rows[-1]["number"] if rows else row["progress"]
         db.execute("DELETE FROM lines WHERE batch_id = ? AND number <= ?", (batch_id, last))
-        if step is not None and len(rows) == step:
+        if more:
             db.execute("UPDATE batches SET progress = ?, out_pieces = ?, out_bytes = ?, err_pieces = ?, err_bytes = ? "
                        "WHERE id = ?", (last, writers[True].pieces, writers[True].size, writers[False].pieces,
                                         writers[False].size, batch_id))
