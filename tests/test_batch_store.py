@@ -649,8 +649,13 @@ def test_validation_in_steps_keeps_every_line(tmp_path):
     while store.validate(batch["id"], None, step=333)["status"] == "validating":
         pass
     assert store.batch(batch["id"], None)["request_counts"]["total"] == 200
-    numbers = [c.number for c in store.claim(batch["id"], 500)]
-    assert numbers == list(range(1, 201))
+    claimed = store.claim(batch["id"], 500)
+    assert [c.number for c in claimed] == list(range(1, 201))
+    for c in claimed:
+        store.record(c, 200, answer(c), "r")
+    while (done := store.finalize(batch["id"], step=7))["status"] == "finalizing":
+        pass
+    assert [o["custom_id"] for o in read(store, done["output_file_id"])] == [f"req-{i}" for i in range(200)]
     store.close()
 
 
