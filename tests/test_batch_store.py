@@ -755,3 +755,44 @@ def test_killed_with_sigkill_mid_batch_resumes_with_one_result_per_custom_id(tmp
     assert not any(o["response"]["body"].get("stale") for o in output)
     assert done["error_file_id"] is None
     again.close()
+
+
+FINALIZER = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    from vsup.batch.store import Limits, Store
+
+    store = Store.open(Path(sys.argv[1]), Limits())
+    n = 0
+    while store.finalize(sys.argv[2], step=3)["status"] == "finalizing":
+        n += 1
+        print(n, flush=True)
+""")
+
+
+def test_killed_with_sigkill_while_finalizing_ends_with_every_line_once(tmp_path):
+    folder = tmp_path / "b"
+    lines = 1000
+    store = Store.open(folder, Limits())
+    batch_id = started(store, jsonl(lines))
+    for c in store.claim(batch_id, lines):
+        store.record(c, 200 if c.number % 3 else 500, json.dumps({"n": c.number}).encode(), "r")
+    store.close()
+    child = subprocess.Popen([sys.executable, "-c", FINALIZER, str(folder), batch_id], stdout=subprocess.PIPE,
+                             cwd=REPO, text=True)
+    try:
+        assert child.stdout is not None
+        deadline = time.monotonic() + 60
+        while int(child.stdout.readline() or 0) < 50:  # in the middle of its steps
+            assert time.monotonic() < deadline and child.poll() is None
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        child.stdout.close()
+    again = Store.open(folder, Limits())  # recover() finishes it
+    done = again.batch(batch_id, None)
+    assert done["status"] == "completed" and done["request_counts"] == {"total": lines, "completed": 667, "failed": 333}
+    written = read(again, done["output_file_id"]) + read(again, done["error_file_id"])
+    assert sorted(o["custom_id"] for o in written) == sorted(f"req-{i}" for i in range(lines))
+    assert all(o["response"]["body"] == {"n": int(o["custom_id"][4:]) + 1} for o in written)
+    again.close()

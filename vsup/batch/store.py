@@ -50,8 +50,8 @@ from vsup.batch.status import TERMINAL, TIMESTAMP, BatchStateError, Status, chec
 MiB = 1 << 20
 GiB = 1 << 30
 PIECE = MiB           # a blob row's most bytes; content() yields pieces of this size
-STEP_BYTES = 2 * MiB  # validate() reads about this much input per call (a transaction of ~0.1 s)
-STEP_LINES = 2000     # finalize() writes this many lines per call
+STEP_BYTES = MiB      # validate() reads about this much input per call, finalize() writes (~0.1 s)
+STEP_LINES = 1000     # finalize() writes at most this many lines per call
 DAY = 86400
 WINDOW = 24 * 3600    # completion_window "24h", the only one OpenAI offers
 
