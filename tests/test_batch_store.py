@@ -411,6 +411,16 @@ def test_cancel_while_validating_ends_cancelled(store):
     assert done["status"] == "cancelled" and done["output_file_id"] is None and done["error_file_id"] is None
 
 
+def test_cancel_in_the_middle_of_validation_keeps_no_lines(store):
+    batch = store.create("alice", upload(store, jsonl(300))["id"], CHAT, "24h", None)
+    assert store.validate(batch["id"], None, step=2000)["status"] == "validating"
+    assert store._db.execute("SELECT COUNT(*) FROM lines").fetchone()[0] > 0
+    store.cancel(batch["id"], "alice")
+    done = store.finalize(batch["id"])
+    assert done["status"] == "cancelled" and done["request_counts"] == {"total": 0, "completed": 0, "failed": 0}
+    assert done["error_file_id"] is None and store._db.execute("SELECT COUNT(*) FROM lines").fetchone()[0] == 0
+
+
 def test_cancel_a_finished_batch_is_a_conflict(store):
     batch_id = started(store, jsonl(1))
     (c,) = store.claim(batch_id, 1)

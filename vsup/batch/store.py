@@ -448,8 +448,12 @@ class Store:
                 if status not in (Status.VALIDATING, Status.IN_PROGRESS):
                     raise Conflict(f"{batch_id} is {status.value}; only a validating or in_progress batch can be cancelled",
                                    "batch_id")
-                self._move(db, batch_id, status, Status.CANCELLING)
-                self._fail_pending(db, batch_id, None, *_LEFT[Status.CANCELLED])
+                if status == Status.VALIDATING:  # lines of a file half read were never accepted: none to answer
+                    db.execute("DELETE FROM lines WHERE batch_id = ?", (batch_id,))
+                    self._move(db, batch_id, status, Status.CANCELLING, total=0, held=0, errors=None)
+                else:
+                    self._move(db, batch_id, status, Status.CANCELLING)
+                    self._fail_pending(db, batch_id, None, *_LEFT[Status.CANCELLED])
         return self.batch(batch_id, None)
 
     def _move(self, db: sqlite3.Connection, batch_id: str, old: Status, new: Status, **columns: Any) -> None:
