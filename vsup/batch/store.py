@@ -248,7 +248,11 @@ class Store:
             db.close()
             raise
         store = cls(db, limits, clock)
-        store.recover()
+        try:
+            store.recover()
+        except BaseException:
+            db.close()
+            raise
         return store
 
     def close(self) -> None:
