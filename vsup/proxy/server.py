@@ -26,7 +26,7 @@ from vsup.batch.runner import Busy, Runner
 from vsup.batch.slots import CPU_DEFAULT_SLOTS
 from vsup.config import proxy_routes
 from vsup.config.names import Name
-from vsup.config.schema import BatchConfig, ProxyConfig
+from vsup.config.schema import BatchConfig, ProxyConfig, bytes_of
 from vsup.errors import VsupError
 from vsup.proxy import errors
 from vsup.proxy.address import Sessions
@@ -80,7 +80,7 @@ def limits_of(batch: BatchConfig) -> Limits:
     """The store's limits from the batch: section."""
     from vsup.batch.store import Limits
 
-    return Limits(max_file_bytes=int(batch.max_file_bytes), max_total_bytes=int(batch.max_total_bytes),
+    return Limits(max_file_bytes=bytes_of(batch.max_file_bytes), max_total_bytes=bytes_of(batch.max_total_bytes),
                   retention=batch.retention, max_attempts=batch.max_attempts)
 
 
