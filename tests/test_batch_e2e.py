@@ -1,0 +1,121 @@
+"""The Batch API end to end: the real `openai` client against a real ProxyServer with its batch
+store, over a real fake vLLM process: upload, create, wait for completed, read the output (one
+line per custom_id); a stop mid-batch and a new proxy over the same folder finish the same batch
+id; another key's batch is a 404 and a metrics key is refused."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+
+import openai
+import pytest
+
+from tests.fakevllm.fixtures import start_fake
+from tests.proxy_support import LEAN, client, close_clients
+from vsup.config.schema import ApiKeyConfig, BatchConfig, ProxyConfig
+from vsup.proxy import ProxyServer
+from vsup.proxy.backends import Backend, BackendPool
+
+ENDPOINT = "/v1/chat/completions"
+
+
+@pytest.fixture(scope="module")
+def fake():
+    started = start_fake(name="c0", served_model_names=["chat"], env=LEAN)
+    try:
+        started.wait_ready()
+        yield started
+    finally:
+        started.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def batch_proxy(fake, folder, slots: int = 4, **front):
+    pool = BackendPool()
+    pool.add(Backend(fake.name, fake.url, "chat"))
+    pool.set_state(fake.name, "ready", True)
+    proxy = ProxyServer(ProxyConfig(port=0, **front), pool, models={"chat": ProxyConfig()},
+                        batch=BatchConfig(slots_per_instance=slots), batch_dir=folder)
+    await proxy.start()
+    try:
+        yield proxy
+    finally:
+        await close_clients(proxy)
+        await proxy.drain_and_stop(0)
+
+
+def jsonl(ids: list[str], delay: float | None = None) -> bytes:
+    lines = []
+    for cid in ids:
+        body: dict = {"model": "chat", "messages": [{"role": "user", "content": f"question {cid}"}], "max_tokens": 3}
+        if delay is not None:
+            body["fake"] = {"token_delay": delay}
+        lines.append(json.dumps({"custom_id": cid, "method": "POST", "url": ENDPOINT, "body": body}))
+    return ("\n".join(lines) + "\n").encode()
+
+
+async def wait_done(c: openai.AsyncOpenAI, batch_id: str, timeout: float = 30.0):
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        batch = await c.batches.retrieve(batch_id)
+        if batch.status in ("completed", "failed", "expired", "cancelled"):
+            return batch
+        assert asyncio.get_running_loop().time() < deadline, f"still {batch.status}: {batch.request_counts}"
+        await asyncio.sleep(0.05)
+
+
+async def test_the_openai_client_runs_a_batch_to_completion(fake, tmp_path):
+    ids = [f"r{i}" for i in range(25)]
+    async with batch_proxy(fake, tmp_path / "batches") as proxy:
+        c = client(proxy)
+        uploaded = await c.files.create(file=("in.jsonl", jsonl(ids)), purpose="batch")
+        batch = await c.batches.create(input_file_id=uploaded.id, endpoint=ENDPOINT, completion_window="24h",
+                                       metadata={"job": "nightly"})
+        assert batch.status == "validating" and batch.metadata == {"job": "nightly"}
+        done = await wait_done(c, batch.id)
+        assert done.status == "completed"
+        assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (25, 25, 0)
+        assert done.output_file_id and done.error_file_id is None
+        text = (await c.files.content(done.output_file_id)).text
+        lines = [json.loads(line) for line in text.splitlines()]
+        assert [line["custom_id"] for line in lines] == ids  # one line per custom_id, in input order
+        for line in lines:
+            assert line["error"] is None and line["id"].startswith("batch_req_")
+            assert line["response"]["status_code"] == 200
+            assert line["response"]["body"]["object"] == "chat.completion"
+            assert line["response"]["request_id"]
+
+
+async def test_a_stop_mid_batch_resumes_the_same_batch(fake, tmp_path):
+    ids = [f"r{i}" for i in range(16)]
+    folder = tmp_path / "batches"
+    async with batch_proxy(fake, folder, slots=3) as proxy:
+        c = client(proxy)
+        uploaded = await c.files.create(file=("in.jsonl", jsonl(ids, delay=0.05)), purpose="batch")
+        batch = await c.batches.create(input_file_id=uploaded.id, endpoint=ENDPOINT, completion_window="24h")
+        while (await c.batches.retrieve(batch.id)).request_counts.completed < 2:
+            await asyncio.sleep(0.05)
+    async with batch_proxy(fake, folder, slots=3) as proxy:  # the same folder: recover() and go on
+        c = client(proxy)
+        done = await wait_done(c, batch.id)
+        assert done.status == "completed" and done.request_counts.completed == 16
+        lines = [json.loads(line) for line in (await c.files.content(done.output_file_id)).text.splitlines()]
+        assert sorted(line["custom_id"] for line in lines) == sorted(ids)  # each exactly once
+
+
+async def test_keys_own_their_batches(fake, tmp_path):
+    keys = [ApiKeyConfig(name="alice", key="k-alice"), ApiKeyConfig(name="bob", key="k-bob"),
+            ApiKeyConfig(name="scraper", key="k-scrape", metrics=True)]
+    async with batch_proxy(fake, tmp_path / "batches", api_keys=keys) as proxy:
+        alice, bob, scraper = client(proxy, "k-alice"), client(proxy, "k-bob"), client(proxy, "k-scrape")
+        uploaded = await alice.files.create(file=("in.jsonl", jsonl(["a"])), purpose="batch")
+        batch = await alice.batches.create(input_file_id=uploaded.id, endpoint=ENDPOINT, completion_window="24h")
+        with pytest.raises(openai.NotFoundError):
+            await bob.batches.retrieve(batch.id)
+        with pytest.raises(openai.PermissionDeniedError):
+            await scraper.batches.list()
+        with pytest.raises(openai.AuthenticationError):
+            await client(proxy, "wrong").batches.list()
+        assert (await wait_done(alice, batch.id)).status == "completed"
