@@ -119,3 +119,79 @@ async def test_keys_own_their_batches(fake, tmp_path):
         with pytest.raises(openai.AuthenticationError):
             await client(proxy, "wrong").batches.list()
         assert (await wait_done(alice, batch.id)).status == "completed"
+
+
+def test_vsup_proxy_batch_dir_survives_kill_9(tmp_path):
+    """`vsup proxy --batch-dir` as a real process, killed with -9 halfway through a batch and
+    started again over the same folder: the same batch id completes, one result per custom_id."""
+    import os
+    import signal
+    import stat
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from tests.fakevllm.fixtures import free_port
+    from tests.proxy_support import start_fakes
+
+    repo = Path(__file__).resolve().parents[1]
+    (upstream,) = start_fakes(["u"])
+    folder = tmp_path / "batches"
+    config = tmp_path / "proxy.yaml"
+    config.write_text("batch:\n  slots_per_instance: 3\nhealth:\n  interval: 0.2\n")
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=str(repo), VSUP_API_KEY="")
+
+    def start() -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-c", "from vsup.cli.main import main; main()", "proxy", "--upstream", upstream.url,
+             "--port", str(port), "--config", str(config), "--batch-dir", str(folder)],
+            cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+    def ready(c: openai.OpenAI) -> None:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                c.batches.list()
+                return
+            except openai.APIConnectionError:
+                assert time.monotonic() < deadline, "the proxy did not come up"
+                time.sleep(0.1)
+
+    ids = [f"k{i}" for i in range(30)]
+    lines = "".join(json.dumps({"custom_id": cid, "method": "POST", "url": ENDPOINT, "body": {
+        "model": "fake-model", "messages": [{"role": "user", "content": cid}], "max_tokens": 3,
+        "fake": {"token_delay": 0.05}}}) + "\n" for cid in ids).encode()
+    proc = start()
+    c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+    try:
+        ready(c)
+        uploaded = c.files.create(file=("in.jsonl", lines), purpose="batch")
+        batch = c.batches.create(input_file_id=uploaded.id, endpoint=ENDPOINT, completion_window="24h")
+        deadline = time.monotonic() + 30
+        while (before := c.batches.retrieve(batch.id)).request_counts.completed < 6:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGKILL)  # lines in flight: their attempts are forgotten
+        proc.wait(10)
+        assert before.status == "in_progress" and before.request_counts.completed < 30  # halfway
+        info = os.stat(folder)
+        assert stat.S_IMODE(info.st_mode) == 0o700
+        assert stat.S_IMODE(os.stat(folder / "batches.sqlite3").st_mode) == 0o600
+
+        proc = start()
+        ready(c)
+        deadline = time.monotonic() + 60
+        while (done := c.batches.retrieve(batch.id)).status not in ("completed", "failed", "expired", "cancelled"):
+            assert time.monotonic() < deadline, done.request_counts
+            time.sleep(0.1)
+        assert done.status == "completed" and done.request_counts.completed == 30
+        results = [json.loads(line) for line in c.files.content(done.output_file_id).text.splitlines()]
+        assert sorted(r["custom_id"] for r in results) == sorted(ids)  # each exactly once
+    finally:
+        c.close()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        upstream.cleanup()
