@@ -5,7 +5,10 @@ opens, behind an admin key) -> an instance (forward.py); GET /v1/models -> merge
 instances (models.py); /health, /ready, /metrics (and pages added with add_page: vsup run's
 /status) -> answered here; anything else -> 404 in the OpenAI error shape, never an instance.
 Which key opens what: auth.py (the admin routes, /metrics and /status: an admin key; /metrics a
-metrics key too).
+metrics key too). With a batch store (`batch`, `batch_dir`): /v1/files and /v1/batches ->
+batch_routes.py for any serving key (its name owns what it makes; an admin key sees all), and
+the batch runner (vsup/batch/runner.py) sends each line through the forwarder below every
+interactive request (batch_share.py).
 """
 
 from __future__ import annotations
@@ -210,7 +213,11 @@ class ProxyServer:
         self._forwarder.parser = BodyParser()
         self._configure_batch()
         if self._batch is not None:
-            self._start_batch()
+            try:
+                self._start_batch()
+            except BaseException:  # (batch.dir unusable: one line from the store; nothing left open)
+                await self._close()
+                raise
         # The client side of HTTP (client_conn.py): our own protocol on httptools, every limit of
         # the ClientPolicy applied before a handler runs, our own dispatch (below).
         self._front = FrontServer(self._dispatch, self._clients, self._clock)
