@@ -361,6 +361,8 @@ class BatchRoutes:
                 return error(BadInput("the form has no `purpose`: send purpose=batch", "purpose"))
             spool.flush()
             spool.seek(0)
+            self.spooling -= spooled  # from here the store counts it (add_file checks the total as it writes)
+            spooled = 0
             handed = True  # the thread closes it, even if this request is cancelled meanwhile
             created = await asyncio.to_thread(_add_file, self.store, self._creator(owner), form.filename, purpose,
                                               spool, form.size)
