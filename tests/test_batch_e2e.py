@@ -195,3 +195,30 @@ def test_vsup_proxy_batch_dir_survives_kill_9(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
         upstream.cleanup()
+
+
+async def test_a_front_that_passes_keys_on_sends_each_line_as_its_owner(fake, tmp_path):
+    keys = [ApiKeyConfig(name="alice", key="k-alice")]
+    pool = BackendPool()
+    pool.add(Backend(fake.name, fake.url, "chat"))
+    pool.set_state(fake.name, "ready", True)
+    node = ProxyServer(ProxyConfig(port=0, api_keys=keys), pool, models={"chat": ProxyConfig()})  # checks the keys
+    await node.start()
+    try:
+        front_pool = BackendPool()
+        front_pool.add(Backend("node", f"http://127.0.0.1:{node.port}", "chat"))
+        front_pool.set_state("node", "ready", True)
+        front = ProxyServer(ProxyConfig(port=0, api_keys=keys), front_pool, models={"chat": ProxyConfig()},
+                            forward_key=True, batch=BatchConfig(slots_per_instance=4), batch_dir=tmp_path / "batches")
+        await front.start()
+        try:
+            alice = client(front, "k-alice")
+            uploaded = await alice.files.create(file=("in.jsonl", jsonl(["a", "b", "c"])), purpose="batch")
+            batch = await alice.batches.create(input_file_id=uploaded.id, endpoint=ENDPOINT, completion_window="24h")
+            done = await wait_done(alice, batch.id)
+            assert (done.status, done.request_counts.completed) == ("completed", 3)  # the node took alice's key
+        finally:
+            await close_clients(front)
+            await front.drain_and_stop(0)
+    finally:
+        await node.drain_and_stop(0)

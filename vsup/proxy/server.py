@@ -149,7 +149,9 @@ class ProxyServer:
         self._clock = clock
         if clock is not None:
             pool.clock = clock
-        self._auth = BearerAuth(api_key if api_key is not None else config.api_key, named_keys(config), *roles(config))
+        named = named_keys(config)
+        self._auth = BearerAuth(api_key if api_key is not None else config.api_key, named, *roles(config))
+        self._tokens = self._owner_tokens(api_key if api_key is not None else config.api_key, named)
         proxy_routes.require_key(config.admin_routes, self._auth.has_admin)
         self._routes = proxy_routes.table(config.admin_routes)
         # a fleet routes by model (routing.py: a balancer each): kv_aware's top-level one follows nothing
@@ -274,6 +276,15 @@ class ProxyServer:
         """How many more batch lines the instances of `model` take now (the runner's Room)."""
         return self._forwarder.batch_room(model) if self._forwarder is not None else 0
 
+    @staticmethod
+    def _owner_tokens(api_key: str | None, named: list[tuple[str, str]]) -> dict[str, str]:
+        """Each owner's key (a batch's owner is its key's name; "" proxy.api_key): what a front that
+        passes keys on (forward_key) sends with that owner's batch lines, as the client would."""
+        tokens = {name: token for name, token in named if token}
+        if api_key:
+            tokens[""] = api_key
+        return tokens
+
     def serves(self, model: str) -> bool:
         """Whether `model` has instances here (served, ready or not): what batch lines may name."""
         router = self._router
@@ -288,9 +299,13 @@ class ProxyServer:
         content = Body(None)
         content.feed(body)
         content.feed_eof()
-        headers = ((b"Host", b"vsup-batch"), (b"Content-Type", b"application/json"), (b"Content-Length", str(len(body)).encode()))
+        headers: tuple[tuple[bytes, bytes], ...] = (
+            (b"Host", b"vsup-batch"), (b"Content-Type", b"application/json"), (b"Content-Length", str(len(body)).encode()))
+        token = self._tokens.get(owner) if self._forward_key else None
+        if token:  # upstream vsups check the same keys: the line goes as its owner's request
+            headers += ((b"Authorization", b"Bearer " + token.encode("utf-8", "surrogateescape")),)
         request = Request("POST", endpoint, headers, (1, 1), True, None, content, len(body), False,
-                          content_type="application/json")
+                          content_type="application/json", authorization=f"Bearer {token}" if token else "")
         answer = await forwarder.handle(request, owner, batch=True)
         if isinstance(answer, Response):
             if answer.headers.get(BUSY_HEADER) == BUSY:
@@ -434,6 +449,7 @@ class ProxyServer:
             log.error("%s; the named keys (proxy.api_keys) are refused until then", exc)
             named = [(entry.name, "") for entry in config.api_keys]
         self._auth = BearerAuth(api_key if api_key is not None else config.api_key, [(n, t) for n, t in named if t], *roles(config))
+        self._tokens = self._owner_tokens(api_key if api_key is not None else config.api_key, named)
         try:
             proxy_routes.require_key(config.admin_routes, self._auth.has_admin)
             self._routes = proxy_routes.table(config.admin_routes)
