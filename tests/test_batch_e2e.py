@@ -222,3 +222,35 @@ async def test_a_front_that_passes_keys_on_sends_each_line_as_its_owner(fake, tm
             await front.drain_and_stop(0)
     finally:
         await node.drain_and_stop(0)
+
+
+async def test_a_reload_that_removes_a_model_fails_its_lines(fake, tmp_path):
+    pool = BackendPool()
+    pool.add(Backend(fake.name, fake.url, "chat"))
+    pool.set_state(fake.name, "ready", True)
+    config = ProxyConfig(port=0)
+    proxy = ProxyServer(config, pool, models={"chat": ProxyConfig(), "later": ProxyConfig()},
+                        batch=BatchConfig(slots_per_instance=4), batch_dir=tmp_path / "batches")
+    await proxy.start()
+    try:
+        c = client(proxy)
+        lines = [{"custom_id": f"{model}-{i}", "method": "POST", "url": ENDPOINT,
+                  "body": {"model": model, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}}
+                 for i in range(3) for model in ("chat", "later")]
+        data = "".join(json.dumps(line) + "\n" for line in lines).encode()
+        uploaded = await c.files.create(file=("in.jsonl", data), purpose="batch")
+        batch = await c.batches.create(input_file_id=uploaded.id, endpoint=ENDPOINT, completion_window="24h")
+        # "later" has no instance yet: its lines wait while chat's run
+        while (await c.batches.retrieve(batch.id)).request_counts.completed < 3:
+            await asyncio.sleep(0.05)
+        assert (await c.batches.retrieve(batch.id)).status == "in_progress"
+        proxy.reconfigure(config, None, models={"chat": ProxyConfig()})  # the reload drops "later"
+        done = await wait_done(c, batch.id)
+        assert done.status == "completed"
+        assert (done.request_counts.completed, done.request_counts.failed) == (3, 3)
+        errors = [json.loads(line) for line in (await c.files.content(done.error_file_id)).text.splitlines()]
+        assert sorted(e["custom_id"] for e in errors) == ["later-0", "later-1", "later-2"]
+        assert {e["error"]["code"] for e in errors} == {"model_not_found"}
+    finally:
+        await close_clients(proxy)
+        await proxy.drain_and_stop(0)
