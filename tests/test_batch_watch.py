@@ -74,7 +74,7 @@ def test_outcomes_are_counted_by_model_as_they_land(store):
 def test_the_status_shows_running_batches_with_rate_and_eta(store, clock):
     batch_id = new_batch(store, "team-a", [(f"c{i}", "chat") for i in range(100)], {"note": HOSTILE})
     watch = Watch(store, clock)
-    for step in range(4):  # 2 lines/s for 30 s, looked at every 10 s
+    for _ in range(4):  # 2 lines/s for 30 s, looked at every 10 s
         clock.now += 10
         for line in store.claim(batch_id, 20, "chat"):
             store.record(line, 200, b"{}", "r")
