@@ -39,8 +39,9 @@ class Progress:
 
 def counts(row: Mapping[str, Any]) -> tuple[int, int, int]:
     """(total, completed, failed) of a `Store.running()` row or a batch object (request_counts)."""
-    source = row.get("request_counts") if isinstance(row.get("request_counts"), Mapping) else row
-    return tuple(_count(source.get(k)) for k in ("total", "completed", "failed"))  # type: ignore[return-value]
+    nested = row.get("request_counts")
+    source: Mapping[str, Any] = nested if isinstance(nested, Mapping) else row
+    return _count(source.get("total")), _count(source.get("completed")), _count(source.get("failed"))
 
 
 def _count(value: Any) -> int:

@@ -16,11 +16,12 @@ import sqlite3
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from vsup.batch.progress import Progress, Samples, progress
 from vsup.batch.status import TERMINAL, TIMESTAMP, Status
-from vsup.batch.store import Claimed, Store
+from vsup.batch.store import Claimed, Limits, Store
 
 RECENT = 3600.0  # seconds a finished batch stays in the status JSON after its end
 RECENT_LIMIT = 20  # the newest batches looked at for the validating and recently finished ones
@@ -32,10 +33,16 @@ class WatchedStore(Store):
     claimed and not yet answered (in flight) by model. Counts start at zero with each open, as a
     Prometheus counter does with each process."""
 
-    def __init__(self, db: sqlite3.Connection, limits: Any, clock: Callable[[], float]) -> None:
+    def __init__(self, db: sqlite3.Connection, limits: Limits, clock: Callable[[], float]) -> None:
         self.outcomes: dict[tuple[str, str], int] = {}  # (model, outcome) -> lines
         self.in_flight: dict[str, int] = {}  # model -> lines claimed and not answered yet
         super().__init__(db, limits, clock)
+
+    @classmethod
+    def open(cls, directory: Path, limits: Limits, clock: Callable[[], float] = time.time) -> WatchedStore:
+        store = super().open(directory, limits, clock)
+        assert isinstance(store, WatchedStore)  # (Store.open builds cls)
+        return store
 
     def _count(self, model: str, outcome: str, n: int = 1) -> None:
         if n:

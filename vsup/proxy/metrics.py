@@ -257,14 +257,14 @@ class ProxyMetrics:
 def batch_families(figures: Figures) -> Iterable[Any]:
     """The Batch API's families (batch/watch.py's figures): labels are models, outcomes, states and
     statuses only — never a batch id, an owner or a custom_id (unbounded, and a tenant's)."""
-    family = CounterMetricFamily("vsup_batch_lines", "Batch lines by model and outcome: completed (a 2xx answer), failed (any other "
+    lines = CounterMetricFamily("vsup_batch_lines", "Batch lines by model and outcome: completed (a 2xx answer), failed (any other "
                                  "answer, attempts exhausted, cancelled, expired, model removed), requeued (tried again)",
                                  labels=["model", "outcome"])
     for (model, outcome), count in sorted(figures.outcomes.items()):
-        family.add_metric([model, outcome], count)
-    yield family
+        lines.add_metric([model, outcome], count)
+    yield lines
     # (the counter above is exposed as vsup_batch_lines_total: this gauge's name does not clash in the text format served)
-    family = GaugeMetricFamily("vsup_batch_lines", "Lines of unfinished batches by model and state: pending, running (sent, or held for a slot)",
+    family: GaugeMetricFamily = GaugeMetricFamily("vsup_batch_lines", "Lines of unfinished batches by model and state: pending, running (sent, or held for a slot)",
                                labels=["model", "state"])
     for (model, state), count in sorted(figures.lines.items()):
         family.add_metric([model, state], count)
