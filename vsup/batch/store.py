@@ -13,6 +13,20 @@ in advance. The API is the spec's.)
 
 Owners: `owner` is the client's key name ("" when the proxy has no keys); None is an admin, who
 sees everything. Another owner's object raises NotFound worded exactly as a missing one.
+
+Where this differs from BATCH-SPEC.md (the signatures there hold; these are additions):
+- `validate(..., *, step=STEP_BYTES)` and `finalize(..., *, step=STEP_LINES)` do their work in
+  steps of about 0.1 s, each one transaction, so the event loop is never held for seconds (a
+  200 MiB input took ~13 s whole): the batch stays `validating` / `finalizing` (or `cancelling`)
+  until the last step; the runner calls them again while `validating()` / `finish_ready()` list
+  it. `step=None` does it all in one call. A kill -9 between steps resumes where they stopped.
+- `add_file` writes each 1 MiB piece in its own transaction (an upload cut short is removed at
+  the next open), so the routes may call it in a thread (`asyncio.to_thread`): the connection is
+  shared under a lock, and the loop's own calls run between the pieces.
+- `cancel` of a cancelling or cancelled batch answers it as it is (a retried cancel), and fails
+  the batch's pending lines at once (`batch_cancelled`); lines already running finish. A cancelling
+  batch builds its files without passing through `finalizing` (OpenAI's cancelling -> cancelled).
+- `recover()` is public (Store.open calls it).
 """
 
 from __future__ import annotations
@@ -36,6 +50,8 @@ from vsup.batch.status import TERMINAL, TIMESTAMP, Status, check
 MiB = 1 << 20
 GiB = 1 << 30
 PIECE = MiB           # a blob row's most bytes; content() yields pieces of this size
+STEP_BYTES = 2 * MiB  # validate() reads about this much input per call (a transaction of ~0.1 s)
+STEP_LINES = 2000     # finalize() writes this many lines per call
 DAY = 86400
 WINDOW = 24 * 3600    # completion_window "24h", the only one OpenAI offers
 
@@ -80,9 +96,17 @@ CREATE TABLE IF NOT EXISTS batches (
     completed INTEGER NOT NULL DEFAULT 0,
     failed INTEGER NOT NULL DEFAULT 0,
     held INTEGER NOT NULL DEFAULT 0,              -- bytes of its lines' bodies and results (usage())
-    metadata TEXT
+    metadata TEXT,
+    -- work done in steps (validate, finalize), each step one transaction, so a kill -9 resumes it:
+    progress INTEGER NOT NULL DEFAULT 0,          -- validating: input bytes read; finalizing: last line written
+    lines_read INTEGER NOT NULL DEFAULT 0,        -- validating: input lines read
+    out_id TEXT, out_pieces INTEGER NOT NULL DEFAULT 0, out_bytes INTEGER NOT NULL DEFAULT 0,
+    err_id TEXT, err_pieces INTEGER NOT NULL DEFAULT 0, err_bytes INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS batches_status ON batches (status, n);
+CREATE TABLE IF NOT EXISTS uploads (                -- files being written: their pieces go if vsup dies first
+    file_id TEXT PRIMARY KEY
+);
 CREATE TABLE IF NOT EXISTS lines (
     batch_id TEXT NOT NULL,
     number INTEGER NOT NULL,                      -- the input file's line (1-based)
@@ -175,12 +199,12 @@ def _check_metadata(metadata: Any) -> None:
 class _Writer:
     """A file's bytes appended to `blobs` a piece at a time."""
 
-    def __init__(self, db: sqlite3.Connection, file_id: str):
+    def __init__(self, db: sqlite3.Connection, file_id: str, pieces: int = 0, size: int = 0):
         self.db, self.file_id = db, file_id
         self.buffer: list[bytes] = []
         self.buffered = 0
-        self.pieces = 0
-        self.size = 0
+        self.pieces = pieces  # (a file written in steps goes on where the last step stopped)
+        self.size = size
 
     def write(self, data: bytes) -> None:
         self.buffer.append(data)
@@ -193,6 +217,7 @@ class _Writer:
             self.buffer, self.buffered = ([rest] if rest else []), len(rest)
 
     def close(self) -> None:
+        """Write what is buffered (a piece shorter than PIECE)."""
         if self.buffered:
             self._put(b"".join(self.buffer))
             self.buffer, self.buffered = [], 0
@@ -267,11 +292,12 @@ class Store:
         return row
 
     def usage(self) -> int:
-        """Bytes held in all: every file, and the lines and results of unfinished batches."""
+        """Bytes held in all: every file (uploads under way too), and the lines and results of unfinished batches."""
         files = self._one("SELECT COALESCE(SUM(bytes), 0) FROM files")
+        uploading = self._one("SELECT COALESCE(SUM(LENGTH(data)), 0) FROM blobs WHERE file_id IN (SELECT file_id FROM uploads)")
         held = self._one("SELECT COALESCE(SUM(held), 0) FROM batches")
-        assert files is not None and held is not None
-        return int(files[0]) + int(held[0])
+        assert files is not None and held is not None and uploading is not None
+        return int(files[0]) + int(held[0]) + int(uploading[0])
 
     # -- files
 
@@ -290,19 +316,32 @@ class Store:
             raise BadInput("the file's name is not valid Unicode text", "file") from None
         file_id = "file-" + secrets.token_hex(16)
         with self._tx() as db:
-            writer = _Writer(db, file_id)
-            while writer.size <= size:
-                data = source.read(min(PIECE, size + 1 - writer.size))
+            db.execute("INSERT INTO uploads (file_id) VALUES (?)", (file_id,))
+        try:
+            # a piece per transaction: called from a thread, the event loop's calls go on between them
+            written = pieces = 0
+            while written <= size:
+                data = _read_piece(source, min(PIECE, size + 1 - written))
                 if not data:
                     break
-                writer.write(data)
-            if writer.size != size:
-                raise BadInput(f"the upload has {writer.size} bytes where {size} were announced", "file")
-            writer.close()
-            now = self._now()
-            db.execute("INSERT INTO files (id, owner, filename, purpose, bytes, created_at) VALUES (?, ?, ?, ?, ?, ?)",
-                       (file_id, owner, filename, purpose, size, now))
-            row = db.execute("SELECT * FROM files WHERE id = ?", (file_id,)).fetchone()
+                with self._tx() as db:
+                    db.execute("INSERT INTO blobs (file_id, piece, data) VALUES (?, ?, ?)", (file_id, pieces, data))
+                written += len(data)
+                pieces += 1
+            if written != size:
+                raise BadInput(f"the upload has {written} bytes where {size} were announced", "file")
+            with self._tx() as db:
+                if self.usage() > limits.max_total_bytes:  # (others stored meanwhile; this file's pieces count already)
+                    raise TooLarge("batch.max_total_bytes", limits.max_total_bytes, f"the file ({size} bytes)")
+                db.execute("INSERT INTO files (id, owner, filename, purpose, bytes, created_at) VALUES (?, ?, ?, ?, ?, ?)",
+                           (file_id, owner, filename, purpose, size, self._now()))
+                db.execute("DELETE FROM uploads WHERE file_id = ?", (file_id,))
+                row = db.execute("SELECT * FROM files WHERE id = ?", (file_id,)).fetchone()
+        except BaseException:
+            with self._tx() as db:
+                db.execute("DELETE FROM blobs WHERE file_id = ?", (file_id,))
+                db.execute("DELETE FROM uploads WHERE file_id = ?", (file_id,))
+            raise
         return _file_object(row)
 
     def file(self, file_id: str, owner: str | None) -> dict:
@@ -334,8 +373,7 @@ class Store:
         self._file_row(file_id, owner)
         return self._pieces(file_id)
 
-    def _pieces(self, file_id: str) -> Iterator[bytes]:
-        piece = 0
+    def _pieces(self, file_id: str, piece: int = 0) -> Iterator[bytes]:
         while True:  # one small query per piece: no cursor held open between them
             row = self._one("SELECT data FROM blobs WHERE file_id = ? AND piece = ?", (file_id, piece))
             if row is None:
@@ -425,39 +463,60 @@ class Store:
     def validating(self) -> list[str]:
         return [r[0] for r in self._all("SELECT id FROM batches WHERE status = ? ORDER BY n", (Status.VALIDATING.value,))]
 
-    def validate(self, batch_id: str, models: Callable[[str], bool] | None) -> dict:
+    def validate(self, batch_id: str, models: Callable[[str], bool] | None, *, step: int | None = STEP_BYTES) -> dict:
         """Read the input file: errors -> failed with `errors`; else a row per line, -> in_progress.
-        A batch no longer validating (cancelled meanwhile) is left as it is."""
+        One call reads about `step` bytes (None: all) and the batch stays validating until the
+        file is read: call it again while validating() lists it (each step one transaction, so a
+        kill -9 resumes where the last step ended). A batch no longer validating is left as it is."""
         with self._tx() as db:
             row = self._batch_row(batch_id)
             if row["status"] != Status.VALIDATING:
                 return _batch_object(row)
-            size = db.execute("SELECT bytes FROM files WHERE id = ?", (row["input_file_id"],)).fetchone()
-            errors: list[lines_mod.LineError] = []
-            if size is None:  # (a running batch's input cannot be deleted; kept for safety)
-                errors.append(lines_mod.error("file_not_found", f"the input file {row['input_file_id']} is gone", None, None))
-            elif self.usage() + size[0] > self.limits.max_total_bytes:
+            file_id = row["input_file_id"]
+            found = db.execute("SELECT bytes FROM files WHERE id = ?", (file_id,)).fetchone()
+            errors: list[lines_mod.LineError] = json.loads(row["errors"]) if row["errors"] else []
+            if found is None:  # (a file an unfinished batch reads cannot be deleted; kept for safety)
+                errors.append(lines_mod.error("file_not_found", f"the input file {file_id} is gone", None, None))
+                return self._validated(db, batch_id, errors, 0, 0)
+            size = found[0]
+            if row["progress"] == 0 and self.usage() + size > self.limits.max_total_bytes:
                 too = TooLarge("batch.max_total_bytes", self.limits.max_total_bytes, "running this batch")
                 errors.append(lines_mod.error(too.code or "", too.message, None, None))
-            total = held = 0
-            if not errors:
-                for item in lines_mod.scan(self._pieces(row["input_file_id"]), row["endpoint"], models):
-                    if not isinstance(item, lines_mod.Line):
-                        if len(errors) < lines_mod.MAX_ERRORS:
-                            errors.append(item)
-                        continue
-                    if errors:
-                        continue  # only errors are gathered now
-                    db.execute("INSERT INTO lines (batch_id, number, custom_id, model, body) VALUES (?, ?, ?, ?, ?)",
-                               (batch_id, item.number, item.custom_id, item.model, item.body))
-                    total += 1
-                    held += len(item.body)
-            if errors:
-                db.execute("DELETE FROM lines WHERE batch_id = ?", (batch_id,))
-                self._move(db, batch_id, Status.VALIDATING, Status.FAILED, errors=json.dumps(errors))
-            else:
-                self._move(db, batch_id, Status.VALIDATING, Status.IN_PROGRESS, total=total, held=held)
-        return self.batch(batch_id, None)
+                return self._validated(db, batch_id, errors, 0, 0)
+            offset, number, total, held = row["progress"], row["lines_read"], row["total"], row["held"]
+            for number, raw, offset in _lines_from(self._pieces(file_id, row["progress"] // PIECE), row["progress"],
+                                                   row["lines_read"]):
+                if raw.strip():
+                    item = lines_mod.check_line(number, raw, row["endpoint"], models, set())
+                    if isinstance(item, lines_mod.Line) and not db.execute(
+                            "INSERT OR IGNORE INTO lines (batch_id, number, custom_id, model, body) VALUES (?, ?, ?, ?, ?)",
+                            (batch_id, item.number, item.custom_id, item.model, item.body)).rowcount:
+                        item = lines_mod.error("duplicate_custom_id", "The custom_id of this line is used on an earlier "
+                                               "line; each must be unique", "custom_id", number)
+                    if isinstance(item, lines_mod.Line):
+                        total += 1
+                        held += len(item.body)
+                    elif len(errors) < lines_mod.MAX_ERRORS:
+                        errors.append(item)
+                if step is not None and offset - row["progress"] >= step:
+                    break
+            if offset < size:  # more next time
+                db.execute("UPDATE batches SET progress = ?, lines_read = ?, total = ?, held = ?, errors = ? WHERE id = ?",
+                           (offset, number, total, held, json.dumps(errors) if errors else None, batch_id))
+                return self.batch(batch_id, None)
+            if not total and not errors:
+                errors.append(lines_mod.error("empty_file", "The input file has no lines; each line is one request as JSON",
+                                              None, None))
+            return self._validated(db, batch_id, errors, total, held)
+
+    def _validated(self, db: sqlite3.Connection, batch_id: str, errors: list, total: int, held: int) -> dict:
+        """The end of validation: failed with its errors (no lines kept), or in_progress."""
+        if errors:
+            db.execute("DELETE FROM lines WHERE batch_id = ?", (batch_id,))
+            self._move(db, batch_id, Status.VALIDATING, Status.FAILED, errors=json.dumps(errors), total=0, held=0)
+        else:
+            self._move(db, batch_id, Status.VALIDATING, Status.IN_PROGRESS, total=total, held=held)
+        return _batch_object(db.execute("SELECT * FROM batches WHERE id = ?", (batch_id,)).fetchone())
 
     def claim(self, batch_id: str, n: int, model: str | None = None) -> list[Claimed]:
         """Up to n pending lines (of `model`, if given), oldest first, now running; none unless in_progress."""
@@ -559,10 +618,12 @@ class Store:
             "(SELECT 1 FROM lines l WHERE l.batch_id = b.id AND l.state = 'running')) OR status = 'finalizing' ORDER BY n")
         return [r[0] for r in rows]
 
-    def finalize(self, batch_id: str) -> dict:
+    def finalize(self, batch_id: str, *, step: int | None = STEP_LINES) -> dict:
         """-> finalizing -> the output file (2xx answers) and the error file (the rest), purpose
         "batch_output", in line order -> completed (cancelled from cancelling; expired past
-        expires_at). A line not done by then fails. Idempotent: a finished batch is returned as it is."""
+        expires_at). A line not done by then fails. One call writes `step` lines (None: all); the
+        batch is listed by finish_ready() until it ends (each step one transaction: a kill -9
+        resumes). The files appear, whole, at the end. Idempotent: a finished batch is returned as it is."""
         row = self._batch_row(batch_id)
         if row["status"] in TERMINAL:
             return _batch_object(row)
@@ -572,45 +633,60 @@ class Store:
                 if row["status"] == Status.IN_PROGRESS:
                     ending = Status.EXPIRED if self._now() >= row["expires_at"] else Status.COMPLETED
                     self._move(db, batch_id, Status.IN_PROGRESS, Status.FINALIZING, ending=ending.value)
-        with self._tx() as db:
-            row = self._batch_row(batch_id)
-            status = Status(row["status"])
-            if status in TERMINAL:
-                return _batch_object(row)
-            ending = Status.CANCELLED if status == Status.CANCELLING else Status(row["ending"] or Status.COMPLETED)
-            check(status, ending)  # (a validating batch cannot be finalized)
-            code, message = _LEFT[ending]
-            db.execute("UPDATE lines SET state = 'done', error = ? WHERE batch_id = ? AND state != 'done'",
-                       (json.dumps({"code": code, "message": message}), batch_id))
-            output, errors, completed, failed = self._write_results(db, row)
-            self._move(db, batch_id, status, ending, output_file_id=output, error_file_id=errors,
-                       completed=completed, failed=failed, held=0)
-            db.execute("DELETE FROM lines WHERE batch_id = ?", (batch_id,))
-        return self.batch(batch_id, None)
+        while True:
+            with self._tx() as db:
+                row = self._batch_row(batch_id)
+                status = Status(row["status"])
+                if status in TERMINAL:
+                    return _batch_object(row)
+                ending = Status.CANCELLED if status == Status.CANCELLING else Status(row["ending"] or Status.COMPLETED)
+                check(status, ending)  # (a validating batch cannot be finalized)
+                if row["out_id"] is None:  # the first step: nothing may run or wait any more
+                    code, message = _LEFT[ending]
+                    left = db.execute("UPDATE lines SET state = 'done', error = ? WHERE batch_id = ? AND state != 'done'",
+                                      (json.dumps({"code": code, "message": message}), batch_id)).rowcount
+                    db.execute("UPDATE batches SET failed = failed + ?, out_id = ?, err_id = ? WHERE id = ?",
+                               (left, "file-" + secrets.token_hex(16), "file-" + secrets.token_hex(16), batch_id))
+                    row = self._batch_row(batch_id)
+                if self._finalize_step(db, row, status, ending, step):
+                    return self.batch(batch_id, None)
+            if step is not None:
+                return self.batch(batch_id, None)
 
-    def _write_results(self, db: sqlite3.Connection, row: sqlite3.Row) -> tuple[str | None, str | None, int, int]:
-        """The output and error files of a batch's lines (None where no line goes), and the counts."""
-        names = {True: "file-" + secrets.token_hex(16), False: "file-" + secrets.token_hex(16)}
-        writers = {ok: _Writer(db, file_id) for ok, file_id in names.items()}
-        counts = {True: 0, False: 0}
-        cursor = db.execute("SELECT custom_id, status_code, response, request_id, error FROM lines WHERE batch_id = ? "
-                            "ORDER BY number", (row["id"],))
-        for line in cursor:
+    def _finalize_step(self, db: sqlite3.Connection, row: sqlite3.Row, status: Status, ending: Status,
+                       step: int | None) -> bool:
+        """Append the next `step` lines to the output and error files; at the last, the files and
+        the end. True when the batch has ended."""
+        batch_id = row["id"]
+        writers = {True: _Writer(db, row["out_id"], row["out_pieces"], row["out_bytes"]),
+                   False: _Writer(db, row["err_id"], row["err_pieces"], row["err_bytes"])}
+        sql = ("SELECT number, custom_id, status_code, response, request_id, error FROM lines WHERE batch_id = ? "
+               "AND number > ? ORDER BY number")
+        rows = db.execute(sql + ("" if step is None else " LIMIT ?"),
+                          (batch_id, row["progress"]) + (() if step is None else (step,))).fetchall()
+        for line in rows:
             ok = line["error"] is None and line["status_code"] is not None and 200 <= line["status_code"] < 300
             writers[ok].write(_result_line(line))
-            counts[ok] += 1
-        now = self._now()
+        for writer in writers.values():
+            writer.close()
+        last = rows[-1]["number"] if rows else row["progress"]
+        db.execute("DELETE FROM lines WHERE batch_id = ? AND number <= ?", (batch_id, last))
+        if step is not None and len(rows) == step:
+            db.execute("UPDATE batches SET progress = ?, out_pieces = ?, out_bytes = ?, err_pieces = ?, err_bytes = ? "
+                       "WHERE id = ?", (last, writers[True].pieces, writers[True].size, writers[False].pieces,
+                                        writers[False].size, batch_id))
+            return False
         ids: dict[bool, str | None] = {}
         for ok, writer in writers.items():
-            if not counts[ok]:
-                ids[ok] = None
-                continue
-            writer.close()
-            ids[ok] = names[ok]
-            db.execute("INSERT INTO files (id, owner, filename, purpose, bytes, created_at) VALUES (?, ?, ?, ?, ?, ?)",
-                       (names[ok], row["owner"], f"{row['id']}_{'output' if ok else 'error'}.jsonl", "batch_output",
-                        writer.size, now))
-        return ids[True], ids[False], counts[True], counts[False]
+            ids[ok] = writer.file_id if writer.size else None
+            if writer.size:
+                db.execute("INSERT INTO files (id, owner, filename, purpose, bytes, created_at) VALUES (?, ?, ?, ?, ?, ?)",
+                           (writer.file_id, row["owner"], f"{batch_id}_{'output' if ok else 'error'}.jsonl",
+                            "batch_output", writer.size, self._now()))
+        self._move(db, batch_id, status, ending, output_file_id=ids[True], error_file_id=ids[False], held=0,
+                   progress=last, out_pieces=writers[True].pieces, out_bytes=writers[True].size,
+                   err_pieces=writers[False].pieces, err_bytes=writers[False].size)
+        return True
 
     def expire(self) -> list[str]:
         """In_progress batches past expires_at: their pending lines fail (batch_expired), then finalize."""
@@ -618,7 +694,7 @@ class Store:
                                        (self._now(),))]
         for batch_id in ids:
             self.fail_pending(batch_id, None, *_LEFT[Status.EXPIRED])
-            self.finalize(batch_id)
+            self.finalize(batch_id)  # (a large batch ends in later steps: finish_ready lists it)
         return ids
 
     def purge(self) -> int:
@@ -649,11 +725,51 @@ class Store:
 
     def recover(self) -> None:
         """After a crash: running lines back to pending with attempt+1 (the interrupted attempt's
-        answer is refused by record()), and finalizing batches finalized again."""
+        answer is refused by record()), an upload cut short removed, and finalizing batches
+        finalized (to the end: this runs before anything is served)."""
         with self._tx() as db:
             db.execute("UPDATE lines SET state = 'pending', attempt = attempt + 1 WHERE state = 'running'")
+            db.execute("DELETE FROM blobs WHERE file_id IN (SELECT file_id FROM uploads)")
+            db.execute("DELETE FROM uploads")
         for row in self._all("SELECT id FROM batches WHERE status = 'finalizing' ORDER BY n"):
-            self.finalize(row[0])
+            self.finalize(row[0], step=None)
+
+
+def _read_piece(source: BinaryIO, n: int) -> bytes:
+    """Up to n bytes of `source` (fewer only at its end: a pipe or socket may give less per read)."""
+    parts: list[bytes] = []
+    while n > 0:
+        data = source.read(n)
+        if not data:
+            break
+        parts.append(data)
+        n -= len(data)
+    return b"".join(parts)
+
+
+def _lines_from(pieces: Iterator[bytes], offset: int, number: int) -> Iterator[tuple[int, bytes, int]]:
+    """(line number, bytes, the offset after it) of each line from `offset` (the start of a line)
+    on; `pieces` start at the piece that holds `offset` (an input file's pieces are all PIECE long
+    but its last)."""
+    skip = offset % PIECE
+    head: list[bytes] = []
+    base = offset - skip  # the file offset of the current piece's first byte
+    for piece in pieces:
+        start = skip
+        skip = 0
+        while (end := piece.find(b"\n", start)) >= 0:
+            raw = piece[start:end]
+            if head:
+                raw = b"".join([*head, raw])
+                head = []
+            number += 1
+            yield number, raw, base + end + 1
+            start = end + 1
+        if start < len(piece):
+            head.append(piece[start:])
+        base += len(piece)
+    if head:
+        yield number + 1, b"".join(head), base
 
 
 def _marks(values: tuple) -> str:
