@@ -24,11 +24,13 @@ import click
 from rich import box
 from rich.console import Console, Group, JustifyMethod, RenderableType
 from rich.live import Live
+from rich.panel import Panel
+from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
 from vsup.errors import VsupError
-from vsup.observe import by_model, fmt
+from vsup.observe import batch_view, by_model, fmt
 from vsup.observe.fmt import duration
 from vsup.safetext import printable
 from vsup.supervisor.control import request
@@ -150,9 +152,37 @@ def notes(status: Mapping[str, Any]) -> Text | None:
     return Text(printable("\n".join(lines), newlines=True), style="yellow") if lines else None
 
 
+def batch_panel(status: Mapping[str, Any], now: float) -> Panel | None:
+    """The Batch API's running batches and those ended lately: a bar each, then batch_view's cells
+    (a client's metadata and ids `printable`, as Text: never read as markup)."""
+    batches = status.get("batches") or []
+    if not batches:
+        return None
+    t = Table(box=box.SIMPLE_HEAD, pad_edge=False, expand=False)
+    columns = batch_view.COLUMNS
+    for name in columns[:4]:
+        t.add_column(name, no_wrap=True, overflow="ellipsis", max_width=BATCH_ID_WIDTH if name == "BATCH" else MODEL_WIDTH)
+    t.add_column("", no_wrap=True)  # the bar
+    for name in columns[4:]:
+        t.add_column(name, justify="left" if name == "METADATA" else "right", no_wrap=True, overflow="ellipsis",
+                     max_width=MODEL_WIDTH * 2 if name == "METADATA" else None)
+    for entry in batches:
+        cells = [_plain(cell) for cell in batch_view.cells(entry, now)]
+        cells[1].stylize(batch_view.STATUS_STYLES.get(str(entry.get("status")), ""))
+        bar = ProgressBar(total=1.0, completed=batch_view.fraction(entry), width=BAR_WIDTH)
+        t.add_row(*cells[:4], bar, *cells[4:])
+    return Panel(t, title="batches", title_align="left", box=box.ROUNDED, expand=False)
+
+
+BAR_WIDTH = 20
+BATCH_ID_WIDTH = 16  # batch_<32 hex> cut: enough to tell them apart, `vsup batch show` takes the whole id
+
+
 def view(status: Mapping[str, Any], error: str | None, interval: float) -> RenderableType:
     below = notes(status)
-    return Group(header(status, error, interval), table(status), *((below,) if below is not None else ()))
+    batches = batch_panel(status, time.time())
+    return Group(header(status, error, interval), table(status), *((below,) if below is not None else ()),
+                 *((batches,) if batches is not None else ()))
 
 
 @contextlib.contextmanager
