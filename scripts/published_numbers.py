@@ -547,6 +547,57 @@ def priority(link: str, file: str = "priority_bench.json") -> str:
             f"progressing): {'met' if goal['met'] else 'not met'}. {conditions(data, link)}")
 
 
+# ---- bench/batch_bench.py -------------------------------------------------------------------------
+
+def _batch_backend(f: dict[str, Any]) -> str:
+    st = f["settings"]
+    kind = "fake vLLM" if f["backend"] == "fake" else "real vLLM CPU"
+    if st["endpoint"] == "/v1/embeddings":
+        return (f"one `vsup run`: {st['chat_instances']} {kind} chat instance(s) of the tiny random Llama and {st['instances']} "
+                f"embedding instance(s) of the same weights, --max-num-seqs {st['max_num_seqs']}; embeddings batches of "
+                f"{st['lines']} lines ({st['prompt_words']}-word inputs)")
+    return (f"one `vsup run` of {st['instances']} {kind} instances of the tiny random Llama, --max-num-seqs {st['max_num_seqs']}; "
+            f"chat batches of {st['lines']} lines ({st['prompt_words']}-word prompts, {st['batch_tokens']} tokens each)")
+
+
+def batch_line(link: str, file: str = "batch_bench.json") -> str:
+    """One sentence: the issue's three bars from one run of bench/batch_bench.py."""
+    data = with_file(file)
+    f = data["figures"]
+    r, k = f["ratios"], f.get("kill")
+    kill = (f"; vsup killed with -9 at {k['lines_done_at_kill']:,} of {k['lines']:,} lines and started again: "
+            f"{k['output_results']:,} results for {k['custom_ids']:,} custom_ids, {k['duplicates']} twice, {k['missing']} missing"
+            if k else "")
+    return (f"{_batch_backend(f)}: a chat's TTFT p50 beside a batch {r['ttft_p50_beside_over_alone']:.2f}× its p50 alone "
+            f"(bar ≤ 1.5), a batch alone {r['batch_over_best_loop']:.2f}× the lines/s of the best client loop (bar ≥ 0.9){kill}; "
+            f"{'every bar met' if f['met'] else 'not every bar met'}. {conditions(data, link)}")
+
+
+def batch(link: str, file: str = "batch_bench.json") -> str:
+    """bench/batch_bench.py: the chat alone and beside a batch, the loops, the batch, the kill."""
+    data = with_file(file)
+    f = data["figures"]
+    alone, near, best = f["alone"], f["beside"], f["best_loop"]
+    rows = [f"| a chat alone ({alone['requests']} chats) | TTFT p50 {fmt_s(alone['ttft_p50_s'])}, p90 {fmt_s(alone['ttft_p90_s'])} | |",
+            f"| a chat beside a batch of {near['batch_lines']:,} lines ({near['requests']} chats) | TTFT p50 "
+            f"{fmt_s(near['ttft_p50_s'])}, p90 {fmt_s(near['ttft_p90_s'])}; the batch {near['batch_lines_per_s']:.1f} lines/s | "
+            f"p50 {f['ratios']['ttft_p50_beside_over_alone']:.2f}× alone (bar ≤ 1.5) |"]
+    for row in f["loop"]:
+        mark = " (the best)" if row == best else ""
+        rows.append(f"| a client loop, {row['concurrency']} in flight{mark} | {row['lines_per_s']:.1f} lines/s | |")
+    rows.append(f"| the batch alone (openai SDK, to `completed`) | {f['batch']['lines_per_s']:.1f} lines/s | "
+                f"{f['ratios']['batch_over_best_loop']:.2f}× the best loop (bar ≥ 0.9) |")
+    k = f.get("kill")
+    if k:
+        rows.append(f"| kill -9 of vsup at {k['lines_done_at_kill']:,} of {k['lines']:,} lines, started again (ready in "
+                    f"{fmt_s(k['restart_ready_s'])}) | {k['status']}: {k['output_results']:,} results for {k['custom_ids']:,} "
+                    f"custom_ids, {k['duplicates']} twice, {k['missing']} missing, {k['error_results']} errors | "
+                    f"{'one result each' if k['met'] else 'NOT one result each'} |")
+    verdicts = "; ".join(f"{b['what']}: {'met' if b['met'] else 'not met'}" for b in f["bars"])
+    return (f"{_batch_backend(f)}:\n\n| what | measured | against the bar |\n|---|---|---|\n" + "\n".join(rows)
+            + f"\n\n{verdicts}. {conditions(data, link)}")
+
+
 # ---- bench/start_bench.py -------------------------------------------------------------------------
 
 GIB = 1024**3
