@@ -444,7 +444,7 @@ def concurrencies(args) -> list[int]:
     if args.concurrency:
         return sorted({int(c) for c in args.concurrency.split(",")})
     slots = args.instances * args.max_num_seqs
-    return sorted({max(1, slots // 2), slots - args.instances, slots, 2 * slots} - {0})
+    return sorted({max(1, slots // 2), slots - args.instances, slots, 2 * slots, 4 * slots})
 
 
 async def warm_up(url: str, args) -> None:
@@ -553,7 +553,7 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--chat-instances", type=int, default=1, help="--endpoint /v1/embeddings: instances of the chat model")
     parser.add_argument("--max-num-seqs", type=int, default=None, help="each instance's --max-num-seqs: its slots (default 16; --fake 4)")
     parser.add_argument("--concurrency", default=None, help="the client loop's concurrencies, comma-separated (default: half "
-                        "the slots, the batch's share, all slots, twice the slots)")
+                        "the slots, the batch's share, all slots, twice and four times the slots: vLLM queues the rest)")
     parser.add_argument("--prompt-words", type=int, default=64, help="words of a line's prompt (or input)")
     parser.add_argument("--batch-tokens", type=int, default=None, help="tokens a chat line generates (default 32; --fake 8)")
     parser.add_argument("--chat-tokens", type=int, default=16, help="tokens an interactive chat generates")
