@@ -153,7 +153,8 @@ def vsup_config(args, workdir: Path) -> dict:
         "stop": {"timeout": 10},
         "log": {"dir": str(workdir / "logs"), "echo": True},
         "control": {"socket": str(workdir / "control.sock")},
-        "batch": {"dir": str(workdir / "batches")},
+        "batch": {"dir": str(workdir / "batches"),
+                  **({"slots_per_instance": args.slots_per_instance} if args.slots_per_instance else {})},
     }
     if args.endpoint == EMBED_ENDPOINT:
         config["models"] = [
@@ -552,6 +553,8 @@ def parse_args(argv: list[str] | None):
                         "1 for embeddings, beside --chat-instances of the chat model)")
     parser.add_argument("--chat-instances", type=int, default=1, help="--endpoint /v1/embeddings: instances of the chat model")
     parser.add_argument("--max-num-seqs", type=int, default=None, help="each instance's --max-num-seqs: its slots (default 16; --fake 4)")
+    parser.add_argument("--slots-per-instance", type=int, default=None, help="batch.slots_per_instance (default: auto, "
+                        "the --max-num-seqs: batch lines take all but one)")
     parser.add_argument("--concurrency", default=None, help="the client loop's concurrencies, comma-separated (default: half "
                         "the slots, the batch's share, all slots, twice and four times the slots: vLLM queues the rest)")
     parser.add_argument("--prompt-words", type=int, default=64, help="words of a line's prompt (or input)")
@@ -580,6 +583,8 @@ def parse_args(argv: list[str] | None):
     for name in ("lines", "beside_lines", "chats", "instances", "chat_instances", "prompt_words", "batch_tokens", "chat_tokens"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.slots_per_instance is not None and args.slots_per_instance < 2:
+        parser.error("--slots-per-instance must be at least 2 (one slot stays for interactive requests)")
     if args.max_num_seqs < 2:
         parser.error("--max-num-seqs must be at least 2 (one slot of each instance stays for interactive requests)")
     if args.kill_halfway and args.lines < 4:
