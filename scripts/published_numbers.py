@@ -549,15 +549,21 @@ def priority(link: str, file: str = "priority_bench.json") -> str:
 
 # ---- bench/batch_bench.py -------------------------------------------------------------------------
 
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.0f} ms" if seconds < 1 else fmt_s(seconds)
+
+
 def _batch_backend(f: dict[str, Any]) -> str:
     st = f["settings"]
     kind = "fake vLLM" if f["backend"] == "fake" else "real vLLM CPU"
+    if st.get("slots_per_instance"):
+        kind = f"{kind} (batch.slots_per_instance {st['slots_per_instance']})"
     if st["endpoint"] == "/v1/embeddings":
         return (f"one `vsup run`: {st['chat_instances']} {kind} chat instance(s) of the tiny random Llama and {st['instances']} "
                 f"embedding instance(s) of the same weights, --max-num-seqs {st['max_num_seqs']}; embeddings batches of "
-                f"{st['lines']} lines ({st['prompt_words']}-word inputs)")
+                f"{st['lines']:,} lines ({st['prompt_words']}-word inputs)")
     return (f"one `vsup run` of {st['instances']} {kind} instances of the tiny random Llama, --max-num-seqs {st['max_num_seqs']}; "
-            f"chat batches of {st['lines']} lines ({st['prompt_words']}-word prompts, {st['batch_tokens']} tokens each)")
+            f"chat batches of {st['lines']:,} lines ({st['prompt_words']}-word prompts, {st['batch_tokens']} tokens each)")
 
 
 def batch_line(link: str, file: str = "batch_bench.json") -> str:
@@ -578,9 +584,9 @@ def batch(link: str, file: str = "batch_bench.json") -> str:
     data = with_file(file)
     f = data["figures"]
     alone, near, best = f["alone"], f["beside"], f["best_loop"]
-    rows = [f"| a chat alone ({alone['requests']} chats) | TTFT p50 {fmt_s(alone['ttft_p50_s'])}, p90 {fmt_s(alone['ttft_p90_s'])} | |",
+    rows = [f"| a chat alone ({alone['requests']} chats) | TTFT p50 {_ms(alone['ttft_p50_s'])}, p90 {_ms(alone['ttft_p90_s'])} | |",
             f"| a chat beside a batch of {near['batch_lines']:,} lines ({near['requests']} chats) | TTFT p50 "
-            f"{fmt_s(near['ttft_p50_s'])}, p90 {fmt_s(near['ttft_p90_s'])}; the batch {near['batch_lines_per_s']:.1f} lines/s | "
+            f"{_ms(near['ttft_p50_s'])}, p90 {_ms(near['ttft_p90_s'])}; the batch {near['batch_lines_per_s']:.1f} lines/s | "
             f"p50 {f['ratios']['ttft_p50_beside_over_alone']:.2f}× alone (bar ≤ 1.5) |"]
     for row in f["loop"]:
         mark = " (the best)" if row == best else ""
@@ -704,6 +710,9 @@ RENDERERS: dict[str, Callable[[str], str]] = {
     "start-table-compiled": lambda link: start_table(link, "start_bench.json"),
     "priority": priority,
     "priority-vllm": lambda link: priority(link, "priority_bench-vllm.json"),
+    "batch": batch,
+    "batch-embeddings": lambda link: batch(link, "batch_bench-embeddings.json"),
+    "batch-line": batch_line,
 }
 
 
