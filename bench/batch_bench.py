@@ -110,10 +110,12 @@ def line_bodies(args, salt: str, lines: int | None = None) -> list[dict]:
     meets a prefix cache another filled)."""
     rng = random.Random(f"{args.seed}/{salt}")
     count = args.lines if lines is None else lines
+    # --vllm-priority: vLLM's own priority (lower first) on every line, for its priority scheduler
+    extra = {"priority": args.vllm_priority} if args.vllm_priority is not None else {}
     if args.endpoint == EMBED_ENDPOINT:
-        return [{"model": EMBED, "input": text(rng, args.prompt_words)} for _ in range(count)]
+        return [{"model": EMBED, "input": text(rng, args.prompt_words), **extra} for _ in range(count)]
     return [{"model": CHAT, "messages": [{"role": "user", "content": "Summarize: " + text(rng, args.prompt_words)}],
-             "max_tokens": args.batch_tokens, "ignore_eos": True, "temperature": 0} for _ in range(count)]
+             "max_tokens": args.batch_tokens, "ignore_eos": True, "temperature": 0, **extra} for _ in range(count)]
 
 
 def jsonl(bodies: list[dict], endpoint: str, salt: str) -> tuple[bytes, list[str]]:
@@ -130,6 +132,8 @@ def vsup_config(args, workdir: Path) -> dict:
     """One `vsup run`: the chat model (and with --endpoint /v1/embeddings an embedding model of the
     same weights), the batch store in the run's folder."""
     slots = ["--max-num-seqs", str(args.max_num_seqs)]
+    if args.vllm_priority is not None:  # vLLM's waiting queue by priority: a chat (0) before queued lines
+        slots += ["--scheduling-policy", "priority"]
     if args.fake:
         vllm: dict = {"command": [sys.executable, str(ROOT / "tests" / "fake_per_port.py"), "serve"], "args": slots,
                       "env": {"FAKE_VLLM_CHILD": "0", "FAKE_VLLM_SHM": "0", "FAKE_VLLM_ACCESS_LOG": "0",
@@ -555,6 +559,8 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--max-num-seqs", type=int, default=None, help="each instance's --max-num-seqs: its slots (default 16; --fake 4)")
     parser.add_argument("--slots-per-instance", type=int, default=None, help="batch.slots_per_instance (default: auto, "
                         "the --max-num-seqs: batch lines take all but one)")
+    parser.add_argument("--vllm-priority", type=int, default=None, help="an experiment: vLLM's --scheduling-policy "
+                        "priority, and this priority (lower runs first; chats have 0) in every line's body (the loop's too)")
     parser.add_argument("--concurrency", default=None, help="the client loop's concurrencies, comma-separated (default: half "
                         "the slots, the batch's share, all slots, twice and four times the slots: vLLM queues the rest)")
     parser.add_argument("--prompt-words", type=int, default=64, help="words of a line's prompt (or input)")
