@@ -556,13 +556,16 @@ def _ms(seconds: float) -> str:
 def _batch_backend(f: dict[str, Any]) -> str:
     st = f["settings"]
     kind = "fake vLLM" if f["backend"] == "fake" else "real vLLM CPU"
+    seqs = f"--max-num-seqs {st['max_num_seqs']}"
     if st.get("slots_per_instance"):
-        kind = f"{kind} (batch.slots_per_instance {st['slots_per_instance']})"
+        seqs += f", batch.slots_per_instance {st['slots_per_instance']}"
+    if st.get("vllm_priority") is not None:
+        seqs += f", vLLM's priority scheduler with the lines at priority {st['vllm_priority']}"
     if st["endpoint"] == "/v1/embeddings":
         return (f"one `vsup run`: {st['chat_instances']} {kind} chat instance(s) of the tiny random Llama and {st['instances']} "
-                f"embedding instance(s) of the same weights, --max-num-seqs {st['max_num_seqs']}; embeddings batches of "
+                f"embedding instance(s) of the same weights, {seqs}; embeddings batches of "
                 f"{st['lines']:,} lines ({st['prompt_words']}-word inputs)")
-    return (f"one `vsup run` of {st['instances']} {kind} instances of the tiny random Llama, --max-num-seqs {st['max_num_seqs']}; "
+    return (f"one `vsup run` of {st['instances']} {kind} instances of the tiny random Llama, {seqs}; "
             f"chat batches of {st['lines']:,} lines ({st['prompt_words']}-word prompts, {st['batch_tokens']} tokens each)")
 
 
