@@ -182,7 +182,8 @@ class Vsup:
         self.path.write_text(yaml.safe_dump(config))
         self.url = f"http://127.0.0.1:{config['proxy']['port']}"
         self.proc: subprocess.Popen | None = None
-        self.family: set[int] = set()  # every descendant seen: swept at the end
+        self.family: set[psutil.Process] = set()  # every descendant seen: swept at the end (psutil checks a
+        # process is still the one seen before it signals it, so a reused pid is never hit)
         self.starts = 0
 
     def start(self) -> None:
@@ -196,7 +197,7 @@ class Vsup:
     def note_family(self) -> None:
         if self.proc is not None:
             try:
-                self.family |= {c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)}
+                self.family |= set(psutil.Process(self.proc.pid).children(recursive=True))
             except psutil.NoSuchProcess:
                 pass
 
@@ -243,9 +244,8 @@ class Vsup:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
         alive = []
-        for pid in self.family:
+        for process in self.family:
             try:
-                process = psutil.Process(pid)
                 process.kill()
                 alive.append(process)
             except psutil.Error:
@@ -397,11 +397,14 @@ async def beside(client: openai.AsyncOpenAI, url: str, args) -> dict:
     watcher = asyncio.create_task(poll(client, batch_id, lambda b: False, args.batch_timeout, state))
     await poll(client, batch_id, lambda b: done_lines(b) >= 1, args.batch_timeout)  # the instances are full
 
-    def running() -> bool:
+    def running() -> bool:  # (the watcher's last look may be older than the wait's: validating counts as running)
         batch = state.get("batch")
-        return not watcher.done() and (batch is None or (batch.status == "in_progress" and done_lines(batch) < 0.95 * args.beside_lines))
+        return not watcher.done() and (batch is None or (batch.status in ("validating", "in_progress")
+                                                          and done_lines(batch) < 0.95 * args.beside_lines))
 
     ttfts = await chats(url, args, "beside", running)
+    if not ttfts:
+        raise RuntimeError("no chat was measured beside the batch: it ended first (raise --beside-lines)")
     chats_done = done_lines(state["batch"]) if "batch" in state else 0
     batch = await watcher
     elapsed = time.monotonic() - began
@@ -490,7 +493,7 @@ async def run(args, vsup: Vsup) -> dict:
 def figures(out: dict, args) -> dict:
     best = max(out["loop"], key=lambda row: row["lines_per_s"])
     alone, near = out["alone"]["ttft_p50_s"], out["beside"]["ttft_p50_s"]
-    ttft_ratio = near / alone if alone and near else float("nan")
+    ttft_ratio = near / alone
     throughput = out["batch"]["lines_per_s"] / best["lines_per_s"] if best["lines_per_s"] else float("nan")
     bars = [
         {"what": "interactive TTFT p50 beside a batch / alone", "value": round(ttft_ratio, 2), "bar": f"<= {TTFT_BAR:g}",
