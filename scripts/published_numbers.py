@@ -716,6 +716,8 @@ RENDERERS: dict[str, Callable[[str], str]] = {
     "batch": batch,
     "batch-embeddings": lambda link: batch(link, "batch_bench-embeddings.json"),
     "batch-line": batch_line,
+    "batch-slots32": lambda link: batch(link, "batch_bench-slots32.json"),
+    "batch-vllm-priority": lambda link: batch(link, "batch_bench-vllm-priority.json"),
 }
 
 
