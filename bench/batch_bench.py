@@ -34,6 +34,11 @@ With --endpoint /v1/embeddings the batch runs on an embedding model (the chat mo
 there the chat shares the machine (CPUs, memory bandwidth, the proxy) with the batch, not its
 instances.
 
+Two experiments on what trades the bars (docs/batch.md): --slots-per-instance N sets
+batch.slots_per_instance (above --max-num-seqs the lines fill vLLM's own queue too, as the best
+loop does); --vllm-priority P turns on vLLM's priority scheduler (--scheduling-policy priority)
+and gives every line (the loop's too) vLLM priority P, so a chat (0) goes ahead of queued lines.
+
 --fake: fake vLLM instances (tests/fakevllm, real processes, its batched engine model: a decode
 step of --step-time s growing by --seq-cost per extra sequence, --max-num-seqs at once, the rest
 queued), so the figures are vsup's scheduling against that model, not vLLM's speed. The fake
