@@ -216,7 +216,7 @@ def fetch(path) -> dict:
               help="Seconds between refreshes (any key refreshes at once).")
 def top_command(config_path: str | None, socket_path: str | None, interval: float) -> None:
     """Live view of the running vsup's instances: state, tokens/s, requests running/waiting,
-    KV cache, CPU %, RSS, node-local memory. q or Ctrl-C quits."""
+    KV cache, CPU %, RSS, node-local memory; the running batches with a bar each. q or Ctrl-C quits."""
     path = socket_for(config_path, socket_path)
     status = fetch(path)  # not running: one line and exit 2, before the screen is touched
     error = None
