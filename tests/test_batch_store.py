@@ -411,6 +411,16 @@ def test_cancel_while_validating_ends_cancelled(store):
     assert done["status"] == "cancelled" and done["output_file_id"] is None and done["error_file_id"] is None
 
 
+def test_cancel_in_the_middle_of_validation_keeps_no_lines(store):
+    batch = store.create("alice", upload(store, jsonl(300))["id"], CHAT, "24h", None)
+    assert store.validate(batch["id"], None, step=2000)["status"] == "validating"
+    assert store._db.execute("SELECT COUNT(*) FROM lines").fetchone()[0] > 0
+    store.cancel(batch["id"], "alice")
+    done = store.finalize(batch["id"])
+    assert done["status"] == "cancelled" and done["request_counts"] == {"total": 0, "completed": 0, "failed": 0}
+    assert done["error_file_id"] is None and store._db.execute("SELECT COUNT(*) FROM lines").fetchone()[0] == 0
+
+
 def test_cancel_a_finished_batch_is_a_conflict(store):
     batch_id = started(store, jsonl(1))
     (c,) = store.claim(batch_id, 1)
@@ -609,6 +619,20 @@ def test_finalize_in_steps_writes_the_same_files_as_at_once(tmp_path):
     assert all(o == outputs[0] for o in outputs) and len(outputs[0]) == 10
 
 
+def test_a_finalize_step_ends_after_its_bytes_too(store, monkeypatch):
+    monkeypatch.setattr(store_module, "STEP_BYTES", 3000)
+    batch_id = started(store, jsonl(6))
+    big = json.dumps({"data": "e" * 1000}).encode()
+    for c in store.claim(batch_id, 6):
+        store.record(c, 200, big, "r")
+    calls = 1
+    while store.finalize(batch_id, step=1000)["status"] == "finalizing":
+        calls += 1
+    assert calls == 3  # about 1 KiB a line: three lines a step
+    output = read(store, store.batch(batch_id, None)["output_file_id"])
+    assert [o["custom_id"] for o in output] == [f"req-{i}" for i in range(6)]
+
+
 def test_validation_in_steps_survives_a_reopen_and_finds_duplicates_far_apart(tmp_path):
     folder = tmp_path / "b"
     data = jsonl(300) + json.dumps({"custom_id": "req-5", "method": "POST", "url": CHAT, "body": {"model": "m"}}).encode()
@@ -635,8 +659,13 @@ def test_validation_in_steps_keeps_every_line(tmp_path):
     while store.validate(batch["id"], None, step=333)["status"] == "validating":
         pass
     assert store.batch(batch["id"], None)["request_counts"]["total"] == 200
-    numbers = [c.number for c in store.claim(batch["id"], 500)]
-    assert numbers == list(range(1, 201))
+    claimed = store.claim(batch["id"], 500)
+    assert [c.number for c in claimed] == list(range(1, 201))
+    for c in claimed:
+        store.record(c, 200, answer(c), "r")
+    while (done := store.finalize(batch["id"], step=7))["status"] == "finalizing":
+        pass
+    assert [o["custom_id"] for o in read(store, done["output_file_id"])] == [f"req-{i}" for i in range(200)]
     store.close()
 
 
@@ -735,4 +764,45 @@ def test_killed_with_sigkill_mid_batch_resumes_with_one_result_per_custom_id(tmp
     assert all(o["response"]["body"] == {"n": int(o["custom_id"][4:]) + 1} for o in output)
     assert not any(o["response"]["body"].get("stale") for o in output)
     assert done["error_file_id"] is None
+    again.close()
+
+
+FINALIZER = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    from vsup.batch.store import Limits, Store
+
+    store = Store.open(Path(sys.argv[1]), Limits())
+    n = 0
+    while store.finalize(sys.argv[2], step=3)["status"] == "finalizing":
+        n += 1
+        print(n, flush=True)
+""")
+
+
+def test_killed_with_sigkill_while_finalizing_ends_with_every_line_once(tmp_path):
+    folder = tmp_path / "b"
+    lines = 1000
+    store = Store.open(folder, Limits())
+    batch_id = started(store, jsonl(lines))
+    for c in store.claim(batch_id, lines):
+        store.record(c, 200 if c.number % 3 else 500, json.dumps({"n": c.number}).encode(), "r")
+    store.close()
+    child = subprocess.Popen([sys.executable, "-c", FINALIZER, str(folder), batch_id], stdout=subprocess.PIPE,
+                             cwd=REPO, text=True)
+    try:
+        assert child.stdout is not None
+        deadline = time.monotonic() + 60
+        while int(child.stdout.readline() or 0) < 50:  # in the middle of its steps
+            assert time.monotonic() < deadline and child.poll() is None
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        child.stdout.close()
+    again = Store.open(folder, Limits())  # recover() finishes it
+    done = again.batch(batch_id, None)
+    assert done["status"] == "completed" and done["request_counts"] == {"total": lines, "completed": 667, "failed": 333}
+    written = read(again, done["output_file_id"]) + read(again, done["error_file_id"])
+    assert sorted(o["custom_id"] for o in written) == sorted(f"req-{i}" for i in range(lines))
+    assert all(o["response"]["body"] == {"n": int(o["custom_id"][4:]) + 1} for o in written)
     again.close()

@@ -40,12 +40,15 @@ def open_db(directory: Path, name: str = NAME) -> sqlite3.Connection:
             raise VsupError(f"{KEY}: cannot open {directory / name} ({why(exc)}); remove it or choose another folder") from None
     finally:
         os.close(dir_fd)
+    # check_same_thread off: the store serializes its calls under a lock (an upload may run in a thread)
+    db = sqlite3.connect(directory / name, isolation_level=None, check_same_thread=False)
     try:
-        db = sqlite3.connect(directory / name, isolation_level=None, check_same_thread=False)
         mode = db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
         db.execute("PRAGMA synchronous=FULL")
         db.execute("PRAGMA busy_timeout=5000")
+        db.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()  # a file that is not SQLite fails here
     except sqlite3.DatabaseError as exc:
+        db.close()
         raise VsupError(f"{KEY}: {directory / name} cannot be used as the batch store ({exc}); "
                         "move it away and vsup starts an empty one") from None
     if str(mode).lower() != "wal":

@@ -45,13 +45,13 @@ from typing import Any, BinaryIO
 from vsup.batch import lines as lines_mod
 from vsup.batch.dbfile import open_db
 from vsup.batch.errors import BadInput, Conflict, NotFound, TooLarge
-from vsup.batch.status import TERMINAL, TIMESTAMP, Status, check
+from vsup.batch.status import TERMINAL, TIMESTAMP, BatchStateError, Status, check
 
 MiB = 1 << 20
 GiB = 1 << 30
 PIECE = MiB           # a blob row's most bytes; content() yields pieces of this size
-STEP_BYTES = 2 * MiB  # validate() reads about this much input per call (a transaction of ~0.1 s)
-STEP_LINES = 2000     # finalize() writes this many lines per call
+STEP_BYTES = MiB      # validate() reads about this much input per call, finalize() writes (~0.1 s)
+STEP_LINES = 1000     # finalize() writes at most this many lines per call
 DAY = 86400
 WINDOW = 24 * 3600    # completion_window "24h", the only one OpenAI offers
 
@@ -98,8 +98,9 @@ CREATE TABLE IF NOT EXISTS batches (
     held INTEGER NOT NULL DEFAULT 0,              -- bytes of its lines' bodies and results (usage())
     metadata TEXT,
     -- work done in steps (validate, finalize), each step one transaction, so a kill -9 resumes it:
-    progress INTEGER NOT NULL DEFAULT 0,          -- validating: input bytes read; finalizing: last line written
+    progress INTEGER NOT NULL DEFAULT 0,          -- validating: input bytes read
     lines_read INTEGER NOT NULL DEFAULT 0,        -- validating: input lines read
+    written INTEGER NOT NULL DEFAULT 0,           -- finalizing: the last line written to the files
     out_id TEXT, out_pieces INTEGER NOT NULL DEFAULT 0, out_bytes INTEGER NOT NULL DEFAULT 0,
     err_id TEXT, err_pieces INTEGER NOT NULL DEFAULT 0, err_bytes INTEGER NOT NULL DEFAULT 0
 );
@@ -247,7 +248,11 @@ class Store:
             db.close()
             raise
         store = cls(db, limits, clock)
-        store.recover()
+        try:
+            store.recover()
+        except BaseException:
+            db.close()
+            raise
         return store
 
     def close(self) -> None:
@@ -447,8 +452,12 @@ class Store:
                 if status not in (Status.VALIDATING, Status.IN_PROGRESS):
                     raise Conflict(f"{batch_id} is {status.value}; only a validating or in_progress batch can be cancelled",
                                    "batch_id")
-                self._move(db, batch_id, status, Status.CANCELLING)
-                self._fail_pending(db, batch_id, None, *_LEFT[Status.CANCELLED])
+                if status == Status.VALIDATING:  # lines of a file half read were never accepted: none to answer
+                    db.execute("DELETE FROM lines WHERE batch_id = ?", (batch_id,))
+                    self._move(db, batch_id, status, Status.CANCELLING, total=0, held=0, errors=None)
+                else:
+                    self._move(db, batch_id, status, Status.CANCELLING)
+                    self._fail_pending(db, batch_id, None, *_LEFT[Status.CANCELLED])
         return self.batch(batch_id, None)
 
     def _move(self, db: sqlite3.Connection, batch_id: str, old: Status, new: Status, **columns: Any) -> None:
@@ -662,20 +671,29 @@ class Store:
                    False: _Writer(db, row["err_id"], row["err_pieces"], row["err_bytes"])}
         sql = ("SELECT number, custom_id, status_code, response, request_id, error FROM lines WHERE batch_id = ? "
                "AND number > ? ORDER BY number")
-        rows = db.execute(sql + ("" if step is None else " LIMIT ?"),
-                          (batch_id, row["progress"]) + (() if step is None else (step,))).fetchall()
-        for line in rows:
+        cursor = db.execute(sql, (batch_id, row["written"]))
+        last, count, more = row["written"], 0, False
+        start = writers[True].size + writers[False].size
+        for line in cursor:
             ok = line["error"] is None and line["status_code"] is not None and 200 <= line["status_code"] < 300
             writers[ok].write(_result_line(line))
+            last, count = line["number"], count + 1
+            # a step ends after `step` lines or STEP_BYTES written (an embedding's answer is large)
+            if step is not None and (count >= step or writers[True].size + writers[False].size - start >= STEP_BYTES):
+                more = True
+                break
+        cursor.close()
         for writer in writers.values():
             writer.close()
-        last = rows[-1]["number"] if rows else row["progress"]
-        db.execute("DELETE FROM lines WHERE batch_id = ? AND number <= ?", (batch_id, last))
-        if step is not None and len(rows) == step:
-            db.execute("UPDATE batches SET progress = ?, out_pieces = ?, out_bytes = ?, err_pieces = ?, err_bytes = ? "
+        db.execute("DELETE FROM lines WHERE batch_id = ? AND number > ? AND number <= ?", (batch_id, row["written"], last))
+        if more:
+            db.execute("UPDATE batches SET written = ?, out_pieces = ?, out_bytes = ?, err_pieces = ?, err_bytes = ? "
                        "WHERE id = ?", (last, writers[True].pieces, writers[True].size, writers[False].pieces,
                                         writers[False].size, batch_id))
             return False
+        if db.execute("SELECT 1 FROM lines WHERE batch_id = ? LIMIT 1", (batch_id,)).fetchone():
+            # every line is written before the batch ends, or it does not end (a bug, never a lost result)
+            raise BatchStateError(f"{batch_id}: lines left unwritten at the end of finalize")
         ids: dict[bool, str | None] = {}
         for ok, writer in writers.items():
             ids[ok] = writer.file_id if writer.size else None
@@ -684,7 +702,7 @@ class Store:
                            (writer.file_id, row["owner"], f"{batch_id}_{'output' if ok else 'error'}.jsonl",
                             "batch_output", writer.size, self._now()))
         self._move(db, batch_id, status, ending, output_file_id=ids[True], error_file_id=ids[False], held=0,
-                   progress=last, out_pieces=writers[True].pieces, out_bytes=writers[True].size,
+                   written=last, out_pieces=writers[True].pieces, out_bytes=writers[True].size,
                    err_pieces=writers[False].pieces, err_bytes=writers[False].size)
         return True
 
