@@ -50,11 +50,11 @@ class Served:
 
 
 @contextlib.asynccontextmanager
-async def serving(tmp_path: Path, **limits):
+async def serving(tmp_path: Path, read_timeout: float = 60.0, **limits):
     folder = tmp_path / "batches"
     store = Store.open(folder, Limits(**limits))
     served = Served(0, store, folder)
-    routes = BatchRoutes(store, lambda: served.wakes.append(1), lambda model: True, folder)
+    routes = BatchRoutes(store, lambda: served.wakes.append(1), lambda model: True, folder, read_timeout=read_timeout)
 
     async def dispatch(request: Request):
         key = request.authorization.removeprefix("Bearer ")
@@ -227,28 +227,83 @@ async def test_an_upload_declared_over_the_limit_is_refused_before_any_byte_is_r
         assert served.store.files(None) == ([], False) and spooled(served.folder) == []
 
 
+FORM_HEAD = (b'--b0undary\r\nContent-Disposition: form-data; name="purpose"\r\n\r\n%b\r\n'
+             b'--b0undary\r\nContent-Disposition: form-data; name="file"; filename="big.jsonl"\r\n\r\n')
+
+
+async def stream_upload(served: Served, purpose: bytes = b"batch", total: int = 64 * 1024 * 1024) -> tuple[Answer, int]:
+    """A chunked upload of a `total`-byte file, sent until the proxy answers: (its answer, the file
+    bytes sent). `total` is far more than the sockets' buffers hold, so an answer before the body's
+    end shows the proxy stopped reading."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", served.port)
+    kind = "multipart/form-data; boundary=b0undary"
+    writer.write(request_bytes("POST", "/v1/files", headers={"Content-Type": kind, "Transfer-Encoding": "chunked"}))
+    answered = asyncio.create_task(reader.read())
+    piece = b"y" * 65536
+    sent = 0
+    with contextlib.suppress(ConnectionError, TimeoutError):
+        head = FORM_HEAD % purpose
+        writer.write(b"%x\r\n%b\r\n" % (len(head), head))
+        while sent < total and not answered.done():
+            writer.write(b"%x\r\n%b\r\n" % (len(piece), piece))
+            await asyncio.wait_for(writer.drain(), 3)
+            sent += len(piece)
+    answer = parse(await asyncio.wait_for(answered, 10))
+    writer.close()
+    return answer, sent
+
+
 async def test_a_chunked_upload_over_the_limit_stops_at_the_limit_and_the_connection_ends(tmp_path):
     async with serving(tmp_path, max_file_bytes=100_000) as served:
-        reader, writer = await asyncio.open_connection("127.0.0.1", served.port)
-        kind = "multipart/form-data; boundary=b0undary"
-        writer.write(request_bytes("POST", "/v1/files", headers={"Content-Type": kind, "Transfer-Encoding": "chunked"}))
-        head = (b'--b0undary\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
-                b'--b0undary\r\nContent-Disposition: form-data; name="file"; filename="big.jsonl"\r\n\r\n')
-        answered = asyncio.create_task(reader.read())
-        piece = b"y" * 65536
-        sent, total = 0, 64 * 1024 * 1024  # far more than the sockets' buffers hold: it must stop reading
-        with contextlib.suppress(ConnectionError, TimeoutError):
-            writer.write(b"%x\r\n%b\r\n" % (len(head), head))
-            while sent < total and not answered.done():
-                writer.write(b"%x\r\n%b\r\n" % (len(piece), piece))
-                await asyncio.wait_for(writer.drain(), 3)
-                sent += len(piece)
-        answer = parse(await asyncio.wait_for(answered, 10))
-        writer.close()
+        answer, sent = await stream_upload(served)
         assert answer.status == 413, answer
         error = answer.json()["error"]
         assert "batch.max_file_bytes" in error["message"] and error["code"] == "file_too_large"
-        assert sent < total  # answered (and the connection ended) long before the body's end
+        assert sent < 64 * 1024 * 1024  # answered (and the connection ended) long before the body's end
+        assert served.store.files(None) == ([], False) and spooled(served.folder) == []
+
+
+async def test_a_wrong_purpose_sent_first_is_refused_before_the_file_is_read(tmp_path):
+    async with serving(tmp_path) as served:
+        answer, sent = await stream_upload(served, purpose=b"fine-tune")
+        assert answer.status == 400 and answer.json()["error"]["param"] == "purpose"
+        assert sent < 64 * 1024 * 1024
+        assert spooled(served.folder) == []
+
+
+async def test_uploads_in_progress_count_against_the_stores_total(tmp_path):
+    # one upload alone fits; two at once would take the store past max_total_bytes before either
+    # reached it: the second is refused while the first is still arriving, and the first completes
+    async with serving(tmp_path, max_total_bytes=3_000_000) as served:
+        form, kind = multipart([("purpose", None, b"batch"), ("file", "a.jsonl", INPUT * 16000)])
+        assert 2_000_000 < len(form) < 3_000_000
+        data = request_bytes("POST", "/v1/files", body=form, headers={"Content-Type": kind})
+        reader, writer = await asyncio.open_connection("127.0.0.1", served.port)
+        writer.write(data[:-1000])  # all but its end: its bytes are spooled, not stored
+        await writer.drain()
+        for _ in range(500):
+            if any(target.startswith(str(served.folder)) and os.stat(fd).st_size > 1_500_000 for fd, target in open_files()):
+                break
+            await asyncio.sleep(0.01)
+        second, sent = await stream_upload(served, total=2_000_000)
+        assert second.status == 413, second
+        assert "batch.max_total_bytes" in second.json()["error"]["message"]
+        assert sent < 2_000_000
+        writer.write(data[-1000:])
+        first = parse(await asyncio.wait_for(reader.read(), 10))
+        writer.close()
+        assert first.status == 200 and first.json()["bytes"] == len(INPUT) * 16000
+
+
+async def test_an_upload_that_stalls_is_408(tmp_path):
+    async with serving(tmp_path, read_timeout=0.3) as served:
+        form, kind = multipart([("purpose", None, b"batch"), ("file", "in.jsonl", INPUT)])
+        data = request_bytes("POST", "/v1/files", body=form, headers={"Content-Type": kind})
+        reader, writer = await asyncio.open_connection("127.0.0.1", served.port)
+        writer.write(data[:-20])  # and then nothing
+        answer = parse(await asyncio.wait_for(reader.read(), 10))
+        writer.close()
+        assert answer.status == 408 and answer.json()["error"]["code"] == "request_timeout"
         assert served.store.files(None) == ([], False) and spooled(served.folder) == []
 
 

@@ -173,7 +173,7 @@ class TwoModelVsup:
         self.ops = FakeOps(load_time=2.0, stop_time=0.5)
         self.notes: list[str] = []
         self.sup = Supervisor(config, plan, config_path=str(path), notifier=Recorder(self.notes),
-                              environ={"TMPDIR": str(tmp_path)}, ops=self.ops, host=RecordingHost(), fsroot=str(fsroot))
+                              environ={"TMPDIR": str(tmp_path), "XDG_STATE_HOME": str(tmp_path / "state")}, ops=self.ops, host=RecordingHost(), fsroot=str(fsroot))
         self.task: asyncio.Task | None = None
 
     async def start(self) -> None:

@@ -132,6 +132,7 @@ async def test_fixed_keys_are_refused_and_start_keys_are_reported_not_applied(fl
     f = await fleet()
     before = [(i, i.child) for i in f.sup.instances]
     changes = {**FIXED_CHANGES, "log.dir": {"log": {"dir": str(tmp_path / "other")}},
+               "batch.dir": {"batch": {"dir": str(tmp_path / "other-batches")}}, "batch.enabled": {"batch": {"enabled": False}},
                "control.socket": {"control": {"socket": str(tmp_path / "other.sock")}}}
     assert set(changes) == set(rollout.FIXED_KEYS)
     for key, sections in changes.items():
@@ -370,11 +371,29 @@ async def test_ready_when_applies_to_a_vsup_still_starting(tmp_path):
     await f.stop()
 
 
+BATCH_LIVE = {"max_file_bytes": "1MiB", "max_total_bytes": "2MiB", "retention": 60.0, "priority": -50, "max_attempts": 5,
+              "slots_per_instance": 7}
+
+
+async def test_batch_keys_apply_at_once(fleet):
+    from vsup.batch.store import Limits
+
+    f = await fleet()
+    proxy = f.sup.proxy
+    assert proxy.batch_room("m") == 2 * (128 - 1)  # auto: no admission limit, no --max-num-seqs: vLLM's CPU default
+    record = await reload(f, batch=BATCH_LIVE)
+    assert sorted(record["applied"]) == sorted(f"batch.{key}" for key in BATCH_LIVE)
+    assert proxy._store.limits == Limits(1024**2, 2 * 1024**2, 60.0, 5)
+    assert proxy._forwarder.lowest_priority() == -50
+    assert proxy.batch_room("m") == 2 * (7 - 1)  # each of the 2 instances keeps one slot
+    await f.stop()
+
+
 def test_every_live_key_has_a_behaviour_test_here_or_in_test_reload_proxy():
     covered = set(test_reload_proxy.COVERED) | {
         "proxy.drain_timeout", "health.interval", "health.timeout", "health.failures", "health.startup_timeout",
         "health.startup_stall", "health.warmup.enabled", "health.warmup.prompt", "health.warmup.max_tokens", "health.warmup.timeout",
         *(f"restart.{k}" for k in ("max_delay", "max_failures", "stable_after", "max_rss", "max_rss_for")),
         "stop.timeout", "log.level", "metrics.interval", "metrics.timeout", "metrics.max_series_per_instance",
-        "notify.ready_when"}
+        "notify.ready_when", *(f"batch.{key}" for key in BATCH_LIVE)}
     assert covered == LIVE_KEYS

@@ -41,7 +41,7 @@ async def test_a_hundred_kills_keep_no_more_tasks_objects_or_memory(tmp_path, re
     config = VsupConfig.model_validate(raw)
     ops = FakeOps(load_time=0.5)
     sup = Supervisor(config, plan(make_machine(cores_per_node=4), settings_from_config(config)),
-                     notifier=Notifier(None), environ={"TMPDIR": str(tmp_path)}, ops=ops)
+                     notifier=Notifier(None), environ={"TMPDIR": str(tmp_path), "XDG_STATE_HOME": str(tmp_path / "state")}, ops=ops)
     running = asyncio.create_task(sup.run())
 
     try:

@@ -80,7 +80,7 @@ async def test_a_failing_shutdown_step_still_stops_every_instance(tmp_path, monk
             raise RuntimeError("the drain broke")
         monkeypatch.setattr(ProxyServer, "drain_and_stop", broken_drain)
     the_plan = plan(make_machine(cores_per_node=4), settings_from_config(config))
-    sup = Supervisor(config, the_plan, notifier=notifier, environ={"TMPDIR": str(tmp_path)}, ops=ops,
+    sup = Supervisor(config, the_plan, notifier=notifier, environ={"TMPDIR": str(tmp_path), "XDG_STATE_HOME": str(tmp_path / "state")}, ops=ops,
                      host=RecordingHost())
     running = asyncio.create_task(sup.run())
     await until(lambda: len(sup.instances) == 2 and all(i.state is State.READY for i in sup.instances), ops.clock,
@@ -103,7 +103,7 @@ async def test_restart_requests_after_the_stop_began_are_refused_and_change_noth
     config = make_config(tmp_path)
     ops = FakeOps(load_time=2.0, stop_time=3.0)
     sup = Supervisor(config, plan(make_machine(cores_per_node=4), settings_from_config(config)),
-                     notifier=Notifier(None), environ={"TMPDIR": str(tmp_path)}, ops=ops, host=RecordingHost())
+                     notifier=Notifier(None), environ={"TMPDIR": str(tmp_path), "XDG_STATE_HOME": str(tmp_path / "state")}, ops=ops, host=RecordingHost())
     running = asyncio.create_task(sup.run())
     await until(lambda: len(sup.instances) == 2 and all(i.state is State.READY for i in sup.instances), ops.clock,
                 "both instances ready")
@@ -124,7 +124,7 @@ async def test_the_supervisor_asks_its_host_to_pin_adopt_orphans_sweep_and_check
     assert the_plan.reserved_cpus and all(p.argv for p in the_plan.instances)  # pinned, so placement is checked
     ops = FakeOps(load_time=2.0)
     host = RecordingHost(subreaper=False, drift=["pid 7 (VLLM::EngineCore): CPUs 0-7 outside plan 1-3"])
-    sup = Supervisor(config, the_plan, notifier=Notifier(None), environ={"TMPDIR": str(tmp_path)}, ops=ops, host=host)
+    sup = Supervisor(config, the_plan, notifier=Notifier(None), environ={"TMPDIR": str(tmp_path), "XDG_STATE_HOME": str(tmp_path / "state")}, ops=ops, host=host)
     running = asyncio.create_task(sup.run())
     await until(lambda: len(sup.instances) == 2 and all(i.state is State.READY for i in sup.instances), ops.clock,
                 "both instances ready")
@@ -183,7 +183,7 @@ class Fleet:
         self.ops = FakeOps(load_time=2.0, stop_time=0.5)
         self.host = RecordingHost()
         self.sup = Supervisor(config, the_plan, config_path=str(self.path), notifier=Notifier(None),
-                              environ={"TMPDIR": str(tmp_path)}, ops=self.ops, host=self.host, fsroot=str(self.fsroot))
+                              environ={"TMPDIR": str(tmp_path), "XDG_STATE_HOME": str(tmp_path / "state")}, ops=self.ops, host=self.host, fsroot=str(self.fsroot))
         self.rotation: list[int] = []  # len(pool.ready()) after every change of the proxy's rotation
         self.sup.pool.subscribe(lambda backend, state, ready: self.rotation.append(len(self.sup.pool.ready())))
         self.task: asyncio.Task | None = None

@@ -42,6 +42,9 @@ RETRIED = frozenset({429, 502, 503, 504})
 # Seconds between two looks for batches past their completion window, and two purges.
 EXPIRE_EVERY = 10.0
 PURGE_EVERY = 600.0
+# The shortest time between two rounds: every request's end wakes the runner (a slot freed), and a
+# round reads the store; under heavy interactive traffic rounds stay this far apart.
+MIN_ROUND = 0.02
 # The most of a refusal's message a requeue keeps (the error file shows it when attempts run out).
 WHY_CHARS = 300
 
@@ -110,6 +113,7 @@ class Runner:
                 self.step()
             except Exception as exc:  # a full disk, a bug: logged, and the next round tries again
                 log.error("batch runner: %s: %s", type(exc).__name__, exc)
+            await asyncio.sleep(min(MIN_ROUND, self.poll))
             try:
                 await asyncio.wait_for(self._wake.wait(), self.poll)
             except TimeoutError:

@@ -311,10 +311,10 @@ class NotifyConfig(_Section):
 
 
 class BatchConfig(_Section):
-    enabled: bool = Field(True, description="serve the OpenAI Batch API (/v1/files with purpose batch, /v1/batches) and run its batches on the capacity interactive requests leave: each line enters its model's admission below every interactive priority and takes only slots no interactive request uses; false: those routes answer 404 and nothing is stored", json_schema_extra=basic("the OpenAI Batch API on idle capacity (docs/proxy.md)", fixed("the batch store is open")))
+    enabled: bool = Field(True, description="serve the OpenAI Batch API (/v1/files with purpose batch, /v1/batches) and run its batches on the capacity interactive requests leave: each line enters its model's admission below every interactive priority and takes only slots no interactive request uses; false: those routes answer 404 and nothing is stored", json_schema_extra=basic("the OpenAI Batch API on idle capacity (docs/batch.md)", fixed("the batch store is open")))
     dir: Path | None = Field(None, strict=False, description="the folder of the batch store (an SQLite database holding uploaded files, batches, each line's state and result), of vsup's own user alone (made 0700, the database 0600); it must be kept across restarts: a batch resumes from it; null: $STATE_DIRECTORY/batches under systemd (/var/lib/vsup/batches), else $XDG_STATE_HOME/vsup/batches (~/.local/state/vsup/batches)", json_schema_extra=fixed("the batch store is open"))
-    max_file_bytes: int | str = Field("200MiB", validate_default=True, description='the largest file one upload may be (bytes, or a size with a unit: "200MiB"); a larger upload gets 413 naming this key. OpenAI\'s own limit for a batch input file, so a file made for it fits', json_schema_extra=LIVE)
-    max_total_bytes: int | str = Field("10GiB", validate_default=True, description="the bytes the batch store may hold in all: every file and every result; an upload or batch over it gets 413 naming this key (delete files, or wait for retention). A bound so batches cannot fill the disk vsup's state lives on", json_schema_extra=LIVE)
+    max_file_bytes: int | str = Field("200MiB", description='the largest file one upload may be (bytes, or a size with a unit: "200MiB"); a larger upload gets 413 naming this key. OpenAI\'s own limit for a batch input file, so a file made for it fits', json_schema_extra=LIVE)
+    max_total_bytes: int | str = Field("10GiB", description="the bytes the batch store may hold in all: every file and every result; an upload or batch over it gets 413 naming this key (delete files, or wait for retention). A bound so batches cannot fill the disk vsup's state lives on", json_schema_extra=LIVE)
     retention: float = Field(30 * 86400.0, ge=0, description="seconds files and finished batches are kept after they end (a file from its upload, a batch from its completion, failure, expiry or cancel); then deleted with their results; 0: kept until deleted. 30 days, OpenAI's own for batch files", json_schema_extra=LIVE)
     priority: int | None = Field(None, description="the admission priority of batch lines (proxy.api_keys' priorities); null: one below the lowest priority in use, so every interactive request is admitted ahead of any batch line", json_schema_extra=LIVE)
     max_attempts: int = Field(3, ge=1, description="tries of one line that the instances refused as busy (429, 503), broke off (502, 504) or never answered before the line fails (error attempts_exhausted in the error file); an answer the proxy gave because no slot was free counts as no try. 3: a passing fault is retried, a line that breaks an instance is not retried for ever", json_schema_extra=LIVE)
@@ -322,12 +322,13 @@ class BatchConfig(_Section):
 
     @field_validator("max_file_bytes", "max_total_bytes")
     @classmethod
-    def _size(cls, value: int | str) -> int:
+    def _size(cls, value: int | str) -> int | str:
         if isinstance(value, int):
             if value < 1:
                 raise ValueError("must be at least 1 byte")
             return value
-        return parse_bytes(value)
+        parse_bytes(value)  # (checked here, read by bytes_of)
+        return value
 
     @field_validator("slots_per_instance")
     @classmethod
@@ -402,6 +403,11 @@ class VsupConfig(_ModelKeys):
     # A model's view of a fleet (vsup/config/fleet.py): "models[1]", where its own keys are written.
     _prefix: str | None = PrivateAttr(None)
 
+
+
+def bytes_of(value: int | str) -> int:
+    """A size key's value (a number of bytes, or a size with a unit) in bytes."""
+    return value if isinstance(value, int) else parse_bytes(value)
 
 
 def parse_bytes(text: str) -> int:

@@ -248,7 +248,9 @@ class _Form:
 
     def _end(self) -> None:
         if self.into is not None and self.into != "file":
-            self.fields[self.into] = b"".join(self.data).decode("utf-8", "replace")  # the last of a repeated one
+            value = self.fields[self.into] = b"".join(self.data).decode("utf-8", "replace")  # the last of a repeated one
+            if self.into == "purpose" and value != "batch":  # refused now, not after the whole file (the store's words)
+                raise BadInput(f"purpose {value[:64]!r} cannot be uploaded here; \"batch\" works", "purpose")
 
     def _finished(self) -> None:
         self.done = True
@@ -256,9 +258,11 @@ class _Form:
 
 class BatchRoutes:
     """The Batch API's routes over `store` (see the module's docstring). `wake()` tells the runner
-    a batch was created or cancelled; `served(model)` says whether a model is served here (the
-    runner's validation uses it; kept for the routes' own checks); `spool_dir`: the folder uploads
-    are spooled in (the batch store's own, 0700)."""
+    a batch was created or cancelled; `served(model)` says whether a model is served here (not
+    consulted by the routes today: a batch's lines are checked by the runner's validation, which
+    takes the same callable); `spool_dir`: the folder uploads are spooled in (the batch store's
+    own, 0700). Uploads being received count against batch.max_total_bytes with what the store
+    holds, so concurrent uploads cannot fill the disk past it before the store sees them."""
 
     def __init__(self, store: Store, wake: Callable[[], None], served: Callable[[str], bool], spool_dir: Path,
                  *, read_timeout: float = READ_TIMEOUT) -> None:
@@ -267,6 +271,7 @@ class BatchRoutes:
         self.served = served
         self.spool_dir = Path(spool_dir)
         self.read_timeout = read_timeout
+        self.spooling = 0  # the file bytes of uploads being received (on disk, not in the store yet)
         # (collection, has an id, sub-resource) -> {method: handler}
         self._table: dict[tuple[str, bool, str | None], dict[str, Handler]] = {
             ("files", False, None): {"GET": self._list_files, "POST": self._upload},
@@ -325,8 +330,11 @@ class BatchRoutes:
             return _closing(error(TooLarge("batch.max_file_bytes", limit, f"the upload ({declared} bytes)")))
         if not request.body_exists:
             return error(BadInput("the upload is empty: send the fields `purpose` (batch) and `file`", "file"))
+        total = self.store.limits.max_total_bytes
+        held = self.store.usage()
         spool = self._spool()
         handed = False
+        spooled = 0  # this upload's part of self.spooling
         try:
             form = _Form(params[b"boundary"], spool, limit)
             _expect_continue(request)
@@ -337,6 +345,12 @@ class BatchRoutes:
                     if received > limit + FORM_SLACK:
                         raise TooLarge("batch.max_file_bytes", limit, f"the upload (more than {received} bytes)")
                     form.feed(piece)
+                    if form.size > spooled:
+                        self.spooling += form.size - spooled
+                        spooled = form.size
+                        if held + self.spooling > total:
+                            raise TooLarge("batch.max_total_bytes", total,
+                                           f"the uploads in progress ({self.spooling} bytes, {held} held)")
                 form.finish()
             except BatchError as exc:
                 return _closing(error(exc))  # the rest of the body is not read: the connection ends
@@ -347,11 +361,14 @@ class BatchRoutes:
                 return error(BadInput("the form has no `purpose`: send purpose=batch", "purpose"))
             spool.flush()
             spool.seek(0)
+            self.spooling -= spooled  # from here the store counts it (add_file checks the total as it writes)
+            spooled = 0
             handed = True  # the thread closes it, even if this request is cancelled meanwhile
             created = await asyncio.to_thread(_add_file, self.store, self._creator(owner), form.filename, purpose,
                                               spool, form.size)
             return _json(created)
         finally:
+            self.spooling -= spooled
             if not handed:
                 spool.close()
 

@@ -5,7 +5,10 @@ opens, behind an admin key) -> an instance (forward.py); GET /v1/models -> merge
 instances (models.py); /health, /ready, /metrics (and pages added with add_page: vsup run's
 /status) -> answered here; anything else -> 404 in the OpenAI error shape, never an instance.
 Which key opens what: auth.py (the admin routes, /metrics and /status: an admin key; /metrics a
-metrics key too).
+metrics key too). With a batch store (`batch`, `batch_dir`): /v1/files and /v1/batches ->
+batch_routes.py for any serving key (its name owns what it makes; an admin key sees all), and
+the batch runner (vsup/batch/runner.py) sends each line through the forwarder below every
+interactive request (batch_share.py).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from vsup.batch.runner import Busy, Runner
 from vsup.batch.slots import CPU_DEFAULT_SLOTS
 from vsup.config import proxy_routes
 from vsup.config.names import Name
-from vsup.config.schema import BatchConfig, ProxyConfig
+from vsup.config.schema import BatchConfig, ProxyConfig, bytes_of
 from vsup.errors import VsupError
 from vsup.proxy import errors
 from vsup.proxy.address import Sessions
@@ -81,7 +84,7 @@ def limits_of(batch: BatchConfig) -> Limits:
     """The store's limits from the batch: section."""
     from vsup.batch.store import Limits
 
-    return Limits(max_file_bytes=int(batch.max_file_bytes), max_total_bytes=int(batch.max_total_bytes),
+    return Limits(max_file_bytes=bytes_of(batch.max_file_bytes), max_total_bytes=bytes_of(batch.max_total_bytes),
                   retention=batch.retention, max_attempts=batch.max_attempts)
 
 
@@ -148,7 +151,9 @@ class ProxyServer:
         self._clock = clock
         if clock is not None:
             pool.clock = clock
-        self._auth = BearerAuth(api_key if api_key is not None else config.api_key, named_keys(config), *roles(config))
+        named = named_keys(config)
+        self._auth = BearerAuth(api_key if api_key is not None else config.api_key, named, *roles(config))
+        self._tokens = self._owner_tokens(api_key if api_key is not None else config.api_key, named)
         proxy_routes.require_key(config.admin_routes, self._auth.has_admin)
         self._routes = proxy_routes.table(config.admin_routes)
         # a fleet routes by model (routing.py: a balancer each): kv_aware's top-level one follows nothing
@@ -213,7 +218,11 @@ class ProxyServer:
         self._forwarder.parser = BodyParser()
         self._configure_batch()
         if self._batch is not None:
-            self._start_batch()
+            try:
+                self._start_batch()
+            except BaseException:  # (batch.dir unusable: one line from the store; nothing left open)
+                await self._close()
+                raise
         # The client side of HTTP (client_conn.py): our own protocol on httptools, every limit of
         # the ClientPolicy applied before a handler runs, our own dispatch (below).
         self._front = FrontServer(self._dispatch, self._clients, self._clock)
@@ -271,6 +280,15 @@ class ProxyServer:
         """How many more batch lines the instances of `model` take now (the runner's Room)."""
         return self._forwarder.batch_room(model) if self._forwarder is not None else 0
 
+    @staticmethod
+    def _owner_tokens(api_key: str | None, named: list[tuple[str, str]]) -> dict[str, str]:
+        """Each owner's key (a batch's owner is its key's name; "" proxy.api_key): what a front that
+        passes keys on (forward_key) sends with that owner's batch lines, as the client would."""
+        tokens = {name: token for name, token in named if token}
+        if api_key:
+            tokens[""] = api_key
+        return tokens
+
     def serves(self, model: str) -> bool:
         """Whether `model` has instances here (served, ready or not): what batch lines may name."""
         router = self._router
@@ -285,9 +303,13 @@ class ProxyServer:
         content = Body(None)
         content.feed(body)
         content.feed_eof()
-        headers = ((b"Host", b"vsup-batch"), (b"Content-Type", b"application/json"), (b"Content-Length", str(len(body)).encode()))
+        headers: tuple[tuple[bytes, bytes], ...] = (
+            (b"Host", b"vsup-batch"), (b"Content-Type", b"application/json"), (b"Content-Length", str(len(body)).encode()))
+        token = self._tokens.get(owner) if self._forward_key else None
+        if token:  # upstream vsups check the same keys: the line goes as its owner's request
+            headers += ((b"Authorization", b"Bearer " + token.encode("utf-8", "surrogateescape")),)
         request = Request("POST", endpoint, headers, (1, 1), True, None, content, len(body), False,
-                          content_type="application/json")
+                          content_type="application/json", authorization=f"Bearer {token}" if token else "")
         answer = await forwarder.handle(request, owner, batch=True)
         if isinstance(answer, Response):
             if answer.headers.get(BUSY_HEADER) == BUSY:
@@ -442,6 +464,7 @@ class ProxyServer:
             log.error("%s; the named keys (proxy.api_keys) are refused until then", exc)
             named = [(entry.name, "") for entry in config.api_keys]
         self._auth = BearerAuth(api_key if api_key is not None else config.api_key, [(n, t) for n, t in named if t], *roles(config))
+        self._tokens = self._owner_tokens(api_key if api_key is not None else config.api_key, named)
         try:
             proxy_routes.require_key(config.admin_routes, self._auth.has_admin)
             self._routes = proxy_routes.table(config.admin_routes)
