@@ -108,7 +108,9 @@ def test_validating_and_lately_ended_batches_are_listed_then_dropped(store, cloc
 
 def metrics_text(watch: Watch) -> str:
     metrics = ProxyMetrics(dict, dict, lambda name: False)
-    metrics.families.append(lambda: batch_families(watch.figures()))
+    figures = watch.figures()
+    assert figures is not None
+    metrics.families.append(lambda: batch_families(figures))
     return metrics.render().decode()
 
 
@@ -130,3 +132,11 @@ def test_the_metrics_name_models_and_states_never_a_tenants_ids(store, clock):
     promtool = need_tool("promtool", package="prometheus")
     done = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stdout + done.stderr  # parses, and vsup's own families lint clean
+
+
+def test_a_store_that_cannot_be_read_leaves_the_status_and_metrics_answering(store, clock, caplog):
+    watch = Watch(store, clock)
+    new_batch(store, "team-a", [("x", "chat")])
+    store.close()  # (a closed connection: every read raises sqlite3.ProgrammingError)
+    assert watch.status() == [] and watch.figures() is None
+    assert "batch store: the status could not read it" in caplog.text

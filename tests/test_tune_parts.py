@@ -103,6 +103,7 @@ def test_a_candidate_config_replaces_placement_flags_and_preload_and_nothing_els
     parsed = parse_config(configs.render(runtime, ["a comment"]))
     assert parsed.proxy.port == 9000 and parsed.vllm.base_port == 9100 and parsed.control.socket.name == "s.sock"
     assert parsed.vllm.listen == "unix"  # a tuned config with listen: tcp still measures on private sockets
+    assert parsed.batch.enabled is False  # a measurement never opens the user's batch store
     assert configs.flag_value(base["vllm"]["args"], "--max-num-seqs") == 32
 
 

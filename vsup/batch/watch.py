@@ -12,6 +12,7 @@ and no id, owner or custom_id becomes a metric label (unbounded, and a tenant's)
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 import time
 from collections.abc import Callable, Mapping
@@ -22,6 +23,8 @@ from typing import Any
 from vsup.batch.progress import Progress, Samples, progress
 from vsup.batch.status import TERMINAL, TIMESTAMP, Status
 from vsup.batch.store import Claimed, Limits, Store
+
+log = logging.getLogger("vsup.batch")
 
 RECENT = 3600.0  # seconds a finished batch stays in the status JSON after its end
 RECENT_LIMIT = 20  # the newest batches looked at for the validating and recently finished ones
@@ -152,7 +155,15 @@ class Watch:
 
     def status(self) -> list[dict[str, Any]]:
         """The running batches (oldest first), then the validating ones and those that ended in the
-        last RECENT seconds (newest first)."""
+        last RECENT seconds (newest first); [] (and a warning) when the store cannot be read: the
+        rest of the status still answers."""
+        try:
+            return self._status()
+        except sqlite3.Error as exc:
+            log.warning("batch store: the status could not read it: %s", exc)
+            return []
+
+    def _status(self) -> list[dict[str, Any]]:
         store, now = self.store, self.clock()
         running = store.running()
         looked = self.samples.look(running, now)
@@ -172,7 +183,15 @@ class Watch:
         self._models = {k: v for k, v in self._models.items() if k in keep}
         return out
 
-    def figures(self) -> Figures:
+    def figures(self) -> Figures | None:
+        """What /metrics shows; None (and a warning) when the store cannot be read."""
+        try:
+            return self._figures()
+        except sqlite3.Error as exc:
+            log.warning("batch store: /metrics could not read it: %s", exc)
+            return None
+
+    def _figures(self) -> Figures:
         store = self.store
         pending: dict[str, int] = {}
         for row in store.running():

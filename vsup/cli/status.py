@@ -118,7 +118,8 @@ def render_batches(batches: list[dict], now: float) -> list[str]:
 @format_option("text", "json")
 def status_command(config_path: str | None, socket_path: str | None, output_format: str) -> None:
     """Show each instance of the running vsup: state, start phase, pid, address (socket or port), CPUs, uptime, restarts, placement,
-    tokens/s (last minute), requests running/waiting, KV-cache use, CPU %, RSS, node-local memory, last exit."""
+    tokens/s (last minute), requests running/waiting, KV-cache use, CPU %, RSS, node-local memory, last exit; the Batch API's
+    running batches (lines done, failed, rate, ETA)."""
     path = socket_for(config_path, socket_path)
     data = checked(StatusAnswer, asyncio.run(request(path, "GET", "/status", timeout=10)), path, "/status")
     if output_format == "json":

@@ -154,28 +154,31 @@ def notes(status: Mapping[str, Any]) -> Text | None:
 
 def batch_panel(status: Mapping[str, Any], now: float) -> Panel | None:
     """The Batch API's running batches and those ended lately: a bar each, then batch_view's cells
-    (a client's metadata and ids `printable`, as Text: never read as markup)."""
+    (a client's metadata and ids `printable`, as Text: never read as markup). Every column but
+    METADATA keeps its width (ids and names cut at CUT_WIDTH); METADATA takes what is left."""
     batches = status.get("batches") or []
     if not batches:
         return None
-    t = Table(box=box.SIMPLE_HEAD, pad_edge=False, expand=False)
     columns = batch_view.COLUMNS
-    for name in columns[:4]:
-        t.add_column(name, no_wrap=True, overflow="ellipsis", max_width=BATCH_ID_WIDTH if name == "BATCH" else MODEL_WIDTH)
-    t.add_column("", no_wrap=True)  # the bar
-    for name in columns[4:]:
-        t.add_column(name, justify="left" if name == "METADATA" else "right", no_wrap=True, overflow="ellipsis",
-                     max_width=MODEL_WIDTH * 2 if name == "METADATA" else None)
-    for entry in batches:
-        cells = [_plain(cell) for cell in batch_view.cells(entry, now)]
+    rows = [[_plain(cell) for cell in batch_view.cells(entry, now)] for entry in batches]
+    t = Table(box=box.SIMPLE_HEAD, pad_edge=False, expand=False)
+    for i, name in enumerate(columns):
+        if name == "METADATA":
+            t.add_column(name, no_wrap=True, overflow="ellipsis", min_width=8, ratio=1)
+            continue
+        width = min(max(len(name), *(row[i].cell_len for row in rows)), CUT_WIDTH)
+        t.add_column(name, justify="right" if i >= 4 else "left", no_wrap=True, overflow="ellipsis", min_width=width, max_width=width)
+        if name == "STATUS":
+            t.add_column("", no_wrap=True, min_width=BAR_WIDTH)  # the bar
+    for entry, cells in zip(batches, rows, strict=True):
         cells[1].stylize(batch_view.STATUS_STYLES.get(str(entry.get("status")), ""))
         bar = ProgressBar(total=1.0, completed=batch_view.fraction(entry), width=BAR_WIDTH)
-        t.add_row(*cells[:4], bar, *cells[4:])
+        t.add_row(*cells[:2], bar, *cells[2:])
     return Panel(t, title="batches", title_align="left", box=box.ROUNDED, expand=False)
 
 
-BAR_WIDTH = 20
-BATCH_ID_WIDTH = 16  # batch_<32 hex> cut: enough to tell them apart, `vsup batch show` takes the whole id
+BAR_WIDTH = 12
+CUT_WIDTH = 16  # batch_<32 hex> cut to this: enough to tell them apart (`vsup batch show` takes the whole id)
 
 
 def view(status: Mapping[str, Any], error: str | None, interval: float) -> RenderableType:
@@ -216,7 +219,7 @@ def fetch(path) -> dict:
               help="Seconds between refreshes (any key refreshes at once).")
 def top_command(config_path: str | None, socket_path: str | None, interval: float) -> None:
     """Live view of the running vsup's instances: state, tokens/s, requests running/waiting,
-    KV cache, CPU %, RSS, node-local memory. q or Ctrl-C quits."""
+    KV cache, CPU %, RSS, node-local memory; the running batches with a bar each. q or Ctrl-C quits."""
     path = socket_for(config_path, socket_path)
     status = fetch(path)  # not running: one line and exit 2, before the screen is touched
     error = None

@@ -387,8 +387,9 @@ class ProxyServer:
         return self._watch.status() if self._watch is not None else []
 
     def _batch_families(self):
-        if self._watch is not None:
-            yield from batch_families(self._watch.figures())
+        figures = self._watch.figures() if self._watch is not None else None
+        if figures is not None:
+            yield from batch_families(figures)
 
     def queues(self) -> dict[str, dict]:
         """The admission queues by model (vsup status): waiting by priority, the oldest wait, waits so far."""

@@ -130,12 +130,15 @@ def apply_candidate(data: Mapping[str, Any], candidate: Candidate, libraries: Ma
 def for_measurement(data: Mapping[str, Any], *, proxy_port: int, base_port: int, log_dir: str, socket: str) -> dict[str, Any]:
     """One measurement's run-time settings: its own ports, logs and control socket, the proxy on
     loopback (the load comes from this machine), the instances on private Unix sockets (their
-    folder is keyed by the proxy port, so runs never meet; base_port counts only under tcp)."""
+    folder is keyed by the proxy port, so runs never meet; base_port counts only under tcp), and
+    the Batch API off."""
     out = copy.deepcopy(dict(data))
     out["proxy"] = {**(out.get("proxy") or {}), "host": "127.0.0.1", "port": proxy_port}
     out["vllm"] = {**(out.get("vllm") or {}), "base_port": base_port, "listen": "unix"}
     out["log"] = {**(out.get("log") or {}), "dir": log_dir, "echo": False}
     out["control"] = {**(out.get("control") or {}), "socket": socket}
+    # no batch store: a candidate must not open the user's (and run its batches on a measurement)
+    out["batch"] = {**(out.get("batch") or {}), "enabled": False}
     return out
 
 
