@@ -143,7 +143,8 @@ class Runner:
         store = self.store
         for batch_id in store.validating():
             try:
-                store.validate(batch_id, self.models)
+                if store.validate(batch_id, self.models)["status"] == "validating":
+                    self._wake.set()  # read in steps (the loop goes on serving between them): the next at once
             except Exception as exc:  # that batch's trouble is not the others'
                 log.error("batch %s: validation failed: %s: %s", batch_id, type(exc).__name__, exc)
         batches = {b["id"]: b for b in store.running()}
@@ -162,7 +163,8 @@ class Runner:
                 continue
             self._feed(model, wanted.get(model, []))
         for batch_id in store.finish_ready():
-            store.finalize(batch_id)
+            if store.finalize(batch_id)["status"] == "finalizing":
+                self._wake.set()  # written in steps too
         now = self.clock()
         if now >= self._expire_at:
             self._expire_at = now + EXPIRE_EVERY
