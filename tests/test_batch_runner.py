@@ -267,10 +267,10 @@ def test_refusal_names_the_status_and_the_message():
 async def test_work_done_in_steps_goes_on_without_waiting_for_the_poll(store):
     ids = [f"q{i}" for i in range(2500)]  # finalize writes 1000 lines a step: three steps
     batch_id = submit(store, jsonl(ids))
-    runner = Runner(store, Send(), lambda model: 500, lambda model: True, poll=30.0)
+    runner = Runner(store, Send(), lambda model: 500, lambda model: True, poll=300.0)
     runner.start()
     try:
-        batch = await finished(store, batch_id, timeout=20.0)  # far less than the poll's 30 s a step
+        batch = await finished(store, batch_id, timeout=60.0)  # far less than the poll (300 s) a step
     finally:
         await runner.stop()
     assert batch["status"] == "completed" and batch["request_counts"]["completed"] == 2500

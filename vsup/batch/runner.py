@@ -25,11 +25,13 @@ drive it over a real Store with a fake sender.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -99,6 +101,9 @@ class Runner:
         self._task: asyncio.Task[None] | None = None
         self._expire_at = 0.0
         self._purge_at = 0.0
+        # each line's result is written (one transaction, fsync'd) by one thread, in order: the
+        # event loop, which also serves the interactive requests, does not wait for the disk
+        self._writer: ThreadPoolExecutor | None = None
 
     # -- the contract
     def start(self) -> asyncio.Task[None]:
@@ -133,6 +138,9 @@ class Runner:
         self._task = None
         self._lines.clear()
         self._held.clear()
+        writer, self._writer = self._writer, None
+        if writer is not None:  # every result handed to it is in the store before the store closes
+            await asyncio.to_thread(writer.shutdown, True)
 
     @property
     def in_flight(self) -> int:
@@ -243,9 +251,15 @@ class Runner:
         except asyncio.CancelledError:
             raise  # stopping: the line stays `running` (recover() at the next start)
         except Exception as exc:  # the proxy could not send it (a transport failure): an attempt
-            self.store.requeue(claimed, f"not sent: {type(exc).__name__}: {exc}"[:WHY_CHARS])
+            await self._write(self.store.requeue, claimed, f"not sent: {type(exc).__name__}: {exc}"[:WHY_CHARS])
             return
         if status in RETRIED:
-            self.store.requeue(claimed, refusal(status, body))
+            await self._write(self.store.requeue, claimed, refusal(status, body))
         else:
-            self.store.record(claimed, status, body, request_id)
+            await self._write(self.store.record, claimed, status, body, request_id)
+
+    async def _write(self, function: Callable[..., bool], *args: Any) -> None:
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="vsup-batch-store")
+        # shielded: a stop while it is being written still waits for it (stop() joins the thread)
+        await asyncio.shield(asyncio.get_running_loop().run_in_executor(self._writer, functools.partial(function, *args)))
