@@ -275,3 +275,14 @@ async def test_work_done_in_steps_goes_on_without_waiting_for_the_poll(store):
         await runner.stop()
     assert batch["status"] == "completed" and batch["request_counts"]["completed"] == 2500
     assert len(output(store, batch["output_file_id"])) == 2500
+
+
+async def test_a_freed_slot_wakes_the_runner_only_while_lines_wait_for_room(store):
+    runner = Runner(store, Send(), lambda model: 0, lambda model: True, poll=60.0)
+    runner.step()
+    runner.slot_freed()
+    assert not runner._wake.is_set()  # no batch: interactive traffic costs the store nothing
+    submit(store, jsonl(["a"]))
+    runner.step()  # validated; its line waits: no room
+    runner.slot_freed()
+    assert runner._wake.is_set()

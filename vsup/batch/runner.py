@@ -104,6 +104,7 @@ class Runner:
         # each line's result is written (one transaction, fsync'd) by one thread, in order: the
         # event loop, which also serves the interactive requests, does not wait for the disk
         self._writer: ThreadPoolExecutor | None = None
+        self._starved = False  # the last round left lines waiting for room: a freed slot is worth a round
 
     # -- the contract
     def start(self) -> asyncio.Task[None]:
@@ -125,8 +126,14 @@ class Runner:
                 pass
 
     def wake(self) -> None:
-        """A new batch, a cancel, a freed slot: a round now, not at the next poll."""
+        """A new batch, a cancel, a reload: a round now, not at the next poll."""
         self._wake.set()
+
+    def slot_freed(self) -> None:
+        """A request ended somewhere (the forwarder calls it for every one): a round only when lines
+        wait for room, so interactive traffic alone costs the store nothing."""
+        if self._starved:
+            self._wake.set()
 
     async def stop(self) -> None:
         """The loop and the lines in flight end; those lines stay `running` in the store (the next
@@ -149,6 +156,7 @@ class Runner:
     # -- one round
     def step(self) -> None:
         store = self.store
+        self._starved = False
         for batch_id in store.validating():
             try:
                 if store.validate(batch_id, self.models)["status"] == "validating":
@@ -186,6 +194,8 @@ class Runner:
 
     def _feed(self, model: str, batches: list[dict[str, Any]]) -> None:
         room = self.room(model)
+        if room <= 0:
+            self._starved = True
         held = self._held.get(model)
         while room > 0 and held:
             claimed, endpoint, owner = held.popleft()
@@ -195,6 +205,7 @@ class Runner:
             del self._held[model]
         for batch in sorted(batches, key=lambda b: b["created_at"]):
             if room <= 0:
+                self._starved = True
                 return
             for claimed in self.store.claim(batch["id"], room, model):
                 self._launch(claimed, batch["endpoint"], batch["owner"])

@@ -244,7 +244,7 @@ class ProxyServer:
         assert batch is not None and directory is not None and self._forwarder is not None
         self._store = Store.open(directory, limits_of(batch))
         self._runner = Runner(self._store, self.send_line, self.batch_room, self.serves)
-        self._forwarder.batch_freed = self._runner.wake
+        self._forwarder.batch_freed = self._runner.slot_freed
         self._batch_routes = BatchRoutes(self._store, self._runner.wake, self.serves, directory)
         self._runner.start()
         log.info("batch store %s: the Batch API is served (/v1/files, /v1/batches)", directory)
