@@ -148,7 +148,7 @@ async def call(served: Served, method: str, path: str, key: str = "key-alice", b
 
 def spooled(folder: Path) -> list[str]:
     """Anything but the store's own files in the batch folder (a spool file left behind, a planted name)."""
-    return sorted(p.name for p in folder.iterdir() if not p.name.startswith("batches.sqlite3"))
+    return sorted(p.name for p in folder.iterdir() if not p.name.startswith("batches.sqlite3") and p.name != "store.lock")
 
 
 def open_files() -> list[tuple[Path, str]]:

@@ -262,3 +262,27 @@ async def test_a_cancelled_batch_ends_with_its_held_lines(store):
 def test_refusal_names_the_status_and_the_message():
     assert refusal(503, b'{"error": {"message": "busy"}}') == "answered 503: busy"
     assert refusal(502, b"<html>bad gateway</html>") == "answered 502: <html>bad gateway</html>"
+
+
+async def test_work_done_in_steps_goes_on_without_waiting_for_the_poll(store):
+    ids = [f"q{i}" for i in range(2500)]  # finalize writes 1000 lines a step: three steps
+    batch_id = submit(store, jsonl(ids))
+    runner = Runner(store, Send(), lambda model: 500, lambda model: True, poll=300.0)
+    runner.start()
+    try:
+        batch = await finished(store, batch_id, timeout=60.0)  # far less than the poll (300 s) a step
+    finally:
+        await runner.stop()
+    assert batch["status"] == "completed" and batch["request_counts"]["completed"] == 2500
+    assert len(output(store, batch["output_file_id"])) == 2500
+
+
+async def test_a_freed_slot_wakes_the_runner_only_while_lines_wait_for_room(store):
+    runner = Runner(store, Send(), lambda model: 0, lambda model: True, poll=60.0)
+    runner.step()
+    runner.slot_freed()
+    assert not runner._wake.is_set()  # no batch: interactive traffic costs the store nothing
+    submit(store, jsonl(["a"]))
+    runner.step()  # validated; its line waits: no room
+    runner.slot_freed()
+    assert runner._wake.is_set()

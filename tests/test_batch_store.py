@@ -588,6 +588,8 @@ def test_a_crash_in_the_middle_of_finalize_is_finished_at_the_next_open(tmp_path
     assert store.finish_ready() == [batch_id]  # a runner that lived on would finish it
     assert store.files(None, purpose="batch_output") == ([], False)  # a half-written file is never shown
     crashed = store  # never closed before the next open, as a killed process leaves it
+    os.close(crashed._folder_lock)  # (the kernel releases a dead process's lock on the folder)
+    crashed._folder_lock = None
     again = Store.open(folder, Limits())
     done = again.batch(batch_id, "alice")
     assert done["status"] == "completed" and done["request_counts"] == {"total": 5, "completed": 2, "failed": 3}
@@ -806,3 +808,17 @@ def test_killed_with_sigkill_while_finalizing_ends_with_every_line_once(tmp_path
     assert sorted(o["custom_id"] for o in written) == sorted(f"req-{i}" for i in range(lines))
     assert all(o["response"]["body"] == {"n": int(o["custom_id"][4:]) + 1} for o in written)
     again.close()
+
+
+def test_a_second_process_on_the_same_folder_is_refused_until_the_first_closes(tmp_path):
+    folder = tmp_path / "b"
+    first = Store.open(folder, Limits())
+    with pytest.raises(VsupError, match=r"batch\.dir: another vsup uses the batch store in .*give this one a batch\.dir of its own"):
+        Store.open(folder, Limits())
+    first.close()
+    Store.open(folder, Limits()).close()  # the lock went with the first
+    (folder / "store.lock").unlink()
+    (folder / "store.lock").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(VsupError, match=r"batch\.dir: cannot open .*store\.lock"):
+        Store.open(folder, Limits())
+    assert not (tmp_path / "elsewhere").exists()

@@ -88,8 +88,8 @@ class RecordingProxy(ProxyServer):
         super().__init__(*args, models=models, names=names, **kwargs)
         self.given, self.names = dict(models or {}), dict(names or {})
 
-    def reconfigure(self, config, api_key, models=None, names=None) -> None:
-        super().reconfigure(config, api_key, models=models, names=names)
+    def reconfigure(self, config, api_key, models=None, names=None, **batch) -> None:
+        super().reconfigure(config, api_key, models=models, names=names, **batch)
         self.given, self.names = dict(models or {}), dict(names or {})
 
 

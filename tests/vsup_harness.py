@@ -117,6 +117,7 @@ def make_config(tmp: Path, *, instances: int = 2, **sections) -> dict:
         "stop": {"timeout": 2},
         "log": {"dir": str(tmp / "logs"), "echo": True, "level": "info"},
         "control": {"socket": str(tmp / "control.sock")},
+        "batch": {"dir": str(tmp / "batches")},  # each run its own store (one vsup per folder)
     }
     for section, values in sections.items():
         if isinstance(values, dict) and isinstance(config.get(section), dict):

@@ -9,6 +9,7 @@ SQLite gives its -wal and -shm files the database's mode; a link planted at eith
 
 from __future__ import annotations
 
+import fcntl
 import os
 import sqlite3
 import stat
@@ -18,7 +19,26 @@ from vsup.errors import VsupError
 from vsup.ownfiles import open_fd, own_folder, why
 
 NAME = "batches.sqlite3"
+LOCK = "store.lock"
 KEY = "batch.dir"
+
+
+def lock_folder(directory: Path) -> int:
+    """An exclusive lock on the store's folder for this process's lifetime (the descriptor; closing it
+    releases the lock, as the kernel does when the process dies, kill -9 included). Two vsups on one
+    folder would each run the other's lines in flight again: the second is refused in one line."""
+    directory = own_folder(Path(directory), KEY)
+    try:
+        fd = open_fd(directory / LOCK, "a")
+    except OSError as exc:
+        raise VsupError(f"{KEY}: cannot open {directory / LOCK} ({why(exc)}); remove it or choose another folder") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise VsupError(f"{KEY}: another vsup uses the batch store in {directory} (it holds {LOCK}): stop it, "
+                        "or give this one a batch.dir of its own") from None
+    return fd
 
 
 def open_db(directory: Path, name: str = NAME) -> sqlite3.Connection:

@@ -25,11 +25,13 @@ drive it over a real Store with a fake sender.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -99,6 +101,10 @@ class Runner:
         self._task: asyncio.Task[None] | None = None
         self._expire_at = 0.0
         self._purge_at = 0.0
+        # each line's result is written (one transaction, fsync'd) by one thread, in order: the
+        # event loop, which also serves the interactive requests, does not wait for the disk
+        self._writer: ThreadPoolExecutor | None = None
+        self._starved = False  # the last round left lines waiting for room: a freed slot is worth a round
 
     # -- the contract
     def start(self) -> asyncio.Task[None]:
@@ -120,8 +126,14 @@ class Runner:
                 pass
 
     def wake(self) -> None:
-        """A new batch, a cancel, a freed slot: a round now, not at the next poll."""
+        """A new batch, a cancel, a reload: a round now, not at the next poll."""
         self._wake.set()
+
+    def slot_freed(self) -> None:
+        """A request ended somewhere (the forwarder calls it for every one): a round only when lines
+        wait for room, so interactive traffic alone costs the store nothing."""
+        if self._starved:
+            self._wake.set()
 
     async def stop(self) -> None:
         """The loop and the lines in flight end; those lines stay `running` in the store (the next
@@ -133,6 +145,9 @@ class Runner:
         self._task = None
         self._lines.clear()
         self._held.clear()
+        writer, self._writer = self._writer, None
+        if writer is not None:  # every result handed to it is in the store before the store closes
+            await asyncio.to_thread(writer.shutdown, True)
 
     @property
     def in_flight(self) -> int:
@@ -141,9 +156,11 @@ class Runner:
     # -- one round
     def step(self) -> None:
         store = self.store
+        self._starved = False
         for batch_id in store.validating():
             try:
-                store.validate(batch_id, self.models)
+                if store.validate(batch_id, self.models)["status"] == "validating":
+                    self._wake.set()  # read in steps (the loop goes on serving between them): the next at once
             except Exception as exc:  # that batch's trouble is not the others'
                 log.error("batch %s: validation failed: %s: %s", batch_id, type(exc).__name__, exc)
         batches = {b["id"]: b for b in store.running()}
@@ -162,7 +179,8 @@ class Runner:
                 continue
             self._feed(model, wanted.get(model, []))
         for batch_id in store.finish_ready():
-            store.finalize(batch_id)
+            if store.finalize(batch_id)["status"] == "finalizing":
+                self._wake.set()  # written in steps too
         now = self.clock()
         if now >= self._expire_at:
             self._expire_at = now + EXPIRE_EVERY
@@ -176,6 +194,8 @@ class Runner:
 
     def _feed(self, model: str, batches: list[dict[str, Any]]) -> None:
         room = self.room(model)
+        if room <= 0:
+            self._starved = True
         held = self._held.get(model)
         while room > 0 and held:
             claimed, endpoint, owner = held.popleft()
@@ -185,6 +205,7 @@ class Runner:
             del self._held[model]
         for batch in sorted(batches, key=lambda b: b["created_at"]):
             if room <= 0:
+                self._starved = True
                 return
             for claimed in self.store.claim(batch["id"], room, model):
                 self._launch(claimed, batch["endpoint"], batch["owner"])
@@ -241,9 +262,15 @@ class Runner:
         except asyncio.CancelledError:
             raise  # stopping: the line stays `running` (recover() at the next start)
         except Exception as exc:  # the proxy could not send it (a transport failure): an attempt
-            self.store.requeue(claimed, f"not sent: {type(exc).__name__}: {exc}"[:WHY_CHARS])
+            await self._write(self.store.requeue, claimed, f"not sent: {type(exc).__name__}: {exc}"[:WHY_CHARS])
             return
         if status in RETRIED:
-            self.store.requeue(claimed, refusal(status, body))
+            await self._write(self.store.requeue, claimed, refusal(status, body))
         else:
-            self.store.record(claimed, status, body, request_id)
+            await self._write(self.store.record, claimed, status, body, request_id)
+
+    async def _write(self, function: Callable[..., bool], *args: Any) -> None:
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="vsup-batch-store")
+        # shielded: a stop while it is being written still waits for it (stop() joins the thread)
+        await asyncio.shield(asyncio.get_running_loop().run_in_executor(self._writer, functools.partial(function, *args)))

@@ -32,6 +32,7 @@ Where this differs from BATCH-SPEC.md (the signatures there hold; these are addi
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import sqlite3
 import threading
@@ -43,7 +44,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from vsup.batch import lines as lines_mod
-from vsup.batch.dbfile import open_db
+from vsup.batch.dbfile import lock_folder, open_db
 from vsup.batch.errors import BadInput, Conflict, NotFound, TooLarge
 from vsup.batch.status import TERMINAL, TIMESTAMP, BatchStateError, Status, check
 
@@ -237,27 +238,35 @@ class Store:
         self._lock = threading.RLock()
         self.limits = limits
         self._clock = clock
+        self._folder_lock: int | None = None  # dbfile.lock_folder's descriptor, held while open
 
     @classmethod
     def open(cls, directory: Path, limits: Limits, clock: Callable[[], float] = time.time) -> Store:
-        """The store in `directory` (made 0700; `batches.sqlite3` 0600, never through a link), recovered."""
-        db = open_db(Path(directory))
+        """The store in `directory` (made 0700; `batches.sqlite3` 0600, never through a link), recovered;
+        one process at a time (a second gets a VsupError naming batch.dir)."""
+        folder_lock = lock_folder(Path(directory))
+        try:
+            db = open_db(Path(directory))
+        except BaseException:
+            os.close(folder_lock)
+            raise
         try:
             db.executescript(_SCHEMA)
-        except BaseException:
-            db.close()
-            raise
-        store = cls(db, limits, clock)
-        try:
+            store = cls(db, limits, clock)
+            store._folder_lock = folder_lock
             store.recover()
         except BaseException:
             db.close()
+            os.close(folder_lock)
             raise
         return store
 
     def close(self) -> None:
         with self._lock:
             self._db.close()
+            if self._folder_lock is not None:
+                os.close(self._folder_lock)
+                self._folder_lock = None
 
     # -- plumbing
 

@@ -200,7 +200,8 @@ def pod_config(cfg: VsupConfig, instances: int, weights_bytes: int, kv_bytes: in
     """The vsup configuration of every pod: one node's share (share_config), numactl (the image has
     it), the host paths of the user's machine left out (vLLM's venv: the image's vsup lives in it;
     log dir and control socket: their defaults)."""
-    data = share_config(cfg, instances, weights_bytes, kv_bytes, {"placement": {"launcher": "numactl"}})
+    # batch off: clients reach a pod through the front, and a pod's state folder does not outlive it
+    data = share_config(cfg, instances, weights_bytes, kv_bytes, {"placement": {"launcher": "numactl"}, "batch": {"enabled": False}})
     for section, key in (("vllm", "venv"), ("log", "dir"), ("control", "socket")):
         data.get(section, {}).pop(key, None)
     data = {key: value for key, value in data.items() if value != {}}

@@ -177,6 +177,9 @@ def export_slurm(machine: Machine, host_plan: Plan, cfg: VsupConfig, *, hosts: i
             "placement": {"reserve_cores": 0},  # the step's mask holds its instances' CPUs only
             "vllm": {"base_port": insts[0].port},
             "proxy": {"port": port},
+            # the steps of a host share its state folder, and clients reach them through the front:
+            # batches are the front's to hold, not each step's
+            "batch": {"enabled": False},
         })
         # the node-local folder's: LOGS_DIRECTORY (_step) and the default socket
         for section, key in (("log", "dir"), ("control", "socket")):
