@@ -23,6 +23,7 @@ _MODULES: dict[str, str] = {
     "proxy": "proxy_command",
     "tune": "tune_command",
     "export": "export_command",
+    "batch": "batch_command",
 }
 
 

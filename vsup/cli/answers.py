@@ -138,6 +138,24 @@ class Model(_Shape):
     in_flight: Count = 0
 
 
+class Batch(_Shape):
+    id: str
+    status: str
+    endpoint: str | None = None
+    models: list[str] = []
+    owner: str | None = None
+    total: Count = 0
+    completed: Count = 0
+    failed: Count = 0
+    pending: Count | None = None
+    running: Count | None = None
+    rate: float | None = None
+    eta: float | None = None
+    created_at: float | None = None
+    ended_at: float | None = None
+    metadata: dict[str, Any] | None = None
+
+
 class StatusAnswer(_Shape):
     vsup: VsupPart
     instances: list[InstanceEntry]
@@ -145,6 +163,7 @@ class StatusAnswer(_Shape):
     queues: dict[str, Queue] = {}
     changing: list[ChangingEntry] = []
     rollout: Rollout | None = None
+    batches: list[Batch] = []
 
 
 class RestartAnswer(_Shape):

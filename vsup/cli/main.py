@@ -64,6 +64,7 @@ def main() -> None:
     vsup run --config FILE   start them and the proxy, keep them healthy
     vsup status / restart    talk to a running vsup (vsup top: the live view)
     vsup reload              apply a changed config file, one instance at a time
+    vsup batch list / show   the Batch API's batches (show --follow: a progress bar; cancel)
     vsup proxy --upstream …  the proxy alone, in front of servers started elsewhere
     vsup tune --config FILE  measure layouts on this machine, pick the best
     vsup doctor              check this machine against what vLLM CPU needs

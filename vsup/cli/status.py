@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Mapping
 from typing import Any
 
 import click
 
 from vsup.config.schema import load_control_keys
-from vsup.observe import by_model, fmt
+from vsup.observe import batch_view, by_model, fmt
 from vsup.observe.fmt import duration
 from vsup.safetext import printable
 from vsup.supervisor.control import find_socket, request
@@ -99,13 +100,26 @@ def render_queues(queues: dict) -> list[str]:
     return lines
 
 
+def render_batches(batches: list[dict], now: float) -> list[str]:
+    """The Batches table: the running batches and those ended lately (batch_view.py's columns);
+    every cell `printable` (metadata and ids are a client's)."""
+    if not batches:
+        return []
+    rows = [batch_view.COLUMNS, *(batch_view.cells(b, now) for b in batches)]
+    shown = [[printable(cell) for cell in row] for row in rows]
+    widths = [max(len(row[i]) for row in shown) for i in range(len(rows[0]) - 1)]
+    return ["batches:"] + ["  ".join(cell.ljust(width) for cell, width in zip(row[:-1], widths, strict=True)) + "  " + row[-1]
+                           for row in shown]
+
+
 @click.command("status")
 @config_option
 @socket_option
 @format_option("text", "json")
 def status_command(config_path: str | None, socket_path: str | None, output_format: str) -> None:
     """Show each instance of the running vsup: state, start phase, pid, address (socket or port), CPUs, uptime, restarts, placement,
-    tokens/s (last minute), requests running/waiting, KV-cache use, CPU %, RSS, node-local memory, last exit."""
+    tokens/s (last minute), requests running/waiting, KV-cache use, CPU %, RSS, node-local memory, last exit; the Batch API's
+    running batches (lines done, failed, rate, ETA)."""
     path = socket_for(config_path, socket_path)
     data = checked(StatusAnswer, asyncio.run(request(path, "GET", "/status", timeout=10)), path, "/status")
     if output_format == "json":
@@ -123,6 +137,8 @@ def status_command(config_path: str | None, socket_path: str | None, output_form
     for line in render_instances(data["instances"], models=several):
         click.echo(line)
     for line in render_queues(data.get("queues") or {}):
+        click.echo(line)
+    for line in render_batches(data.get("batches") or [], time.time()):
         click.echo(line)
     from .rollout_view import render_changing, render_rollout  # (it uses this module's helpers)
 

@@ -24,11 +24,13 @@ import click
 from rich import box
 from rich.console import Console, Group, JustifyMethod, RenderableType
 from rich.live import Live
+from rich.panel import Panel
+from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
 from vsup.errors import VsupError
-from vsup.observe import by_model, fmt
+from vsup.observe import batch_view, by_model, fmt
 from vsup.observe.fmt import duration
 from vsup.safetext import printable
 from vsup.supervisor.control import request
@@ -150,9 +152,40 @@ def notes(status: Mapping[str, Any]) -> Text | None:
     return Text(printable("\n".join(lines), newlines=True), style="yellow") if lines else None
 
 
+def batch_panel(status: Mapping[str, Any], now: float) -> Panel | None:
+    """The Batch API's running batches and those ended lately: a bar each, then batch_view's cells
+    (a client's metadata and ids `printable`, as Text: never read as markup). Every column but
+    METADATA keeps its width (ids and names cut at CUT_WIDTH); METADATA takes what is left."""
+    batches = status.get("batches") or []
+    if not batches:
+        return None
+    columns = batch_view.COLUMNS
+    rows = [[_plain(cell) for cell in batch_view.cells(entry, now)] for entry in batches]
+    t = Table(box=box.SIMPLE_HEAD, pad_edge=False, expand=False)
+    for i, name in enumerate(columns):
+        if name == "METADATA":
+            t.add_column(name, no_wrap=True, overflow="ellipsis", min_width=8, ratio=1)
+            continue
+        width = min(max(len(name), *(row[i].cell_len for row in rows)), CUT_WIDTH)
+        t.add_column(name, justify="right" if i >= 4 else "left", no_wrap=True, overflow="ellipsis", min_width=width, max_width=width)
+        if name == "STATUS":
+            t.add_column("", no_wrap=True, min_width=BAR_WIDTH)  # the bar
+    for entry, cells in zip(batches, rows, strict=True):
+        cells[1].stylize(batch_view.STATUS_STYLES.get(str(entry.get("status")), ""))
+        bar = ProgressBar(total=1.0, completed=batch_view.fraction(entry), width=BAR_WIDTH)
+        t.add_row(*cells[:2], bar, *cells[2:])
+    return Panel(t, title="batches", title_align="left", box=box.ROUNDED, expand=False)
+
+
+BAR_WIDTH = 12
+CUT_WIDTH = 16  # batch_<32 hex> cut to this: enough to tell them apart (`vsup batch show` takes the whole id)
+
+
 def view(status: Mapping[str, Any], error: str | None, interval: float) -> RenderableType:
     below = notes(status)
-    return Group(header(status, error, interval), table(status), *((below,) if below is not None else ()))
+    batches = batch_panel(status, time.time())
+    return Group(header(status, error, interval), table(status), *((below,) if below is not None else ()),
+                 *((batches,) if batches is not None else ()))
 
 
 @contextlib.contextmanager
@@ -186,7 +219,7 @@ def fetch(path) -> dict:
               help="Seconds between refreshes (any key refreshes at once).")
 def top_command(config_path: str | None, socket_path: str | None, interval: float) -> None:
     """Live view of the running vsup's instances: state, tokens/s, requests running/waiting,
-    KV cache, CPU %, RSS, node-local memory. q or Ctrl-C quits."""
+    KV cache, CPU %, RSS, node-local memory; the running batches with a bar each. q or Ctrl-C quits."""
     path = socket_for(config_path, socket_path)
     status = fetch(path)  # not running: one line and exit 2, before the screen is touched
     error = None

@@ -10,13 +10,14 @@ cached.
 from __future__ import annotations
 
 import html
+import time
 from collections.abc import Callable, Mapping
 from functools import cache
 from importlib import resources
 from string import Template
 from typing import Any
 
-from vsup.observe import by_model, fmt
+from vsup.observe import batch_view, by_model, fmt
 from vsup.observe.fmt import duration
 from vsup.proxy import errors
 from vsup.proxy.auth import ADMIN
@@ -134,7 +135,36 @@ def models_section(status: Mapping[str, Any]) -> str:
             + "\n".join(model_rows(status)) + "\n</tbody>\n</table>\n")
 
 
-def render_page(status: Mapping[str, Any], refresh: int) -> str:
+BATCH_COLUMNS = ("Batch", "Status", "Model", "Owner", "Done", "Failed", "Lines/s", "ETA", "Age", "Metadata")
+
+
+def batch_rows(status: Mapping[str, Any], now: float) -> list[str]:
+    """The Batch API's running batches and those ended lately (batch_view.py's cells; a client's
+    metadata shown as data: printable, then HTML-escaped)."""
+    rows = []
+    for entry in status.get("batches") or ():
+        cells = batch_view.cells(entry, now)
+        colour = {"in_progress": "ready", "finalizing": "ready", "validating": "starting", "cancelling": "starting",
+                  "failed": "failed", "expired": "failed"}.get(str(entry.get("status")), "stopped")
+        row = [_cell(cells[0]), f'<td><span class="state {colour}">{html.escape(printable(cells[1]))}</span></td>',
+               _cell(cells[2]), _cell(cells[3]), f'<td class="num">{html.escape(printable(cells[4]))}'
+               f' <progress max="1" value="{batch_view.fraction(entry):.3f}"></progress></td>',
+               *(_cell(c, "num") for c in cells[5:9]), _cell(cells[9], "wrap")]
+        rows.append("<tr>" + "".join(row) + "</tr>")
+    return rows
+
+
+def batches_section(status: Mapping[str, Any], now: float) -> str:
+    """The Batches table, only when there are batches to show."""
+    rows = batch_rows(status, now)
+    if not rows:
+        return ""
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in BATCH_COLUMNS)
+    return ('<h2>Batches</h2>\n<table id="batches">\n<thead><tr>' + head + "</tr></thead>\n<tbody>\n"
+            + "\n".join(rows) + "\n</tbody>\n</table>\n")
+
+
+def render_page(status: Mapping[str, Any], refresh: int, now: float | None = None) -> str:
     v = status.get("vsup") or {}
     instances = list(status.get("instances", ()))
     several = by_model.several(status)
@@ -150,6 +180,7 @@ def render_page(status: Mapping[str, Any], refresh: int) -> str:
         instance_rows="\n".join(instance_row(e, several) for e in instances)
         or f'<tr><td colspan="{len(columns)}" class="muted">no instances</td></tr>',
         transition_rows="\n".join(transition_rows(status)),
+        batches=batches_section(status, time.time() if now is None else now),
     )
 
 

@@ -11,11 +11,14 @@ from __future__ import annotations
 import asyncio
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+if TYPE_CHECKING:
+    from vsup.batch.watch import Figures
 
 # Route label values: the known API routes, everything else is "other" (bounded cardinality).
 _KNOWN_ROUTES = (
@@ -249,3 +252,26 @@ class ProxyMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def batch_families(figures: Figures) -> Iterable[Any]:
+    """The Batch API's families (batch/watch.py's figures): labels are models, outcomes, states and
+    statuses only — never a batch id, an owner or a custom_id (unbounded, and a tenant's)."""
+    lines = CounterMetricFamily("vsup_batch_lines", "Batch lines by model and outcome: completed (a 2xx answer), failed (any other "
+                                 "answer, attempts exhausted, cancelled, expired, model removed), requeued (tried again)",
+                                 labels=["model", "outcome"])
+    for (model, outcome), count in sorted(figures.outcomes.items()):
+        lines.add_metric([model, outcome], count)
+    yield lines
+    # (the counter above is exposed as vsup_batch_lines_total: this gauge's name does not clash in the text format served)
+    family: GaugeMetricFamily = GaugeMetricFamily("vsup_batch_lines", "Lines of unfinished batches by model and state: pending, running (sent, or held for a slot)",
+                               labels=["model", "state"])
+    for (model, state), count in sorted(figures.lines.items()):
+        family.add_metric([model, state], count)
+    yield family
+    family = GaugeMetricFamily("vsup_batch_batches", "Batches in the store by status", labels=["status"])
+    for status, count in figures.batches.items():
+        family.add_metric([status], count)
+    yield family
+    yield GaugeMetricFamily("vsup_batch_store_bytes", "Bytes the batch store holds: files, and the lines and results of unfinished "
+                            "batches (bounded by batch.max_total_bytes)", value=figures.store_bytes)

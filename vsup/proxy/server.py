@@ -49,13 +49,14 @@ from vsup.proxy.gate import Gate, refit
 from vsup.proxy.health import PROXY_HEADER
 from vsup.proxy.load import LoadProbe
 from vsup.proxy.messages import Answer, Body, RawResponse, Request, Response
-from vsup.proxy.metrics import CONTENT_TYPE, ProxyMetrics
+from vsup.proxy.metrics import CONTENT_TYPE, ProxyMetrics, batch_families
 from vsup.proxy.models import merged_models, models_of
 from vsup.proxy.routing import ModelRouter
 from vsup.proxy.upstream import UpstreamClient
 
 if TYPE_CHECKING:
-    from vsup.batch.store import Limits, Store
+    from vsup.batch.store import Limits
+    from vsup.batch.watch import Watch, WatchedStore
 
 PageHandler = Callable[[Request, BearerAuth], Awaitable[Response]]
 
@@ -138,9 +139,10 @@ class ProxyServer:
         self._given_batch = batch  # (its share figures apply to send_line without a store too)
         self._batch_dir = batch_dir
         self._batch_slots = dict(batch_slots or {})
-        self._store: Store | None = None
+        self._store: WatchedStore | None = None
         self._runner: Runner | None = None
         self._batch_routes: Any = None
+        self._watch: Watch | None = None
         # a front whose upstreams are vsups checking the same keys passes the client's key on to
         # them; any other proxy drops the Authorization it checked (vLLM has no use for it)
         self._forward_key = forward_key
@@ -164,6 +166,7 @@ class ProxyServer:
         self._port: int | None = None
         self.metrics = ProxyMetrics(self.in_flight, pool.states, pool.is_ready, pool.models)
         self.metrics.policy, self.metrics.policy_decisions = self._balancer.name, self._balancer.decisions
+        self.metrics.families.append(self._batch_families)  # vsup_batch_*: none while the Batch API is off
         self._router: ModelRouter | None = None
         self._model_configs = models
         self._names = names  # aliases and vllm.args adapters -> their model (vsup/config/names.py)
@@ -237,13 +240,14 @@ class ProxyServer:
     def _start_batch(self) -> None:
         """Open the batch store (its recover() requeues the lines a stop left running), serve its
         routes and start its runner."""
-        from vsup.batch.store import Store
+        from vsup.batch.watch import Watch, WatchedStore
         from vsup.proxy.batch_routes import BatchRoutes
 
         batch, directory = self._batch, self._batch_dir
         assert batch is not None and directory is not None and self._forwarder is not None
-        self._store = Store.open(directory, limits_of(batch))
-        self._runner = Runner(self._store, self.send_line, self.batch_room, self.serves)
+        self._store = store = WatchedStore.open(directory, limits_of(batch))
+        self._watch = Watch(store)  # the batches as vsup status, /status and /metrics see them
+        self._runner = Runner(store, self.send_line, self.batch_room, self.serves)
         self._forwarder.batch_freed = self._runner.slot_freed
         self._batch_routes = BatchRoutes(self._store, self._runner.wake, self.serves, directory)
         self._runner.start()
@@ -324,6 +328,7 @@ class ProxyServer:
         if self._forwarder is not None:
             self._forwarder.batch_freed = None
         self._batch_routes = None
+        self._watch = None
         if self._store is not None:
             self._store.close()
             self._store = None
@@ -375,6 +380,16 @@ class ProxyServer:
                                                 self.metrics.families)
             if self._gate is not None:
                 self._gate.authenticated = self._auth.enabled
+
+    def batches(self) -> list[dict]:
+        """The running batches and those that ended lately, each with its rate and ETA (batch/watch.py:
+        the status JSON's `batches`); [] without the Batch API."""
+        return self._watch.status() if self._watch is not None else []
+
+    def _batch_families(self):
+        figures = self._watch.figures() if self._watch is not None else None
+        if figures is not None:
+            yield from batch_families(figures)
 
     def queues(self) -> dict[str, dict]:
         """The admission queues by model (vsup status): waiting by priority, the oldest wait, waits so far."""

@@ -44,6 +44,9 @@ def status(sup: Supervisor) -> dict[str, Any]:
         },
         # the proxy's admission queues by model (proxy.max_in_flight_per_instance): waiting by priority, waits so far
         "queues": proxy.queues() if proxy else {},
+        # the Batch API's running batches and those ended in the last hour: counts, rate, ETA (batch/watch.py);
+        # the owner is its key's name, never a key (this JSON is the control socket's: 0600, vsup's user)
+        "batches": proxy.batches() if proxy else [],
         # per model: its instances' indexes, ready count, states, in flight (by_model.summarize)
         "models": by_model.summarize(instances, model_order(config)),
         "instances": instances,
