@@ -1,7 +1,7 @@
-"""vsup/batch/watch.py over a real SQLite store: the line outcomes counted by model as the runner's
-calls land, the status JSON's `batches` (running with rate and ETA, validating, recently ended), the
-figures /metrics renders (proxy/metrics.py's vsup_batch_* families, read by promtool), and nothing
-of a tenant's (batch ids, owners, custom_ids) as a label."""
+"""vsup/batch/watch.py over a real SQLite store: the status JSON's `batches` (running with rate and
+ETA, validating, recently ended), the figures /metrics renders (proxy/metrics.py's vsup_batch_*
+families, read by promtool), and nothing of a tenant's (batch ids, owners, custom_ids) as a label.
+(The store's own counts of the line outcomes are tested in test_batch_store.py.)"""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import subprocess
 import pytest
 
 from tests.tools import need_tool
-from vsup.batch.store import Limits
-from vsup.batch.watch import RECENT, Watch, WatchedStore
+from vsup.batch.store import Limits, Store
+from vsup.batch.watch import RECENT, Watch
 from vsup.proxy.metrics import ProxyMetrics, batch_families
 
 HOSTILE = "\x1b]0;owned\x07\u202egnp.exe <script>alert(1)</script>"
@@ -33,7 +33,7 @@ def jsonl(model_lines: list[tuple[str, str]]) -> bytes:
                     for cid, model in model_lines)
 
 
-def new_batch(store: WatchedStore, owner: str, lines: list[tuple[str, str]], metadata: dict | None = None) -> str:
+def new_batch(store: Store, owner: str, lines: list[tuple[str, str]], metadata: dict | None = None) -> str:
     data = jsonl(lines)
     file = store.add_file(owner, "in.jsonl", "batch", io.BytesIO(data), len(data))
     batch = store.create(owner, file["id"], "/v1/chat/completions", "24h", metadata)
@@ -48,27 +48,9 @@ def clock():
 
 @pytest.fixture
 def store(tmp_path, clock):
-    opened = WatchedStore.open(tmp_path / "batches", Limits(max_attempts=2), clock)
+    opened = Store.open(tmp_path / "batches", Limits(max_attempts=2), clock)
     yield opened
     opened.close()
-
-
-def test_outcomes_are_counted_by_model_as_they_land(store):
-    first = new_batch(store, "team-a", [("a1", "chat"), ("a2", "chat"), ("a3", "chat"), ("e1", "embed")])
-    lines = store.claim(first, 3, "chat")
-    assert store.in_flight == {"chat": 3}
-    assert store.record(lines[0], 200, b'{"ok": 1}', "req-1")
-    assert store.record(lines[1], 400, b'{"error": {}}', "req-2")
-    assert store.requeue(lines[2], "answered 503")  # attempt 1 of 2: back to pending
-    assert store.in_flight == {}
-    again = store.claim(first, 1, "chat")
-    assert store.requeue(again[0], "answered 503")  # attempt 2 of 2: it fails
-    assert not store.record(again[0], 200, b"{}", "late")  # a forgotten attempt counts nothing
-    second = new_batch(store, "team-b", [("b1", "embed"), ("b2", "embed")])
-    store.cancel(second, None)  # its pending lines fail, by model
-    assert store.outcomes == {("chat", "completed"): 1, ("chat", "failed"): 2, ("chat", "requeued"): 1, ("embed", "failed"): 2}
-    assert store.fail_pending(None, "embed", "model_not_found", "gone") == 1  # a removed model: e1
-    assert store.outcomes[("embed", "failed")] == 3
 
 
 def test_the_status_shows_running_batches_with_rate_and_eta(store, clock):
@@ -121,8 +103,8 @@ def test_the_metrics_name_models_and_states_never_a_tenants_ids(store, clock):
     store.record(lines[0], 200, b"{}", "r")
     text = metrics_text(Watch(store, clock))
     assert 'vsup_batch_lines_total{model="chat",outcome="completed"} 1.0' in text
-    assert 'vsup_batch_lines{model="chat",state="pending"} 1.0' in text
-    assert 'vsup_batch_lines{model="chat",state="running"} 1.0' in text
+    assert 'vsup_batch_lines_open{model="chat",state="pending"} 1.0' in text
+    assert 'vsup_batch_lines_open{model="chat",state="running"} 1.0' in text
     assert 'vsup_batch_batches{status="in_progress"} 1.0' in text
     assert 'vsup_batch_batches{status="completed"} 0.0' in text
     store_bytes = next(line for line in text.splitlines() if line.startswith("vsup_batch_store_bytes "))
