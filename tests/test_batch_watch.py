@@ -10,6 +10,8 @@ import json
 import subprocess
 
 import pytest
+from prometheus_client.openmetrics import exposition as openmetrics
+from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
 from tests.tools import need_tool
 from vsup.batch.store import Limits, Store
@@ -88,12 +90,16 @@ def test_validating_and_lately_ended_batches_are_listed_then_dropped(store, cloc
     assert [e["id"] for e in watch.status()] == [waiting]
 
 
-def metrics_text(watch: Watch) -> str:
+def watched_metrics(watch: Watch) -> ProxyMetrics:
     metrics = ProxyMetrics(dict, dict, lambda name: False)
     figures = watch.figures()
     assert figures is not None
     metrics.families.append(lambda: batch_families(figures))
-    return metrics.render().decode()
+    return metrics
+
+
+def metrics_text(watch: Watch) -> str:
+    return watched_metrics(watch).render().decode()
 
 
 def test_the_metrics_name_models_and_states_never_a_tenants_ids(store, clock):
@@ -114,6 +120,19 @@ def test_the_metrics_name_models_and_states_never_a_tenants_ids(store, clock):
     promtool = need_tool("promtool", package="prometheus")
     done = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stdout + done.stderr  # parses, and vsup's own families lint clean
+
+
+def test_the_batch_families_parse_as_openmetrics(store, clock):
+    """No family's name is another's base: a gauge vsup_batch_lines beside the counter of that name
+    (served as vsup_batch_lines_total) is refused by an OpenMetrics parser."""
+    batch_id = new_batch(store, "team-a", [("c1", "chat"), ("c2", "chat")])
+    [line] = store.claim(batch_id, 1)
+    store.record(line, 200, b"{}", "r")
+    text = openmetrics.generate_latest(watched_metrics(Watch(store, clock)).registry).decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert families["vsup_batch_lines"].type == "counter"
+    assert families["vsup_batch_lines_open"].type == "gauge"
+    assert {(s.labels["state"], s.value) for s in families["vsup_batch_lines_open"].samples} == {("pending", 1), ("running", 0)}
 
 
 def test_a_store_that_cannot_be_read_leaves_the_status_and_metrics_answering(store, clock, caplog):
