@@ -309,6 +309,7 @@ class Store:
     def _count(self, model: str, what: str, n: int = 1) -> None:
         """Count n lines of `model` in the open transaction: an outcome (OUTCOMES), or a change of
         the lines running (RUNNING, n negative for lines leaving it)."""
+        assert what == RUNNING or what in OUTCOMES, what
         if n:
             self._tally.append((model, what, n))
 
@@ -727,7 +728,7 @@ class Store:
                     code, message = _LEFT[ending]
                     for line_model, state, n in db.execute(
                             "SELECT model, state, COUNT(*) FROM lines WHERE batch_id = ? AND state != 'done' "
-                            "GROUP BY model, state", (batch_id,)):
+                            "GROUP BY model, state", (batch_id,)).fetchall():
                         self._count(line_model, "failed", n)  # (a running line's late answer is refused)
                         if state == "running":
                             self._count(line_model, RUNNING, -n)
@@ -825,7 +826,7 @@ class Store:
         answer is refused by record()), an upload cut short removed, and finalizing batches
         finalized (to the end: this runs before anything is served)."""
         with self._tx() as db:
-            for line_model, n in db.execute("SELECT model, COUNT(*) FROM lines WHERE state = 'running' GROUP BY model"):
+            for line_model, n in db.execute("SELECT model, COUNT(*) FROM lines WHERE state = 'running' GROUP BY model").fetchall():
                 self._count(line_model, RUNNING, -n)  # (not an outcome: the attempt is put back, not answered)
             db.execute("UPDATE lines SET state = 'pending', attempt = attempt + 1 WHERE state = 'running'")
             db.execute("DELETE FROM blobs WHERE file_id IN (SELECT file_id FROM uploads)")
