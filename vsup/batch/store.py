@@ -255,6 +255,8 @@ class Store:
         self.outcomes: dict[tuple[str, str], int] = {}  # (model, completed | failed | requeued) -> lines
         self.in_flight: dict[str, int] = {}  # model -> lines running (claimed, no result yet)
         self._tally: list[tuple[str, str, int]] = []  # the open transaction's (model, outcome or RUNNING, n)
+        self._together = False  # inside together(): each write a savepoint of its one transaction
+        self._full = True  # the connection's synchronous setting (dbfile opens it FULL)
 
     @classmethod
     def open(cls, directory: Path, limits: Limits, clock: Callable[[], float] = time.time) -> Store:
@@ -289,11 +291,36 @@ class Store:
     def _now(self) -> int:
         return int(self._clock())
 
+    def _sync(self, full: bool) -> None:
+        """synchronous=FULL for what a client was told (an upload, a batch created, cancelled,
+        finished: fsync'd at commit); NORMAL for a line's claim and result (WAL: on disk at the
+        next fsync'd commit or checkpoint). A kill -9 loses neither (the WAL is in the kernel's
+        page cache); a power cut may lose the latest results, and their lines run again: still
+        one result per custom_id, at no fsync per line."""
+        if full != self._full:
+            self._db.execute(f"PRAGMA synchronous={'FULL' if full else 'NORMAL'}")
+            self._full = full
+
     @contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
+    def _tx(self, full: bool = True) -> Iterator[sqlite3.Connection]:
         """One write transaction (BEGIN IMMEDIATE: the write lock is taken at once); the lines it
-        counted (`_count`) are added to `outcomes` and `in_flight` when it commits, never before."""
+        counted (`_count`) are added to `outcomes` and `in_flight` when it commits, never before.
+        `full`: fsync'd at commit (_sync). Inside together(): a savepoint of its transaction, so
+        one failing write leaves the others."""
         with self._lock:
+            if self._together:
+                mark = len(self._tally)
+                self._db.execute("SAVEPOINT one")
+                try:
+                    yield self._db
+                except BaseException:
+                    del self._tally[mark:]
+                    self._db.execute("ROLLBACK TO one")
+                    self._db.execute("RELEASE one")
+                    raise
+                self._db.execute("RELEASE one")
+                return
+            self._sync(full)
             self._db.execute("BEGIN IMMEDIATE")
             self._tally = []
             try:
@@ -303,6 +330,36 @@ class Store:
                 self._db.execute("ROLLBACK")
                 raise
             self._db.execute("COMMIT")
+            tally, self._tally = self._tally, []
+            self._add(tally)
+
+    @contextmanager
+    def together(self) -> Iterator[None]:
+        """Several writes (record, requeue, ...) as one transaction: one commit, one fsync, for the
+        results the runner collected meanwhile (a line's result each was one fsync: the runner's
+        pace on fast lines such as embeddings). Each write inside is a savepoint: one that raises
+        is undone alone; an error of the commit itself undoes them all (and is raised)."""
+        with self._lock:
+            if self._together:  # (nested: already one transaction)
+                yield
+                return
+            self._sync(False)  # lines' results (see _sync)
+            self._db.execute("BEGIN IMMEDIATE")
+            self._tally, self._together = [], True
+            try:
+                yield
+            except BaseException:
+                self._tally, self._together = [], False
+                self._db.execute("ROLLBACK")
+                raise
+            self._together = False
+            try:
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._tally = []
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                raise
             tally, self._tally = self._tally, []
             self._add(tally)
 
@@ -591,7 +648,7 @@ class Store:
         """Up to n pending lines (of `model`, if given), oldest first, now running; none unless in_progress."""
         if n <= 0:
             return []
-        with self._tx() as db:
+        with self._tx(full=False) as db:
             status = db.execute("SELECT status FROM batches WHERE id = ?", (batch_id,)).fetchone()
             if status is None or status[0] != Status.IN_PROGRESS:
                 return []
@@ -619,7 +676,7 @@ class Store:
             too = TooLarge("batch.max_total_bytes", self.limits.max_total_bytes, "this request's answer")
             status_code, body, ok, size = None, None, False, 0
             error = {"code": too.code, "message": too.message}
-        with self._tx() as db:
+        with self._tx(full=False) as db:
             done = db.execute("UPDATE lines SET state = 'done', status_code = ?, response = ?, request_id = ?, error = ? "
                               "WHERE batch_id = ? AND number = ? AND state = 'running' AND attempt = ?",
                               (status_code, body, request_id, None if error is None else json.dumps(error),
@@ -633,7 +690,7 @@ class Store:
 
     def requeue(self, claimed: Claimed, why: str) -> bool:
         """Back to pending with attempt+1; the attempt that reaches max_attempts fails the line instead."""
-        with self._tx() as db:
+        with self._tx(full=False) as db:
             key = (claimed.batch_id, claimed.number, claimed.attempt)
             if claimed.attempt >= self.limits.max_attempts:
                 error = json.dumps({"code": "attempts_exhausted", "message": why})
