@@ -286,3 +286,52 @@ async def test_a_freed_slot_wakes_the_runner_only_while_lines_wait_for_room(stor
     runner.step()  # validated; its line waits: no room
     runner.slot_freed()
     assert runner._wake.is_set()
+
+
+async def test_results_that_land_together_are_written_in_one_transaction(store):
+    # 64 lines answered at once: their results go to the writer thread while it writes, and each
+    # of its transactions takes every one queued by then (one fsync for many lines, not one each)
+    ids = [f"g{i}" for i in range(64)]
+    batch_id = submit(store, jsonl(ids))
+    commits: list[str] = []
+    store._db.set_trace_callback(lambda sql: commits.append(sql) if sql.strip().upper() == "COMMIT" else None)
+    released = asyncio.Event()
+
+    class Gate(Send):
+        async def __call__(self, endpoint: str, body: bytes, owner: str) -> tuple[int, bytes, str]:
+            await released.wait()
+            return await super().__call__(endpoint, body, owner)
+
+    send = Gate()
+    runner = Runner(store, send, lambda model: 64, lambda model: True, poll=0.01)
+    runner.start()
+    try:
+        while runner.in_flight < 64:
+            await asyncio.sleep(0.01)
+        before = len(commits)
+        released.set()
+        batch = await finished(store, batch_id)
+    finally:
+        await runner.stop()
+    assert batch["request_counts"] == {"total": 64, "completed": 64, "failed": 0}
+    assert [line["custom_id"] for line in output(store, batch["output_file_id"])] == ids
+    # the results' commits (and the finalize's few) are far fewer than the 64 lines
+    assert len(commits) - before < 16, len(commits) - before
+
+
+def test_a_failing_write_inside_together_is_undone_alone(store):
+    ids = ["a", "b", "c"]
+    batch_id = submit(store, jsonl(ids))
+    store.validate(batch_id, None)
+    claimed = store.claim(batch_id, 3)
+    with store.together():
+        assert store.record(claimed[0], *answer("a"))
+        with pytest.raises(RuntimeError):
+            with store._tx(full=False) as db:  # a write that fails half-way: its savepoint is rolled back
+                db.execute("UPDATE lines SET state = 'done' WHERE batch_id = ? AND number = ?", (batch_id, claimed[1].number))
+                raise RuntimeError("boom")
+        assert store.record(claimed[2], *answer("c"))
+    assert store.in_flight == {"m": 1}  # b is still running, a and c counted
+    assert store.outcomes[("m", "completed")] == 2
+    assert store.record(claimed[1], *answer("b"))  # b was not marked done by the undone write
+    assert store.batch(batch_id, None)["request_counts"]["completed"] == 3

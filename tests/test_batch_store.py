@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import random
 import signal
 import stat
 import subprocess
@@ -446,6 +447,144 @@ def test_expiry_after_24_hours(store, clock):
     errors = read(store, done["error_file_id"])
     assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [("req-1", "batch_expired"), ("req-2", "batch_expired")]
     assert done["request_counts"] == {"total": 3, "completed": 1, "failed": 2}
+
+
+# -- the counts for /metrics: each line's outcome and the lines running, by model
+
+def running_by_model(store: Store) -> dict[str, int]:
+    return dict(store._db.execute("SELECT model, COUNT(*) FROM lines WHERE state = 'running' GROUP BY model").fetchall())
+
+
+def test_outcomes_are_counted_by_model_as_they_land(tmp_path):
+    store = Store.open(tmp_path / "b", Limits(max_attempts=2))
+    first = started(store, jsonl(3, model="chat") + jsonl(1, model="embed", prefix="e"))
+    lines = store.claim(first, 3, "chat")
+    assert store.in_flight == {"chat": 3}
+    assert store.record(lines[0], 200, b'{"ok": 1}', "req-1")
+    assert store.record(lines[1], 400, b'{"error": {}}', "req-2")
+    assert store.requeue(lines[2], "answered 503")  # attempt 1 of 2: back to pending
+    assert store.in_flight == {}
+    again = store.claim(first, 1, "chat")
+    assert store.requeue(again[0], "answered 503")  # attempt 2 of 2: it fails
+    assert not store.record(again[0], 200, b"{}", "late")  # a forgotten attempt counts nothing
+    assert not store.requeue(again[0], "late")
+    second = started(store, jsonl(2, model="embed", prefix="b"), owner="bob")
+    store.cancel(second, None)  # its pending lines fail, by model
+    assert store.outcomes == {("chat", "completed"): 1, ("chat", "failed"): 2, ("chat", "requeued"): 1, ("embed", "failed"): 2}
+    assert store.fail_pending(None, "embed", "model_not_found", "gone") == 1  # a removed model: e-0
+    assert store.outcomes[("embed", "failed")] == 3
+    store.close()
+
+
+def test_a_line_running_when_its_batch_expires_counts_failed(store, clock):
+    batch_id = started(store, jsonl(3))
+    first, second = store.claim(batch_id, 2)
+    store.record(first, 200, answer(first), "r")
+    clock.now += 24 * 3600
+    assert store.expire() == [batch_id]  # req-2 pending (expire), req-1 running (finalize's leftover)
+    assert store.outcomes == {("m", "completed"): 1, ("m", "failed"): 2}
+    assert store.in_flight == {} == running_by_model(store)  # its batch is over: not running any more
+    assert not store.record(second, 200, answer(second), "late")  # its late answer counts nothing
+    assert store.outcomes == {("m", "completed"): 1, ("m", "failed"): 2} and store.in_flight == {}
+    assert store.batch(batch_id, None)["request_counts"] == {"total": 3, "completed": 1, "failed": 2}
+
+
+def test_a_result_over_max_total_bytes_counts_failed(tmp_path):
+    data = jsonl(2)
+    store = Store.open(tmp_path / "b", Limits(max_total_bytes=len(data) * 2 + 300))
+    batch_id = started(store, data)
+    first, second = store.claim(batch_id, 2)
+    assert store.record(first, 200, b'{"ok": true}', "r1")
+    assert store.record(second, 200, b"x" * 10_000, "r2")  # a 200, kept as storage_limit_exceeded
+    assert store.outcomes == {("m", "completed"): 1, ("m", "failed"): 1}
+    assert store.batch(batch_id, None)["request_counts"]["failed"] == 1
+    store.close()
+
+
+def test_a_cancel_counts_its_pending_lines_failed_and_its_running_ones_as_they_land(store):
+    batch_id = started(store, jsonl(3, model="a") + jsonl(2, model="b", prefix="x"))
+    (running,) = store.claim(batch_id, 1, "b")
+    store.cancel(batch_id, "alice")
+    assert store.outcomes == {("a", "failed"): 3, ("b", "failed"): 1}
+    assert store.in_flight == {"b": 1}  # it finishes
+    assert store.record(running, 200, answer(running), "r")
+    store.finalize(batch_id)
+    assert store.outcomes == {("a", "failed"): 3, ("b", "failed"): 1, ("b", "completed"): 1}
+    assert store.in_flight == {}
+
+
+def test_counts_start_at_zero_with_each_open(tmp_path):
+    folder = tmp_path / "b"
+    store = Store.open(folder, Limits())
+    assert (store.outcomes, store.in_flight) == ({}, {})
+    batch_id = started(store, jsonl(4))
+    first, *stopped = store.claim(batch_id, 3)
+    store.record(first, 500, b"{}", "r")
+    assert (store.outcomes, store.in_flight) == ({("m", "failed"): 1}, {"m": 2})
+    store.close()  # two lines left running: the next open's recover() puts them back
+    again = Store.open(folder, Limits())
+    assert (again.outcomes, again.in_flight) == ({}, {})
+    assert not again.record(stopped[0], 200, answer(stopped[0]), "late")  # an earlier open's attempt
+    assert len(again.claim(batch_id, 5)) == 3
+    assert (again.outcomes, again.in_flight) == ({}, {"m": 3})
+    again.close()
+
+
+def test_a_transaction_that_rolls_back_counts_nothing(store, monkeypatch):
+    batch_id = started(store, jsonl(2))
+    (running,) = store.claim(batch_id, 1)
+
+    def broken(line):
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(store_module, "_result_line", broken)
+    with pytest.raises(OSError):
+        store.finalize(batch_id)  # its first step fails both lines, then cannot write them
+    monkeypatch.undo()
+    assert (store.outcomes, store.in_flight) == ({}, {"m": 1})
+    store.finalize(batch_id)
+    assert (store.outcomes, store.in_flight) == ({("m", "failed"): 2}, {})
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_counts_agree_with_the_rows_whatever_happens(tmp_path, clock, seed):
+    """Random work over three models and a few batches: the lines running by model are the rows
+    running, and the outcomes add up to the batches' own counts (and to the lines' attempts)."""
+    rng = random.Random(seed)
+    store = Store.open(tmp_path / "b", Limits(max_attempts=2, max_total_bytes=200_000), clock)
+    batches = [started(store, b"".join(jsonl(rng.randint(1, 6), model=m, prefix=f"{m}{i}") for m in "xyz"))
+               for i in range(4)]
+    claimed: list[Claimed] = []
+    requeues = 0
+    for _ in range(200):
+        action = rng.choice(["claim", "claim", "record", "record", "requeue", "cancel", "remove", "finish", "expire"])
+        if action == "claim":
+            claimed += store.claim(rng.choice(batches), rng.randint(1, 4), rng.choice([None, "x", "y", "z"]))
+        elif action in ("record", "requeue") and claimed:
+            line = claimed.pop(rng.randrange(len(claimed)))
+            if action == "requeue":
+                requeues += store.requeue(line, "busy") and line.attempt < 2
+            else:
+                body = rng.choice([b"{}", b'{"error": 1}', b"x" * 150_000])  # the last over max_total_bytes
+                store.record(line, rng.choice([200, 200, 400]), body, "r")
+        elif action == "cancel":
+            batch_id = rng.choice(batches)
+            if store.batch(batch_id, None)["status"] == "in_progress":
+                store.cancel(batch_id, None)
+        elif action == "remove":
+            store.fail_pending(None, rng.choice("xyz"), "model_not_found", "gone")
+        elif action == "finish":
+            for batch_id in store.finish_ready():
+                store.finalize(batch_id, step=rng.choice([None, 2]))
+        elif action == "expire" and rng.random() < 0.2:
+            clock.now += 24 * 3600
+            store.expire()
+        assert store.in_flight == running_by_model(store)
+        views = [store.batch(b, None)["request_counts"] for b in batches]
+        for outcome in ("completed", "failed"):
+            assert sum(n for (_, o), n in store.outcomes.items() if o == outcome) == sum(v[outcome] for v in views)
+        assert sum(n for (_, o), n in store.outcomes.items() if o == "requeued") == requeues
+    store.close()
 
 
 # -- ownership and pagination

@@ -1,6 +1,6 @@
 """Opening the batch store's private SQLite file: its folder vsup's own (0700), the file 0600 and
-never reached through a link (vsup/ownfiles.py), WAL with synchronous FULL (a committed result
-survives a power cut, not only a kill -9).
+never reached through a link (vsup/ownfiles.py), WAL, opened with synchronous FULL (the store
+lowers it to NORMAL for a line's claim and result alone: Store._sync).
 
 SQLite opens the path itself, so the file is created and checked first through a descriptor of the
 folder with O_NOFOLLOW; the folder is private, so no one else can swap a name in it afterwards.

@@ -1,9 +1,12 @@
 """Where the batch store lives when batch.dir is unset (pure: the environment is an argument).
 
-Under systemd (`StateDirectory=vsup`) `$STATE_DIRECTORY/batches` (/var/lib/vsup/batches); else
-this user's state folder, `$XDG_STATE_HOME/vsup/batches` (`~/.local/state/vsup/batches`): state
-that must outlive a restart, never a runtime or temporary folder, never the working directory.
-The same rules as the instances' logs (vsup/supervisor/rundir.py's default_log_dir).
+Under systemd (`StateDirectory=vsup`, one vsup per unit) `$STATE_DIRECTORY/batches`
+(/var/lib/vsup/batches); else this user's state folder, one per proxy port as the control socket
+is (`$XDG_STATE_HOME/vsup/batches-<port>`, `~/.local/state/vsup/batches-8000`): two vsups of one
+user on other ports keep their own stores (a store is one process's: store.lock), and a vsup
+started again on its port finds its batches. State that must outlive a restart, never a runtime or
+temporary folder, never the working directory. The same rules as the instances' logs
+(vsup/supervisor/rundir.py's default_log_dir).
 """
 
 from __future__ import annotations
@@ -15,18 +18,18 @@ from pathlib import Path
 from vsup.errors import VsupError
 
 
-def default_dir(environ: Mapping[str, str] = os.environ) -> Path:
-    """The batch store's folder for batch.dir: null."""
+def default_dir(port: int, environ: Mapping[str, str] = os.environ) -> Path:
+    """The batch store's folder for batch.dir: null, of the vsup whose proxy listens on `port`."""
     state = environ.get("STATE_DIRECTORY", "").split(":")[0]
     if state:
         return Path(state) / "batches"
     xdg = environ.get("XDG_STATE_HOME", "")
     if os.path.isabs(xdg):  # (the XDG rule: a relative value is ignored)
-        return Path(xdg) / "vsup" / "batches"
+        return Path(xdg) / "vsup" / f"batches-{port}"
     home = environ.get("HOME") or _home_of_user()
     if not home or not os.path.isabs(home):
         raise VsupError("batch.dir is unset and this user has no home folder for vsup's state (HOME); set batch.dir")
-    return Path(home) / ".local" / "state" / "vsup" / "batches"
+    return Path(home) / ".local" / "state" / "vsup" / f"batches-{port}"
 
 
 def _home_of_user() -> str | None:

@@ -25,9 +25,9 @@ drive it over a real Store with a fake sender.
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -101,9 +101,13 @@ class Runner:
         self._task: asyncio.Task[None] | None = None
         self._expire_at = 0.0
         self._purge_at = 0.0
-        # each line's result is written (one transaction, fsync'd) by one thread, in order: the
-        # event loop, which also serves the interactive requests, does not wait for the disk
+        # the lines' results are written by one thread, in order: the event loop, which also serves
+        # the interactive requests, does not wait for the disk; what arrives while it writes goes in
+        # its next transaction together (Store.together: one fsync for many lines, not one each)
         self._writer: ThreadPoolExecutor | None = None
+        self._writes: list[tuple[Callable[..., bool], tuple[Any, ...], asyncio.Future[bool]]] = []
+        self._writes_lock = threading.Lock()
+        self._flushing = False
         self._starved = False  # the last round left lines waiting for room: a freed slot is worth a round
 
     # -- the contract
@@ -270,7 +274,45 @@ class Runner:
             await self._write(self.store.record, claimed, status, body, request_id)
 
     async def _write(self, function: Callable[..., bool], *args: Any) -> None:
-        if self._writer is None:
-            self._writer = ThreadPoolExecutor(1, thread_name_prefix="vsup-batch-store")
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[bool] = loop.create_future()
+        with self._writes_lock:
+            self._writes.append((function, args, done))
+            start, self._flushing = not self._flushing, True
+        if start:
+            if self._writer is None:
+                self._writer = ThreadPoolExecutor(1, thread_name_prefix="vsup-batch-store")
+            self._writer.submit(self._flush, loop)
         # shielded: a stop while it is being written still waits for it (stop() joins the thread)
-        await asyncio.shield(asyncio.get_running_loop().run_in_executor(self._writer, functools.partial(function, *args)))
+        await asyncio.shield(done)
+
+    def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The writer thread: every write queued so far in one transaction, until none is left."""
+        while True:
+            with self._writes_lock:
+                writes, self._writes = self._writes, []
+                if not writes:
+                    self._flushing = False
+                    return
+            results: list[tuple[bool, Any]] = []
+            try:
+                with self.store.together():
+                    for function, args, _ in writes:
+                        try:
+                            results.append((True, function(*args)))
+                        except Exception as exc:  # this write alone is undone (its savepoint)
+                            results.append((False, exc))
+            except Exception as exc:  # the commit failed (a full disk): none of them is stored
+                results = [(False, exc)] * len(writes)
+            for (_, _, future), (ok, value) in zip(writes, results, strict=True):
+                loop.call_soon_threadsafe(_settle, future, ok, value)
+
+
+def _settle(future: asyncio.Future[bool], ok: bool, value: Any) -> None:
+    if future.done():
+        return
+    if ok:
+        future.set_result(value)
+    else:
+        future.set_exception(value)
+        future.exception()  # (retrieved: a line cancelled meanwhile leaves no "never retrieved" warning)

@@ -27,6 +27,13 @@ Where this differs from BATCH-SPEC.md (the signatures there hold; these are addi
   the batch's pending lines at once (`batch_cancelled`); lines already running finish. A cancelling
   batch builds its files without passing through `finalizing` (OpenAI's cancelling -> cancelled).
 - `recover()` is public (Store.open calls it).
+
+Counts for /metrics (batch/watch.py): each line's outcome by model (`outcomes`: completed, failed,
+requeued) and the lines running by model (`in_flight`), counted where a line's state changes, in
+the transaction that changes it (applied at its commit): a result, a requeue, and every path that
+fails lines (a cancel, an expiry, a removed model, finalize's leftover lines, a result over
+batch.max_total_bytes). They start at zero with each open, as a Prometheus counter does with each
+process.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ import secrets
 import sqlite3
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -128,6 +136,9 @@ CREATE INDEX IF NOT EXISTS lines_by_state ON lines (batch_id, state, number);
 CREATE INDEX IF NOT EXISTS lines_by_model ON lines (batch_id, state, model, number);
 CREATE INDEX IF NOT EXISTS lines_running ON lines (state) WHERE state = 'running';
 """
+
+OUTCOMES = ("completed", "failed", "requeued")  # how a line's attempt ends, as `Store.outcomes` counts it
+RUNNING = "running"  # (a change of `Store.in_flight` in a transaction's tally)
 
 _OPEN = (Status.IN_PROGRESS, Status.CANCELLING, Status.FINALIZING)
 _UNFINISHED = tuple(s.value for s in Status if s not in TERMINAL)
@@ -239,6 +250,13 @@ class Store:
         self.limits = limits
         self._clock = clock
         self._folder_lock: int | None = None  # dbfile.lock_folder's descriptor, held while open
+        # from zero at each open (see the module's docstring); read them from any thread (the runner
+        # writes results from its own): a copy, dict(...), is taken whole
+        self.outcomes: dict[tuple[str, str], int] = {}  # (model, completed | failed | requeued) -> lines
+        self.in_flight: dict[str, int] = {}  # model -> lines running (claimed, no result yet)
+        self._tally: list[tuple[str, str, int]] = []  # the open transaction's (model, outcome or RUNNING, n)
+        self._together = False  # inside together(): each write a savepoint of its one transaction
+        self._full = True  # the connection's synchronous setting (dbfile opens it FULL)
 
     @classmethod
     def open(cls, directory: Path, limits: Limits, clock: Callable[[], float] = time.time) -> Store:
@@ -273,17 +291,95 @@ class Store:
     def _now(self) -> int:
         return int(self._clock())
 
+    def _sync(self, full: bool) -> None:
+        """synchronous=FULL for what a client was told (an upload, a batch created, cancelled,
+        finished: fsync'd at commit); NORMAL for a line's claim and result (WAL: on disk at the
+        next fsync'd commit or checkpoint). A kill -9 loses neither (the WAL is in the kernel's
+        page cache); a power cut may lose the latest results, and their lines run again: still
+        one result per custom_id, at no fsync per line."""
+        if full != self._full:
+            self._db.execute(f"PRAGMA synchronous={'FULL' if full else 'NORMAL'}")
+            self._full = full
+
     @contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
-        """One write transaction (BEGIN IMMEDIATE: the write lock is taken at once)."""
+    def _tx(self, full: bool = True) -> Iterator[sqlite3.Connection]:
+        """One write transaction (BEGIN IMMEDIATE: the write lock is taken at once); the lines it
+        counted (`_count`) are added to `outcomes` and `in_flight` when it commits, never before.
+        `full`: fsync'd at commit (_sync). Inside together(): a savepoint of its transaction, so
+        one failing write leaves the others."""
         with self._lock:
+            if self._together:
+                mark = len(self._tally)
+                self._db.execute("SAVEPOINT one")
+                try:
+                    yield self._db
+                except BaseException:
+                    del self._tally[mark:]
+                    self._db.execute("ROLLBACK TO one")
+                    self._db.execute("RELEASE one")
+                    raise
+                self._db.execute("RELEASE one")
+                return
+            self._sync(full)
             self._db.execute("BEGIN IMMEDIATE")
+            self._tally = []
             try:
                 yield self._db
             except BaseException:
+                self._tally = []
                 self._db.execute("ROLLBACK")
                 raise
             self._db.execute("COMMIT")
+            tally, self._tally = self._tally, []
+            self._add(tally)
+
+    @contextmanager
+    def together(self) -> Iterator[None]:
+        """Several writes (record, requeue, ...) as one transaction: one commit, one fsync, for the
+        results the runner collected meanwhile (a line's result each was one fsync: the runner's
+        pace on fast lines such as embeddings). Each write inside is a savepoint: one that raises
+        is undone alone; an error of the commit itself undoes them all (and is raised)."""
+        with self._lock:
+            if self._together:  # (nested: already one transaction)
+                yield
+                return
+            self._sync(False)  # lines' results (see _sync)
+            self._db.execute("BEGIN IMMEDIATE")
+            self._tally, self._together = [], True
+            try:
+                yield
+            except BaseException:
+                self._tally, self._together = [], False
+                self._db.execute("ROLLBACK")
+                raise
+            self._together = False
+            try:
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._tally = []
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                raise
+            tally, self._tally = self._tally, []
+            self._add(tally)
+
+    def _count(self, model: str, what: str, n: int = 1) -> None:
+        """Count n lines of `model` in the open transaction: an outcome (OUTCOMES), or a change of
+        the lines running (RUNNING, n negative for lines leaving it)."""
+        assert what == RUNNING or what in OUTCOMES, what
+        if n:
+            self._tally.append((model, what, n))
+
+    def _add(self, tally: list[tuple[str, str, int]]) -> None:
+        for model, what, n in tally:
+            if what == RUNNING:
+                left = self.in_flight.get(model, 0) + n
+                if left > 0:
+                    self.in_flight[model] = left
+                else:  # (recover() takes back lines of an earlier open, which were never counted here)
+                    self.in_flight.pop(model, None)
+            else:
+                self.outcomes[(model, what)] = self.outcomes.get((model, what), 0) + n
 
     def _one(self, sql: str, args: tuple = ()) -> sqlite3.Row | None:
         with self._lock:
@@ -451,6 +547,18 @@ class Store:
         rows = self._all(f"SELECT * FROM batches WHERE {' AND '.join(where)} ORDER BY n DESC LIMIT ?", (*args, limit + 1))
         return [_batch_object(r) for r in rows[:limit]], len(rows) > limit
 
+    def by_status(self) -> dict[str, int]:
+        """How many batches the store holds in each status (every status, 0 where none)."""
+        found = {row[0]: row[1] for row in self._all("SELECT status, COUNT(*) FROM batches GROUP BY status")}
+        return {s.value: int(found.get(s.value, 0)) for s in Status}
+
+    def owners(self, batch_ids: list[str]) -> dict[str, str]:
+        """Each batch's owner (its key's name); a batch not found is left out (no owner check: the views' own)."""
+        if not batch_ids:
+            return {}
+        return {row[0]: row[1] for row in self._all(f"SELECT id, owner FROM batches WHERE id IN ({_marks(tuple(batch_ids))})",
+                                                    tuple(batch_ids))}
+
     def cancel(self, batch_id: str, owner: str | None) -> dict:
         """validating / in_progress -> cancelling (its pending lines fail now; running ones finish);
         a cancelling or cancelled batch is answered as it is (a retried cancel); Conflict otherwise."""
@@ -540,7 +648,7 @@ class Store:
         """Up to n pending lines (of `model`, if given), oldest first, now running; none unless in_progress."""
         if n <= 0:
             return []
-        with self._tx() as db:
+        with self._tx(full=False) as db:
             status = db.execute("SELECT status FROM batches WHERE id = ?", (batch_id,)).fetchone()
             if status is None or status[0] != Status.IN_PROGRESS:
                 return []
@@ -552,6 +660,8 @@ class Store:
                                   "AND state = 'pending' AND model = ? ORDER BY number LIMIT ?", (batch_id, model, n)).fetchall()
             db.executemany("UPDATE lines SET state = 'running' WHERE batch_id = ? AND number = ?",
                            [(batch_id, r["number"]) for r in rows])
+            for line_model, n in Counter(r["model"] for r in rows).items():
+                self._count(line_model, RUNNING, n)
         return [Claimed(batch_id, r["number"], r["custom_id"], r["model"], bytes(r["body"]), r["attempt"]) for r in rows]
 
     def record(self, claimed: Claimed, status_code: int | None, body: bytes | None, request_id: str,
@@ -566,7 +676,7 @@ class Store:
             too = TooLarge("batch.max_total_bytes", self.limits.max_total_bytes, "this request's answer")
             status_code, body, ok, size = None, None, False, 0
             error = {"code": too.code, "message": too.message}
-        with self._tx() as db:
+        with self._tx(full=False) as db:
             done = db.execute("UPDATE lines SET state = 'done', status_code = ?, response = ?, request_id = ?, error = ? "
                               "WHERE batch_id = ? AND number = ? AND state = 'running' AND attempt = ?",
                               (status_code, body, request_id, None if error is None else json.dumps(error),
@@ -574,11 +684,13 @@ class Store:
             if done:
                 db.execute("UPDATE batches SET completed = completed + ?, failed = failed + ?, held = held + ? WHERE id = ?",
                            (int(ok), int(not ok), size, claimed.batch_id))
+                self._count(claimed.model, "completed" if ok else "failed")  # (ok as kept: a result over the limit failed)
+                self._count(claimed.model, RUNNING, -1)
         return bool(done)
 
     def requeue(self, claimed: Claimed, why: str) -> bool:
         """Back to pending with attempt+1; the attempt that reaches max_attempts fails the line instead."""
-        with self._tx() as db:
+        with self._tx(full=False) as db:
             key = (claimed.batch_id, claimed.number, claimed.attempt)
             if claimed.attempt >= self.limits.max_attempts:
                 error = json.dumps({"code": "attempts_exhausted", "message": why})
@@ -586,9 +698,14 @@ class Store:
                                   "AND state = 'running' AND attempt = ?", (error, *key)).rowcount
                 if done:
                     db.execute("UPDATE batches SET failed = failed + 1 WHERE id = ?", (claimed.batch_id,))
+                    self._count(claimed.model, "failed")
             else:
                 done = db.execute("UPDATE lines SET state = 'pending', attempt = attempt + 1 WHERE batch_id = ? "
                                   "AND number = ? AND state = 'running' AND attempt = ?", key).rowcount
+                if done:
+                    self._count(claimed.model, "requeued")
+            if done:
+                self._count(claimed.model, RUNNING, -1)
         return bool(done)
 
     def fail_pending(self, batch_id: str | None, model: str | None, code: str, message: str) -> int:
@@ -605,11 +722,16 @@ class Store:
             where.append("model = ?")
             args.append(model)
         sql_where = " AND ".join(where)
-        counts = db.execute(f"SELECT batch_id, COUNT(*) FROM lines WHERE {sql_where} GROUP BY batch_id", args).fetchall()
+        counts = db.execute(f"SELECT batch_id, model, COUNT(*) FROM lines WHERE {sql_where} GROUP BY batch_id, model",
+                            args).fetchall()
         db.execute(f"UPDATE lines SET state = 'done', error = ? WHERE {sql_where}",
                    (json.dumps({"code": code, "message": message}), *args))
-        db.executemany("UPDATE batches SET failed = failed + ? WHERE id = ?", [(c[1], c[0]) for c in counts])
-        return sum(c[1] for c in counts)
+        by_batch: Counter[str] = Counter()
+        for batch, line_model, n in counts:
+            by_batch[batch] += n
+            self._count(line_model, "failed", n)
+        db.executemany("UPDATE batches SET failed = failed + ? WHERE id = ?", [(n, b) for b, n in by_batch.items()])
+        return sum(by_batch.values())
 
     def running(self) -> list[dict]:
         """The in_progress, cancelling and finalizing batches with their counts and pending lines per model."""
@@ -661,6 +783,12 @@ class Store:
                 check(status, ending)  # (a validating batch cannot be finalized)
                 if row["out_id"] is None:  # the first step: nothing may run or wait any more
                     code, message = _LEFT[ending]
+                    for line_model, state, n in db.execute(
+                            "SELECT model, state, COUNT(*) FROM lines WHERE batch_id = ? AND state != 'done' "
+                            "GROUP BY model, state", (batch_id,)).fetchall():
+                        self._count(line_model, "failed", n)  # (a running line's late answer is refused)
+                        if state == "running":
+                            self._count(line_model, RUNNING, -n)
                     left = db.execute("UPDATE lines SET state = 'done', error = ? WHERE batch_id = ? AND state != 'done'",
                                       (json.dumps({"code": code, "message": message}), batch_id)).rowcount
                     db.execute("UPDATE batches SET failed = failed + ?, out_id = ?, err_id = ? WHERE id = ?",
@@ -755,6 +883,8 @@ class Store:
         answer is refused by record()), an upload cut short removed, and finalizing batches
         finalized (to the end: this runs before anything is served)."""
         with self._tx() as db:
+            for line_model, n in db.execute("SELECT model, COUNT(*) FROM lines WHERE state = 'running' GROUP BY model").fetchall():
+                self._count(line_model, RUNNING, -n)  # (not an outcome: the attempt is put back, not answered)
             db.execute("UPDATE lines SET state = 'pending', attempt = attempt + 1 WHERE state = 'running'")
             db.execute("DELETE FROM blobs WHERE file_id IN (SELECT file_id FROM uploads)")
             db.execute("DELETE FROM uploads")

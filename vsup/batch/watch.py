@@ -1,10 +1,9 @@
 """What `vsup status`, `vsup top`, the /status page and /metrics see of the batches.
 
-`WatchedStore` is the Store with the line outcomes counted as they happen (for the Prometheus
-counters: a store's rows say where each batch is, not how many lines each model finished since
-the start) and the lines in flight per model; `Watch` turns the store into the status JSON's
-`batches` list (the running batches and those that ended in the last `RECENT` seconds, each with
-its rate and ETA, progress.py) and the figures /metrics renders (proxy/metrics.py).
+`Watch` turns the store into the status JSON's `batches` list (the running batches and those that
+ended in the last `RECENT` seconds, each with its rate and ETA, progress.py) and the figures
+/metrics renders (proxy/metrics.py): the line outcomes and the lines running by model are the
+Store's own counts (`Store.outcomes`, `Store.in_flight`, kept where each line's state changes).
 
 Nothing here is a tenant's secret to an admin: a batch's owner is its key's NAME (never a key),
 and no id, owner or custom_id becomes a metric label (unbounded, and a tenant's).
@@ -17,93 +16,16 @@ import sqlite3
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from vsup.batch.progress import Progress, Samples, progress
 from vsup.batch.status import TERMINAL, TIMESTAMP, Status
-from vsup.batch.store import Claimed, Limits, Store
+from vsup.batch.store import Store
 
 log = logging.getLogger("vsup.batch")
 
 RECENT = 3600.0  # seconds a finished batch stays in the status JSON after its end
 RECENT_LIMIT = 20  # the newest batches looked at for the validating and recently finished ones
-OUTCOMES = ("completed", "failed", "requeued")
-
-
-class WatchedStore(Store):
-    """The Store, counting each line's outcome by model (completed, failed, requeued) and the lines
-    claimed and not yet answered (in flight) by model. Counts start at zero with each open, as a
-    Prometheus counter does with each process."""
-
-    def __init__(self, db: sqlite3.Connection, limits: Limits, clock: Callable[[], float]) -> None:
-        self.outcomes: dict[tuple[str, str], int] = {}  # (model, outcome) -> lines
-        self.in_flight: dict[str, int] = {}  # model -> lines claimed and not answered yet
-        super().__init__(db, limits, clock)
-
-    @classmethod
-    def open(cls, directory: Path, limits: Limits, clock: Callable[[], float] = time.time) -> WatchedStore:
-        store = super().open(directory, limits, clock)
-        assert isinstance(store, WatchedStore)  # (Store.open builds cls)
-        return store
-
-    def _count(self, model: str, outcome: str, n: int = 1) -> None:
-        if n:
-            self.outcomes[(model, outcome)] = self.outcomes.get((model, outcome), 0) + n
-
-    def _landed(self, model: str) -> None:
-        left = self.in_flight.get(model, 0) - 1
-        if left > 0:
-            self.in_flight[model] = left
-        else:
-            self.in_flight.pop(model, None)
-
-    def claim(self, batch_id: str, n: int, model: str | None = None) -> list[Claimed]:
-        claimed = super().claim(batch_id, n, model)
-        for line in claimed:
-            self.in_flight[line.model] = self.in_flight.get(line.model, 0) + 1
-        return claimed
-
-    def record(self, claimed: Claimed, status_code: int | None, body: bytes | None, request_id: str,
-               error: dict | None = None) -> bool:
-        done = super().record(claimed, status_code, body, request_id, error)
-        self._landed(claimed.model)
-        if done:
-            ok = error is None and status_code is not None and 200 <= status_code < 300
-            self._count(claimed.model, "completed" if ok else "failed")
-        return done
-
-    def requeue(self, claimed: Claimed, why: str) -> bool:
-        done = super().requeue(claimed, why)
-        self._landed(claimed.model)
-        if done:
-            self._count(claimed.model, "failed" if claimed.attempt >= self.limits.max_attempts else "requeued")
-        return done
-
-    def _fail_pending(self, db: sqlite3.Connection, batch_id: str | None, model: str | None, code: str, message: str) -> int:
-        # (the one path of a cancel, an expiry and a removed model: counted by model before they go)
-        where, args = ["state = 'pending'"], []
-        for column, value in (("batch_id", batch_id), ("model", model)):
-            if value is not None:
-                where.append(f"{column} = ?")
-                args.append(value)
-        by_model = db.execute(f"SELECT model, COUNT(*) FROM lines WHERE {' AND '.join(where)} GROUP BY model", args).fetchall()
-        failed = super()._fail_pending(db, batch_id, model, code, message)
-        for name, n in by_model:
-            self._count(name, "failed", n)
-        return failed
-
-    def by_status(self) -> dict[str, int]:
-        """How many batches the store holds in each status (every status, 0 where none)."""
-        found = {row[0]: row[1] for row in self._all("SELECT status, COUNT(*) FROM batches GROUP BY status")}
-        return {s.value: int(found.get(s.value, 0)) for s in Status}
-
-    def owners(self, batch_ids: list[str]) -> dict[str, str]:
-        """Each batch's owner (its key's name)."""
-        if not batch_ids:
-            return {}
-        marks = ", ".join("?" * len(batch_ids))
-        return {row[0]: row[1] for row in self._all(f"SELECT id, owner FROM batches WHERE id IN ({marks})", tuple(batch_ids))}
 
 
 @dataclass(frozen=True)
@@ -147,7 +69,7 @@ class Watch:
     `vsup status`, `vsup top` refresh, /status page and scrape), so the rate is over the last
     minute of looks (progress.Samples; before a second look, the mean since its start)."""
 
-    def __init__(self, store: WatchedStore, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, store: Store, clock: Callable[[], float] = time.time) -> None:
         self.store = store
         self.clock = clock
         self.samples = Samples()
@@ -193,14 +115,16 @@ class Watch:
 
     def _figures(self) -> Figures:
         store = self.store
+        # copies taken whole first: the runner's thread counts results while this reads
+        outcomes, in_flight = dict(store.outcomes), dict(store.in_flight)
         pending: dict[str, int] = {}
         for row in store.running():
             for model, n in (row.get("models") or {}).items():
                 pending[model] = pending.get(model, 0) + n
         lines = {(model, "pending"): n for model, n in pending.items()}
-        lines.update({(model, "running"): n for model, n in store.in_flight.items()})
-        for model in pending.keys() | store.in_flight.keys():  # both series of a model with either
+        lines.update({(model, "running"): n for model, n in in_flight.items()})
+        for model in pending.keys() | in_flight.keys():  # both series of a model with either
             lines.setdefault((model, "pending"), 0)
             lines.setdefault((model, "running"), 0)
-        return Figures(dict(store.outcomes), lines, store.by_status(), store.usage())
+        return Figures(outcomes, lines, store.by_status(), store.usage())
 

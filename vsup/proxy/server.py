@@ -55,8 +55,8 @@ from vsup.proxy.routing import ModelRouter
 from vsup.proxy.upstream import UpstreamClient
 
 if TYPE_CHECKING:
-    from vsup.batch.store import Limits
-    from vsup.batch.watch import Watch, WatchedStore
+    from vsup.batch.store import Limits, Store
+    from vsup.batch.watch import Watch
 
 PageHandler = Callable[[Request, BearerAuth], Awaitable[Response]]
 
@@ -139,7 +139,7 @@ class ProxyServer:
         self._given_batch = batch  # (its share figures apply to send_line without a store too)
         self._batch_dir = batch_dir
         self._batch_slots = dict(batch_slots or {})
-        self._store: WatchedStore | None = None
+        self._store: Store | None = None
         self._runner: Runner | None = None
         self._batch_routes: Any = None
         self._watch: Watch | None = None
@@ -240,12 +240,13 @@ class ProxyServer:
     def _start_batch(self) -> None:
         """Open the batch store (its recover() requeues the lines a stop left running), serve its
         routes and start its runner."""
-        from vsup.batch.watch import Watch, WatchedStore
+        from vsup.batch.store import Store
+        from vsup.batch.watch import Watch
         from vsup.proxy.batch_routes import BatchRoutes
 
         batch, directory = self._batch, self._batch_dir
         assert batch is not None and directory is not None and self._forwarder is not None
-        self._store = store = WatchedStore.open(directory, limits_of(batch))
+        self._store = store = Store.open(directory, limits_of(batch))
         self._watch = Watch(store)  # the batches as vsup status, /status and /metrics see them
         self._runner = Runner(store, self.send_line, self.batch_room, self.serves)
         self._forwarder.batch_freed = self._runner.slot_freed

@@ -64,7 +64,7 @@ def batch_dir(config: VsupConfig, environ: Mapping[str, str]) -> Path | None:
     """The batch store's folder (batch.dir, else the state folder's batches/); None: batch.enabled is false."""
     if not config.batch.enabled:
         return None
-    return config.batch.dir if config.batch.dir is not None else default_dir(environ)
+    return config.batch.dir if config.batch.dir is not None else default_dir(config.proxy.port, environ)
 
 
 def read_config(path: str, fsroot: str, environ: Mapping[str, str], running: VsupConfig,
