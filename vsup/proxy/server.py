@@ -37,6 +37,7 @@ from vsup.proxy.affinity import PrefixAffinity
 from vsup.proxy.auth import ADMIN, METRICS, REFUSED, SERVING, BearerAuth, named_keys, roles
 from vsup.proxy.backends import Backend, BackendPool
 from vsup.proxy.balancer import make_balancer
+from vsup.proxy.batch_routes import is_batch_path
 from vsup.proxy.batch_share import BUSY, BUSY_HEADER
 from vsup.proxy.bodyparse import BodyParser
 from vsup.proxy.budget import BodyBudget, configured_limit
@@ -72,14 +73,6 @@ SHUTDOWN_GRACE = 1.0
 HEALTHY = b'{"status": "ok"}'
 # Admin routes after which an instance serves other model names (routing.py learns them again).
 _ADAPTER_ROUTES = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
-# The Batch API's routes (batch_routes.py): these paths and those below them.
-_BATCH_PREFIXES = ("/v1/files", "/v1/batches")
-
-
-def _batch_path(path: str) -> bool:
-    return any(path == prefix or path.startswith(prefix + "/") for prefix in _BATCH_PREFIXES)
-
-
 def limits_of(batch: BatchConfig) -> Limits:
     """The store's limits from the batch: section."""
     from vsup.batch.store import Limits
@@ -604,7 +597,7 @@ class ProxyServer:
             return errors.bad_request(
                 f"the path {_shown(request.raw_path)} has a '.' or '..' segment: send it without (the proxy does not resolve them)"
             )
-        if self._batch_routes is not None and _batch_path(path):
+        if self._batch_routes is not None and is_batch_path(path):
             return await self._batch_request(request)
         route = self._routes.get(path) or proxy_routes.templated(path)
         if route is not None:
