@@ -190,6 +190,7 @@ def _front_deployment(cfg: VsupConfig, *, name: str, image: str, upstreams: list
         args += ["--batch-dir", BATCH_DIR]
     for upstream in upstreams:
         args += ["--upstream", upstream]
+    mounts: list[dict] = [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}]
     container = {
         "name": "vsup-front",
         "image": image,
@@ -202,14 +203,14 @@ def _front_deployment(cfg: VsupConfig, *, name: str, image: str, upstreams: list
         "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "initialDelaySeconds": 5,
                           "periodSeconds": 10, "timeoutSeconds": probe_timeout, "failureThreshold": 3},
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SECONDS)]}}},
-        "volumeMounts": [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}],
+        "volumeMounts": mounts,
     }
     env = key_env(cfg.proxy, name)
     if env:
         container["env"] = env
     volumes: list[dict] = [{"name": "config", "configMap": {"name": f"{name}-config"}}]
     if batch:
-        container["volumeMounts"].append({"name": "batches", "mountPath": BATCH_MOUNT})
+        mounts.append({"name": "batches", "mountPath": BATCH_MOUNT})
         volumes.append({"name": "batches", "persistentVolumeClaim": {"claimName": f"{name}-batches"}})
     return {
         "apiVersion": "apps/v1",
