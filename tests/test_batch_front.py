@@ -176,3 +176,24 @@ async def test_a_front_that_passes_keys_on_sends_lines_with_an_admin_key_not_cha
         assert (done.status, done.request_counts.completed) == ("completed", 3)
         assert a.metrics.requests.get((ENDPOINT, 429, "", "chat"), 0) == 0
         assert ("alice", "requests") not in a._gate.limited  # type: ignore[union-attr]
+
+
+def test_a_nodes_busy_answer_caps_the_fronts_share_there_for_a_while():
+    from vsup.proxy.batch_share import BUSY_HOLD, BatchShare
+
+    now = [0.0]
+    in_flight: dict[str, int] = {}
+    share = BatchShare(in_flight, lambda: now[0])
+    share.configure({}, 10, {}, 0)
+    a = Backend("a", "http://127.0.0.1:1", "chat")
+    for _ in range(3):
+        in_flight["a"] = in_flight.get("a", 0) + 1
+        share.started("a")
+    assert share.room(a) == 6  # 10 slots, one kept, 3 lines there
+    share.refused("a")  # the node said busy with 3 of ours: it takes 3 for now
+    assert share.room(a) == 0
+    in_flight["a"] -= 1
+    share.ended("a")
+    assert share.room(a) == 1  # one ended: its slot is ours again, no more
+    now[0] += BUSY_HOLD
+    assert share.room(a) == 7  # then the whole share is tried again
