@@ -111,6 +111,18 @@ def _raw_header(lines: bytes, name: bytes) -> str | None:
     return None
 
 
+_LINE_HEADER, _LINE = LINE_HEADER.encode(), LINE.encode()
+
+
+def _marked_line(raw_headers: tuple[tuple[bytes, bytes], ...]) -> bool:
+    """`X-Vsup-Batch: line` among the request's headers (on every forwarded request: no header view built)."""
+    size = len(_LINE_HEADER)
+    for key, value in raw_headers:
+        if len(key) == size and key.lower() == _LINE_HEADER:
+            return value.strip().lower() == _LINE
+    return False
+
+
 def _total_memory() -> int:
     return psutil.virtual_memory().total
 
@@ -640,8 +652,7 @@ class ProxyServer:
                 return await self._models()
             # `X-Vsup-Batch: line` (a front's batch runner; the header only ever lowers a request): a
             # batch line here too, into the share interactive requests leave, its key's rate limit kept
-            marked = request.headers.get(LINE_HEADER)
-            batch = marked is not None and marked.strip().lower() == LINE
+            batch = _marked_line(request.raw_headers)
             response = await self._forwarder.handle(request, client, batch=batch, rated=batch)  # type: ignore[union-attr]
             if route.admin and path in _ADAPTER_ROUTES and response.status == 200 and self._router is not None:
                 for backend in self.pool.ready():  # an adapter loaded or unloaded: the model names changed
