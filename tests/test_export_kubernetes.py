@@ -125,6 +125,9 @@ def test_two_socket_smt_xeon():
     assert sts["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 70
     assert c["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "5"]
     assert sts["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+    # no front here, so no Batch API: the pods have it off, and the summary says how to get it
+    assert config["batch"] == {"enabled": False}
+    assert "No Batch API here" in result.manifests_text and "export a fleet" in result.manifests_text
 
 
 def test_epyc_nps4_two_instances_per_pod():

@@ -100,6 +100,44 @@ def test_a_statefulset_per_model_and_a_front_that_routes_by_model():
     check_guaranteed_and_kubelet({"StatefulSet": [sets["vsup-chat"]]}, result, node_type(machine), smt=2)
 
 
+def test_the_front_holds_the_batch_store_on_a_claim_and_one_front_writes_it_at_a_time():
+    machine = make_machine(sockets=2, nodes_per_socket=2, cores_per_node=16, smt=2, node_memory=128 * GIB)
+    _, _, result = export(machine, FLEET + "batch: {max_total_bytes: 8GiB, priority: -5}\n")
+    by_kind = check_objects(result)  # (the claim too: validated against the schemas)
+    (claim,) = by_kind["PersistentVolumeClaim"]
+    # 8 GiB of files and results, a quarter more for SQLite's log and an upload in progress
+    assert claim["metadata"]["name"] == "vsup-batches"
+    assert claim["spec"] == {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "10Gi"}}}
+    (front,) = by_kind["Deployment"]
+    spec = front["spec"]["template"]["spec"]
+    (fc,) = spec["containers"]
+    assert front["spec"]["strategy"] == {"type": "Recreate"}  # never two fronts on one store (its lock)
+    mounts = {m["name"]: m["mountPath"] for m in fc["volumeMounts"]}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes["batches"]["persistentVolumeClaim"] == {"claimName": "vsup-batches"}
+    batch_dir = fc["args"][fc["args"].index("--batch-dir") + 1]
+    assert batch_dir.startswith(mounts["batches"] + "/")  # a folder vsup makes 0700 inside the volume
+    assert spec["securityContext"]["fsGroup"] == spec["securityContext"]["runAsUser"]
+    # the front's batch keys: the user's, but not enabled/dir; its share of a pod: a pod's instances' slots
+    configs = {c["metadata"]["name"]: c for c in by_kind["ConfigMap"]}
+    front_cfg = parse_config(configs["vsup-config"]["data"]["front.yaml"], require_model=False)
+    assert front_cfg.batch.priority == -5 and front_cfg.batch.max_total_bytes == "8GiB"
+    assert front_cfg.batch.slots_per_instance == 128 and front_cfg.batch.dir is None
+    # the pods have their own Batch API off: the front's lines reach them marked as batch lines
+    for name in ("vsup-chat-config", "vsup-org-embed-v2-config"):
+        assert parse_config(configs[name]["data"]["vsup.yaml"]).batch.enabled is False
+
+
+def test_a_fleet_without_the_batch_api_has_no_claim_and_no_store():
+    machine = make_machine(sockets=2, nodes_per_socket=2, cores_per_node=16, smt=2, node_memory=128 * GIB)
+    _, _, result = export(machine, FLEET + "batch: {enabled: false}\n")
+    by_kind = check_objects(result)
+    assert "PersistentVolumeClaim" not in by_kind
+    (front,) = by_kind["Deployment"]
+    assert "--batch-dir" not in front["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "strategy" not in front["spec"]
+
+
 def test_a_model_sharing_a_node_gets_its_cpus_and_its_part_of_the_memory():
     # 2 nodes × 8 cores, a partition made by hand: chat on node 0 and 2 cores of node 1, embed on the other 6
     machine = node_type(make_machine(sockets=2, cores_per_node=8, smt=1, node_memory=64 * GIB))

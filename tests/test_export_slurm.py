@@ -117,6 +117,18 @@ def test_running_the_script_writes_the_step_configs_and_asks_slurm_for_the_steps
     proxy = parse_config((tmp_path / "conf" / "front.yaml").read_text(), require_model=False)
     assert proxy.proxy.port == 9000 and proxy.proxy.host == "0.0.0.0" and proxy.proxy.drain_timeout == 20
     assert proxy.health.interval == 2
+    # the front holds the Batch API's store, in a folder that outlives the job (VSUP_BATCH_DIR, else
+    # one per job name under ~/.local/state); the steps have theirs off
+    assert front[front.index("--batch-dir") + 1] == f"{os.environ['HOME']}/.local/state/vsup/batches-vsup"
+    assert proxy.batch.slots_per_instance == 128  # a step's instance's slots: the front's share of it
+    for node_id in (0, 1):
+        assert parse_config((tmp_path / "conf" / f"node{node_id}.yaml").read_text()).batch.enabled is False
+    env = {**stub_slurm(tmp_path), "VSUP_BATCH_DIR": str(tmp_path / "batches")}
+    (tmp_path / "srun.log").unlink()
+    run = subprocess.run(["bash", str(out / "vsup.sbatch")], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=30)
+    assert run.returncode == 0, run.stderr
+    [front] = [shlex.split(line) for line in (tmp_path / "srun.log").read_text().splitlines() if " proxy " in line]
+    assert front[front.index("--batch-dir") + 1] == str(tmp_path / "batches")
 
 
 def stub_slurm(tmp_path) -> dict:

@@ -6,12 +6,14 @@ requests in flight on every scancel docs/slurm.md says drains under that plugin,
 shutdown lines in the job's output and nothing running on either host; the one it says does not
 (plain scancel under linuxproc) does not; with named keys (proxy.api_keys) a client's key passes the
 front to the per-node vsups, which check it too, and no file on the shared folder holds a key; a
-host whose vsup is killed is ejected while the other serves; real vLLM on one host (marked `vllm` too) answers and drains. Marked `slurm`; needs root
+host whose vsup is killed is ejected while the other serves; a batch through the front (the openai
+SDK's files and batches) completes with one result per custom_id, its lines run by both hosts' vsups; real vLLM on one host (marked `vllm` too) answers and drains. Marked `slurm`; needs root
 and Debian's slurmctld slurmd slurm-client munge (scripts/test installs them under CI)."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import re
 import subprocess
@@ -93,7 +95,9 @@ def submit(tmp_path: Path, config: dict | None = None, hosts: int = 2, env: dict
     out = WORK / f"export-{tmp_path.name}"
     sh(str(Path(sys.executable).parent / "vsup"), "export", "slurm", "--config", str(tmp_path / "vsup.yaml"),
        "--hosts", str(hosts), "-o", str(out))
-    added = {"VSUP": str(Path(sys.executable).parent / "vsup"), **(env or {})}
+    # the front's batch store in the work folder, not under root's home (the script's default)
+    added = {"VSUP": str(Path(sys.executable).parent / "vsup"), "VSUP_BATCH_DIR": str(WORK / f"batches-{tmp_path.name}"),
+             **(env or {})}
     os.environ.update(added)  # sbatch passes the environment on
     try:
         job = sh("sbatch", "--parsable", f"--output={WORK}/job-%j.out", f"--chdir={WORK}", str(out / "vsup.sbatch")).stdout.strip()
@@ -271,6 +275,23 @@ def test_a_host_whose_vsup_is_killed_is_ejected_and_the_other_serves(slurm, tmp_
     for host, folder in folders.items():
         assert re.fullmatch(rf"/tmp/vsup-{job}\.\w{{8}}", folder), folder
         assert in_host(host, "stat", "-c", "%a %U", folder).split() == ["700", "root"]
+
+    # a batch through the front: the lines run on both hosts' vsups (as batch lines there: X-Vsup-Batch)
+    before = served_by_host(front("/metrics", admin)[1])
+    alice = client(KEYS["VSUP_KEY_ALICE"])
+    ids = [f"q{i}" for i in range(6)]
+    lines = "".join(json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": {
+        "model": "fake-model", "messages": [{"role": "user", "content": cid}], "max_tokens": 2}}) + "\n" for cid in ids)
+    uploaded = alice.files.create(file=("in.jsonl", lines.encode()), purpose="batch")
+    batch = alice.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    batch = wait_until(lambda: (b := alice.batches.retrieve(batch.id)).status in ("completed", "failed") and b, 60,
+                       "the batch to end")
+    assert (batch.status, batch.request_counts.completed) == ("completed", 6), batch
+    output = [json.loads(line) for line in alice.files.content(batch.output_file_id).text.splitlines()]
+    assert sorted(entry["custom_id"] for entry in output) == ids
+    assert all(entry["response"]["body"]["choices"][0]["message"]["content"] == "tok0 tok1" for entry in output)
+    after = served_by_host(front("/metrics", admin)[1])
+    assert after.get("h1", 0) > before.get("h1", 0) and after.get("h2", 0) > before.get("h2", 0), (before, after)
 
     vsup_pid = in_host("h2", "cat", f"{folders['h2']}/pids/node0.pid").strip()
     os.kill(int(vsup_pid), 9)

@@ -139,7 +139,8 @@ async def serve(proxy_config: ProxyConfig, health: HealthConfig, pool: BackendPo
               help="YAML file whose `proxy` and `health` sections are used (`model` may be absent).")
 @click.option("--forward-key", is_flag=True, default=False,
               help="Pass each client's Authorization on to the upstreams once checked: they are vsups that check the "
-                   "same keys (the front of an export). Without it a proxy with keys drops it.")
+                   "same keys (the front of an export); --batch-dir's lines go with an admin key of those keys when "
+                   "there is one, else their owner's (docs/batch.md). Without it a proxy with keys drops it.")
 @click.option("--batch-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Serve the OpenAI Batch API (/v1/files, /v1/batches) from a store in this folder (vsup's own, "
                    "0700; kept across restarts): batches run on what interactive requests leave of the upstreams "

@@ -274,6 +274,9 @@ def _summary(machine: Machine, shape: PodShape, cfg: VsupConfig, *, name: str, i
         "The nodes need kubelet-config.yaml (see its steps) and the label "
         f"{NODE_LABEL[0]}={NODE_LABEL[1]}.",
         f"Image: {image} (build it from the repository's Dockerfile and push it where the nodes pull from).",
+        "No Batch API here (/v1/files, /v1/batches answer 404): the pods have it off, as clients reach them through",
+        "the Service and no pod's store outlives it. For it, export a fleet (a config with `models:`, one entry is",
+        "enough): its front proxy holds the batches on a PersistentVolumeClaim and runs them on every pod.",
     ]
     lines += secret_steps(cfg.proxy, name, "the pods")
     lines += [f"warning: {w}" for w in shape.warnings]

@@ -10,7 +10,10 @@ to every pod of that model. Pure: data in, objects and YAML text out.
   balancer settings), a Deployment of `vsup proxy --forward-key --upstream MODEL=http://POD.SERVICE:PORT ...`
   (one upstream per pod: the front balances requests, not kube-proxy connections) and the
   Service `<name>` clients connect to. The front checks the keys and passes the client's on to
-  the pods, which check the same keys; every key comes from the Secrets, none from a ConfigMap.
+  the pods, which check the same keys; every key comes from the Secrets, none from a ConfigMap;
+- the Batch API's store: the front's, on the PersistentVolumeClaim `<name>-batches` (the pods
+  have theirs off and place the front's lines below their interactive requests); one writer (the
+  store is locked to one process), so the Deployment is `Recreate`, never two fronts at once.
 The kubelet configuration is the single-model export's: it depends on the machine alone.
 """
 
@@ -21,10 +24,10 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from vsup.config.fleet import ModelView
-from vsup.config.schema import VsupConfig
+from vsup.config.schema import VsupConfig, bytes_of
 from vsup.errors import VsupError
 from vsup.export import yamltext
-from vsup.export.fleet import front_config_text, model_slug
+from vsup.export.fleet import front_batch, front_config_text, model_slug, upstream_slots
 from vsup.export.kubernetes import (
     NAME_MAX,
     NODE_LABEL,
@@ -50,6 +53,18 @@ from vsup.topology.model import Machine
 from vsup.topology.plan_model import Plan, PlanSettings, format_gib
 
 FRONT_FILE = "front.yaml"
+# The batch store's volume in the front's container, and the store's own folder in it (vsup makes
+# it 0700: the volume's root is the fsGroup's, which the store refuses as its folder).
+BATCH_MOUNT = "/var/lib/vsup/batch-volume"
+BATCH_DIR = f"{BATCH_MOUNT}/store"
+GiB = 1024**3
+
+
+def batch_volume_bytes(cfg: VsupConfig) -> int:
+    """The claim's size: batch.max_total_bytes (every file and result) with a quarter more for
+    SQLite's write-ahead log, its pages' slack and an upload in progress, in whole GiB."""
+    wanted = bytes_of(cfg.batch.max_total_bytes) * 5 // 4
+    return max(1, -(-wanted // GiB)) * GiB
 # The front is one asyncio process: one CPU is what it can use; its memory is the proxy's buffers.
 FRONT_RESOURCES = {"requests": {"cpu": "1", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}
 
@@ -137,11 +152,15 @@ def export_kubernetes_fleet(machine: Machine, shapes: Sequence[tuple[ModelView, 
             (f"Model {view.name!r}: a stable DNS name per pod ({sts}-0.{sts}-pods), the front's upstreams.", headless),
         ]
         upstreams += [f"{view.name}=http://{sts}-{i}.{sts}-pods:{port}" for i in range(replicas)]
+    batch = front_batch(cfg, max(upstream_slots(view.config, shape.instances, cfg) for view, shape in shapes)) if cfg.batch.enabled else None
     front_text = front_config_text(cfg, "the front proxy: every model's pods behind one endpoint, by the request's "
-                                         "model (written by `vsup export kubernetes`)")
+                                         "model (written by `vsup export kubernetes`)", batch)
+    if batch is not None:
+        docs.append(("The front's batch store (the Batch API): kept across its restarts; one front writes it at a time.",
+                     _batch_claim(name, batch_volume_bytes(cfg))))
     docs += [
         ("The front: vsup proxy, routing each request by its model to that model's pods.", _config_map(name, front_text, FRONT_FILE)),
-        ("", _front_deployment(cfg, name=name, image=image, upstreams=upstreams)),
+        ("", _front_deployment(cfg, name=name, image=image, upstreams=upstreams, batch=batch is not None)),
         ("Clients connect here: one OpenAI endpoint, every model behind it.", _service(name, port)),
     ]
     objects = tuple(obj for _, obj in docs)
@@ -153,13 +172,25 @@ def export_kubernetes_fleet(machine: Machine, shapes: Sequence[tuple[ModelView, 
     return KubernetesExport(objects, kubelet, manifests_text, kubelet_text)
 
 
-def _front_deployment(cfg: VsupConfig, *, name: str, image: str, upstreams: list[str]) -> dict:
+def _batch_claim(name: str, size: int) -> dict:
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": f"{name}-batches", "labels": dict(_labels(name))},
+        "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": quantity(size)}}},
+    }
+
+
+def _front_deployment(cfg: VsupConfig, *, name: str, image: str, upstreams: list[str], batch: bool = False) -> dict:
     labels = _labels(name)
     probe_timeout = max(1, math.ceil(cfg.health.timeout))
     # it checks the keys and passes the client's on to the pods, which check the same keys
     args = ["proxy", "--forward-key", "--config", f"{CONFIG_DIR}/{FRONT_FILE}"]
+    if batch:
+        args += ["--batch-dir", BATCH_DIR]
     for upstream in upstreams:
         args += ["--upstream", upstream]
+    mounts: list[dict] = [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}]
     container = {
         "name": "vsup-front",
         "image": image,
@@ -172,25 +203,33 @@ def _front_deployment(cfg: VsupConfig, *, name: str, image: str, upstreams: list
         "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "initialDelaySeconds": 5,
                           "periodSeconds": 10, "timeoutSeconds": probe_timeout, "failureThreshold": 3},
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SECONDS)]}}},
-        "volumeMounts": [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}],
+        "volumeMounts": mounts,
     }
     env = key_env(cfg.proxy, name)
     if env:
         container["env"] = env
+    volumes: list[dict] = [{"name": "config", "configMap": {"name": f"{name}-config"}}]
+    if batch:
+        mounts.append({"name": "batches", "mountPath": BATCH_MOUNT})
+        volumes.append({"name": "batches", "persistentVolumeClaim": {"claimName": f"{name}-batches"}})
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": {"name": name, "labels": dict(labels)},
         "spec": {
             "replicas": 1,
+            # the batch store is one process's (its lock): the old front stops before the new one starts
+            **({"strategy": {"type": "Recreate"}} if batch else {}),
             "selector": {"matchLabels": dict(labels)},
             "template": {
                 "metadata": {"labels": dict(labels)},
                 "spec": {
                     "terminationGracePeriodSeconds": math.ceil(PRESTOP_SECONDS + cfg.proxy.drain_timeout + 5),
-                    "securityContext": {"runAsNonRoot": True, "runAsUser": UID, "runAsGroup": UID},
+                    # fsGroup: the batch volume is writable by vsup's user
+                    "securityContext": {"runAsNonRoot": True, "runAsUser": UID, "runAsGroup": UID,
+                                        **({"fsGroup": UID} if batch else {})},
                     "containers": [container],
-                    "volumes": [{"name": "config", "configMap": {"name": f"{name}-config"}}],
+                    "volumes": volumes,
                 },
             },
         },
@@ -215,6 +254,9 @@ def _summary(machine: Machine, shapes: Sequence[tuple[ModelView, PodShape]], cfg
         )
     lines += [
         f"The front: Deployment {name} (vsup proxy), routing by the request's model to every pod of it; Service {name}.",
+        *([f"The Batch API (/v1/files, /v1/batches): the front's store on the PersistentVolumeClaim {name}-batches "
+           f"({quantity(batch_volume_bytes(cfg))}, ReadWriteOnce); the lines run below interactive requests on every pod."]
+          if cfg.batch.enabled else []),
         f"The nodes need kubelet-config.yaml (see its steps) and the label {NODE_LABEL[0]}={NODE_LABEL[1]}.",
         f"Image: {image} (build it from the repository's Dockerfile and push it where the nodes pull from).",
     ]

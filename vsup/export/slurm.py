@@ -13,6 +13,10 @@ file to submit. No key is in it nor in those configurations (the folder is share
 environment variable of each key (export/keys.py), which sbatch and srun pass on. Each host's pid
 files and instance logs go to a node-local folder made by `mktemp -d` (0700, a name no other user
 can take first), whose path the script keeps in the shared folder for that host's steps.
+
+The front holds the Batch API's store (`--batch-dir`, a folder that outlives the job, so a
+resubmitted job resumes its batches) and spreads the lines over the per-node vsups, which place
+them below their interactive requests (`X-Vsup-Batch: line`); their own Batch API is off.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from vsup.config.fleet import is_fleet, models_of
 from vsup.config.schema import VsupConfig, parse_config
 from vsup.errors import VsupError
 from vsup.export import keys, yamltext
-from vsup.export.fleet import front_config_text, front_proxy, model_slug
+from vsup.export.fleet import front_batch, front_config_text, front_proxy, model_slug, upstream_slots
 from vsup.export.pod import instances_per_node, share_config
 from vsup.topology.cpulist import format_list
 from vsup.topology.model import Machine
@@ -195,15 +199,17 @@ def export_slurm(machine: Machine, host_plan: Plan, cfg: VsupConfig, *, hosts: i
         )
         lines.append("")
 
+    batch = front_batch(cfg, max(upstream_slots(step.cfg, len(step.instances), cfg) for step in steps)) if cfg.batch.enabled else None
     if is_fleet(cfg):
         front_text = front_config_text(cfg, "the front proxy: every model's vsups of every host behind one endpoint, by the "
-                                            "request's model")
+                                            "request's model", batch)
         loop = [f"    upstreams+=(--upstream {shlex.quote(step.model + '=')}\"http://$host:{port}\")"
                 for step, port in zip(steps, step_ports, strict=True)]
         weighting = "# The front proxy, on the first host (on the core the plan reserved), routing by the request's model to\n" \
                     "# that model's vsups, weighting each by the instances its /ready reports (0: out of rotation)."
     else:
-        front = {"proxy": {**front_proxy(cfg), "host": "0.0.0.0"}, "health": cfg.health.model_dump(mode="json", exclude_defaults=True)}
+        front = {"proxy": {**front_proxy(cfg), "host": "0.0.0.0"}, "health": cfg.health.model_dump(mode="json", exclude_defaults=True),
+                 "batch": batch}
         front = {section: values for section, values in front.items() if values}
         front_text = yamltext.comment("the front proxy: every per-node vsup of every host behind one endpoint") + yamltext.dump(front)
         parse_config(front_text, "the front proxy's configuration", require_model=False)
@@ -212,6 +218,13 @@ def export_slurm(machine: Machine, host_plan: Plan, cfg: VsupConfig, *, hosts: i
                     "# by the instances its /ready reports (0: out of rotation)."
     reserved = host_plan.reserved_cpus
     bind = f"verbose,mask_cpu:{cpu_mask(reserved)}" if reserved else "none"
+    store = [
+        "# The Batch API's store (/v1/files, /v1/batches), held by the front: best on a local disk of the",
+        "# front's host (SQLite's locks on NFS are unreliable), and kept after the job, so a job submitted",
+        "# again resumes its batches (on the same first host, or give VSUP_BATCH_DIR a folder it reaches).",
+        f'BATCH_DIR="${{VSUP_BATCH_DIR:-$HOME/.local/state/vsup/batches-{job_name}}}"',
+    ] if batch is not None else []
+    batch_flag = ' --batch-dir "$BATCH_DIR"' if batch is not None else ""
     lines += [
         *weighting.splitlines(),
         _heredoc('"$CONF/front.yaml"', front_text).rstrip("\n"),
@@ -221,9 +234,10 @@ def export_slurm(machine: Machine, host_plan: Plan, cfg: VsupConfig, *, hosts: i
         *loop,
         "done",
         'first=${hosts[0]}',
+        *store,
         f'srun --nodes=1 --ntasks=1 --nodelist="$first" --overlap --cpu-bind={bind} --job-name=vsup-front \\',
         # the front checks the same keys and passes the client's on (--forward-key): the per-node vsups check it too
-        f'     {_step("front")} "$VSUP" proxy --forward-key --config "$CONF/front.yaml" "${{upstreams[@]}}" &',
+        f'     {_step("front")} "$VSUP" proxy --forward-key --config "$CONF/front.yaml"{batch_flag} "${{upstreams[@]}}" &',
         f'echo "vsup: clients connect to http://$first:{cfg.proxy.port}" >&2',
         "",
         "# Wait for the steps; after a TERM (the trap above) wait again until every vsup has drained, so the",

@@ -8,6 +8,13 @@ every instance stays free for an interactive request with no configuration at al
 interactive requests wait in the admission queue has no room for batch lines: they are admitted
 ahead. Batch lines never wait in the proxy: a line that finds no room is answered at once (503,
 `x-vsup-batch: busy`) and its runner keeps it for a later round. Pure: the forwarder counts.
+
+Across hosts (a front `vsup proxy --batch-dir` over the nodes' vsups): the front's Sender marks
+each line `X-Vsup-Batch: line` (LINE_HEADER), and a node places such a request as a batch line of
+its own: into its instances' share, else its busy answer at once. The front cannot see a node's
+interactive traffic, so a node's busy answer teaches it: that node takes no more batch lines than
+the front has in flight there (`refused`), for BUSY_HOLD seconds, then the front tries the full
+share again (one busy answer a node per BUSY_HOLD at most, while interactive traffic fills it).
 """
 
 from __future__ import annotations
@@ -20,6 +27,12 @@ from vsup.proxy.backends import Backend
 # The answer's header that marks "nothing could take this batch line now" (not an attempt).
 BUSY_HEADER = "x-vsup-batch"
 BUSY = "busy"
+# The request's header (same name) that asks a vsup to place the request as a batch line: sent by a
+# front's batch runner to the nodes; a client that sends it only gets less (no wait, never the last slot).
+LINE_HEADER = "x-vsup-batch"
+LINE = "line"
+# Seconds a node's busy answer caps the front's lines there at those it already holds.
+BUSY_HOLD = 1.0
 
 
 class BatchShare:
@@ -27,8 +40,10 @@ class BatchShare:
     `batch` too). `waiting(model)`: interactive requests queued for that model; `granted(name)`:
     admission slots granted on that instance to waiters not running yet (the gate's, when built)."""
 
-    def __init__(self, in_flight: dict[str, int]) -> None:
+    def __init__(self, in_flight: dict[str, int], clock: Callable[[], float] = lambda: 0.0) -> None:
         self.in_flight = in_flight
+        self.clock = clock
+        self.learned: dict[str, tuple[int, float]] = {}  # backend name -> (lines it holds at most, until when)
         self.batch: dict[str, int] = {}  # backend name -> batch lines in flight there
         self.slots: dict[str, int] = {}  # model -> slots per instance
         self.default_slots = CPU_DEFAULT_SLOTS  # a model without figures of its own
@@ -49,7 +64,18 @@ class BatchShare:
         keep = max(self.reserved.get(model, self.default_reserved), 1)
         batch = self.batch.get(name, 0)
         interactive = self.in_flight.get(name, 0) - batch + self.granted(name)
-        return slots - keep - interactive
+        cap = slots - keep - interactive
+        learned = self.learned.get(name)
+        if learned is not None:
+            if self.clock() < learned[1]:
+                return min(cap, learned[0])
+            del self.learned[name]
+        return cap
+
+    def refused(self, name: str) -> None:
+        """The instance `name` (a node's vsup) answered a batch line busy: for BUSY_HOLD seconds it
+        takes no more lines than it holds now (the line just refused is no longer counted)."""
+        self.learned[name] = (self.batch.get(name, 0), self.clock() + BUSY_HOLD)
 
     def room(self, backend: Backend) -> int:
         """How many more batch lines `backend` takes now."""

@@ -81,6 +81,13 @@ TOO_DEEP = "the request body is not valid JSON: it is nested too deeply to parse
 # us and the client may buffer or compress the events.
 SSE_HEADERS = b"X-Accel-Buffering: no\r\nCache-Control: no-cache\r\n"
 _SSE_OURS = frozenset({b"x-accel-buffering", b"cache-control"})
+_BUSY_HEADER = BUSY_HEADER.encode()
+
+
+def _says_busy(raw_headers: list[tuple[bytes, bytes]]) -> bool:
+    """An upstream vsup's answer `x-vsup-batch: busy` (batch_share.py): no slot for a batch line there now."""
+    busy = BUSY.encode()
+    return any(key.lower() == _BUSY_HEADER and value.strip() == busy for key, value in raw_headers)
 
 
 def _refused_start(piece: bytes) -> Response | None:
@@ -134,7 +141,7 @@ class Forwarder:
         self._stall_check_at = 0.0
         # batch lines (handle(batch=True)): each instance's share of them (batch_share.py), their
         # priority (batch.priority; None: one below the lowest in use) and who hears of a freed slot
-        self.share = BatchShare(self.in_flight)
+        self.share = BatchShare(self.in_flight, self.clock.time)
         self.share.waiting = self._waiting
         self.share.granted = self._granted
         self.share.admits = self._admits
@@ -216,9 +223,11 @@ class Forwarder:
         for exchange in requests:
             exchange.abort("stalled")
 
-    async def handle(self, request: Request, client: str = "", batch: bool = False) -> Answer:
+    async def handle(self, request: Request, client: str = "", batch: bool = False, rated: bool = False) -> Answer:
         """`batch`: a line of a batch (vsup/batch/runner.py): at the batch priority, only to an
-        instance with room in its batch share, answered 503 `x-vsup-batch: busy` at once when none has."""
+        instance with room in its batch share, answered 503 `x-vsup-batch: busy` at once when none has.
+        `rated`: a batch line that came from outside (a front's, or any client's `X-Vsup-Batch: line`):
+        its key's rate limit still applies (the header only ever lowers a request)."""
         route = route_label(request.path)
         if self.draining:
             refused = errors.unavailable("the proxy is shutting down; retry on another replica or shortly", RETRY_AFTER_SECONDS)
@@ -231,7 +240,7 @@ class Forwarder:
         if self._watchdog is None:
             self._watchdog = self.clock.call_at(self.clock.time() + self.tick, self._sweep)
         try:
-            response, backend = await self._handle(request, exchange, client, batch)
+            response, backend = await self._handle(request, exchange, client, batch, rated)
             if exchange.charge is not None:
                 self._settle(exchange.charge, response)
         except asyncio.CancelledError:
@@ -249,7 +258,8 @@ class Forwarder:
             self.metrics.request(route, response.status, backend.name, backend.model)
         return response
 
-    async def _handle(self, request: Request, exchange: Exchange, client: str, batch: bool = False) -> tuple[Answer, Backend | None]:
+    async def _handle(self, request: Request, exchange: Exchange, client: str, batch: bool = False,
+                      rated: bool = False) -> tuple[Answer, Backend | None]:
         """The stages of a request: read its body, route it to its model, gate it (priority, rate
         limit, admission), prepare the policy's key, then send it to an instance (retrying on
         another before the first byte) and relay the answer."""
@@ -271,8 +281,15 @@ class Forwarder:
         admitted: tuple[Backend, ...] | None = None  # the instances with room (admission), else None
         extra: list[tuple[bytes, bytes]] | None = None  # headers for the answer (x-ratelimit-*)
         gate = self.gate
-        if batch:  # no wait, no rate limit: only the room interactive requests leave (batch_share.py)
-            admitted = self.share.free(route.ready if route is not None else self.pool.ready(), route.model if route is not None else "")
+        if batch:  # no wait, no rate limit (but a client's own): only the room interactive requests leave (batch_share.py)
+            ready = route.ready if route is not None else self.pool.ready()
+            if rated and gate is not None:
+                charged = gate.rate(client, request.path, document, len(body), ready)
+                if isinstance(charged, Response):
+                    return charged, None
+                extra, exchange.charge = charged
+                extra = extra or None
+            admitted = self.share.free(ready, route.model if route is not None else "")
             if not admitted:
                 return self._busy(), None
         elif gate is not None:
@@ -435,7 +452,7 @@ class Forwarder:
             held = balancer.hold(name)  # prefix_affinity: its key's requests in flight there
             exchange.backend = name
             try:
-                outcome = await self._attempt(request, exchange, backend, target, body, headers, extra)
+                outcome = await self._attempt(request, exchange, backend, target, body, headers, extra, batch)
             finally:
                 exchange.prefilled()
                 if held is not None:
@@ -459,11 +476,14 @@ class Forwarder:
                 unreachable.append(f"instance {name}: {why}")
             if reason is None:
                 return fallback, backend
+            if reason == "busy":  # (a node's vsup: its busy answer caps its share for a while)
+                self.share.refused(name)
             if len(tried) > self.config.retries:
                 if reason in _UNREACHABLE and not (self.pool.ready() if route is None else router.current(route)):  # type: ignore[union-attr]
                     return errors.no_reachable_instance(unreachable), None
                 return fallback, backend
-            self.metrics.retry(reason)
+            if reason != "busy":
+                self.metrics.retry(reason)
 
     async def _gate(self, request: Request, exchange: Exchange, gate: Gate, route: Route | None, client: str,
                     document: dict | None, size: int):
@@ -557,7 +577,7 @@ class Forwarder:
         return response
 
     async def _attempt(self, request, exchange: Exchange, backend: Backend, target: bytes, body: bytes, headers: bytes,
-                       extra: list[tuple[bytes, bytes]] | None = None):
+                       extra: list[tuple[bytes, bytes]] | None = None, batch: bool = False):
         """One try on one instance: a response for the client, or (fallback, reason, why): what
         to answer if nothing better comes, why to retry (None: do not) and what went wrong."""
         exchange.phase = "queued"  # until a connection to the instance is ours
@@ -594,6 +614,9 @@ class Forwarder:
                     content = await upstream.read()
                 except UpstreamBroken:
                     content = b""
+                if batch and _says_busy(upstream.raw_headers):
+                    # a node's vsup has no room for this batch line now: no failure of the node (batch_share.py)
+                    return self._busy(), "busy", f"instance {backend.name} has no slot free for batch lines"
                 self.metrics.upstream_error(backend.name, "503", backend.model)
                 relayed = Response(status=503, body=content, headers=response_headers(upstream.raw_headers))
                 relayed.headers.setdefault("Retry-After", str(RETRY_AFTER_SECONDS))

@@ -8,7 +8,8 @@ Which key opens what: auth.py (the admin routes, /metrics and /status: an admin 
 metrics key too). With a batch store (`batch`, `batch_dir`): /v1/files and /v1/batches ->
 batch_routes.py for any serving key (its name owns what it makes; an admin key sees all), and
 the batch runner (vsup/batch/runner.py) sends each line through the forwarder below every
-interactive request (batch_share.py).
+interactive request (batch_share.py). A request marked `X-Vsup-Batch: line` (a front's batch line,
+or any client's) is placed as a batch line here too, after its key's auth and rate limit.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ from vsup.proxy.affinity import PrefixAffinity
 from vsup.proxy.auth import ADMIN, METRICS, REFUSED, SERVING, BearerAuth, named_keys, roles
 from vsup.proxy.backends import Backend, BackendPool
 from vsup.proxy.balancer import make_balancer
-from vsup.proxy.batch_share import BUSY, BUSY_HEADER
+from vsup.proxy.batch_routes import is_batch_path
+from vsup.proxy.batch_share import BUSY, BUSY_HEADER, LINE, LINE_HEADER
 from vsup.proxy.bodyparse import BodyParser
 from vsup.proxy.budget import BodyBudget, configured_limit
 from vsup.proxy.client_conn import FrontServer
@@ -72,14 +74,6 @@ SHUTDOWN_GRACE = 1.0
 HEALTHY = b'{"status": "ok"}'
 # Admin routes after which an instance serves other model names (routing.py learns them again).
 _ADAPTER_ROUTES = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
-# The Batch API's routes (batch_routes.py): these paths and those below them.
-_BATCH_PREFIXES = ("/v1/files", "/v1/batches")
-
-
-def _batch_path(path: str) -> bool:
-    return any(path == prefix or path.startswith(prefix + "/") for prefix in _BATCH_PREFIXES)
-
-
 def limits_of(batch: BatchConfig) -> Limits:
     """The store's limits from the batch: section."""
     from vsup.batch.store import Limits
@@ -108,6 +102,18 @@ def _raw_header(lines: bytes, name: bytes) -> str | None:
         if sep and key.strip().lower() == name:
             return value.strip().decode("latin-1")
     return None
+
+
+_LINE_HEADER, _LINE = LINE_HEADER.encode(), LINE.encode()
+
+
+def _marked_line(raw_headers: tuple[tuple[bytes, bytes], ...]) -> bool:
+    """`X-Vsup-Batch: line` among the request's headers (on every forwarded request: no header view built)."""
+    size = len(_LINE_HEADER)
+    for key, value in raw_headers:
+        if len(key) == size and key.lower() == _LINE_HEADER:
+            return value.strip().lower() == _LINE
+    return False
 
 
 def _total_memory() -> int:
@@ -154,6 +160,7 @@ class ProxyServer:
         named = named_keys(config)
         self._auth = BearerAuth(api_key if api_key is not None else config.api_key, named, *roles(config))
         self._tokens = self._owner_tokens(api_key if api_key is not None else config.api_key, named)
+        self._line_token = self._admin_token(api_key if api_key is not None else config.api_key, named, config)
         proxy_routes.require_key(config.admin_routes, self._auth.has_admin)
         self._routes = proxy_routes.table(config.admin_routes)
         # a fleet routes by model (routing.py: a balancer each): kv_aware's top-level one follows nothing
@@ -290,6 +297,16 @@ class ProxyServer:
             tokens[""] = api_key
         return tokens
 
+    @staticmethod
+    def _admin_token(api_key: str | None, named: list[tuple[str, str]], config: ProxyConfig) -> str | None:
+        """The key a front that passes keys on sends every batch line with: an admin key when one is
+        configured (proxy.api_key, else the first admin of proxy.api_keys), so the nodes do not
+        charge a tenant's batch to its rate limit (one box does not either); None: the owner's."""
+        if api_key:
+            return api_key
+        admins = roles(config)[0]
+        return next((token for name, token in named if token and name in admins), None)
+
     def serves(self, model: str) -> bool:
         """Whether `model` has instances here (served, ready or not): what batch lines may name."""
         router = self._router
@@ -304,10 +321,12 @@ class ProxyServer:
         content = Body(None)
         content.feed(body)
         content.feed_eof()
+        # X-Vsup-Batch: line: an upstream vsup (a front's nodes) places it below its interactive requests too
         headers: tuple[tuple[bytes, bytes], ...] = (
-            (b"Host", b"vsup-batch"), (b"Content-Type", b"application/json"), (b"Content-Length", str(len(body)).encode()))
-        token = self._tokens.get(owner) if self._forward_key else None
-        if token:  # upstream vsups check the same keys: the line goes as its owner's request
+            (b"Host", b"vsup-batch"), (b"Content-Type", b"application/json"), (b"Content-Length", str(len(body)).encode()),
+            (b"X-Vsup-Batch", LINE.encode()))
+        token = (self._line_token or self._tokens.get(owner)) if self._forward_key else None
+        if token:  # upstream vsups check the same keys: an admin's, else the line goes as its owner's request
             headers += ((b"Authorization", b"Bearer " + token.encode("utf-8", "surrogateescape")),)
         request = Request("POST", endpoint, headers, (1, 1), True, None, content, len(body), False,
                           content_type="application/json", authorization=f"Bearer {token}" if token else "")
@@ -317,6 +336,8 @@ class ProxyServer:
                 raise Busy
             return answer.status, answer.body, _request_id(answer.headers, answer.body)
         if isinstance(answer, RawResponse):
+            if answer.status == 503 and _raw_header(answer.header_lines, BUSY_HEADER.encode()) == BUSY:
+                raise Busy  # (an upstream vsup's busy answer, relayed)
             found = _raw_header(answer.header_lines, b"x-request-id")
             return answer.status, answer.body, found or _request_id(None, answer.body)
         # a streamed answer (no Content-Length) has nowhere to go: as a broken one, tried again
@@ -466,6 +487,7 @@ class ProxyServer:
             named = [(entry.name, "") for entry in config.api_keys]
         self._auth = BearerAuth(api_key if api_key is not None else config.api_key, [(n, t) for n, t in named if t], *roles(config))
         self._tokens = self._owner_tokens(api_key if api_key is not None else config.api_key, named)
+        self._line_token = self._admin_token(api_key if api_key is not None else config.api_key, named, config)
         try:
             proxy_routes.require_key(config.admin_routes, self._auth.has_admin)
             self._routes = proxy_routes.table(config.admin_routes)
@@ -604,7 +626,7 @@ class ProxyServer:
             return errors.bad_request(
                 f"the path {_shown(request.raw_path)} has a '.' or '..' segment: send it without (the proxy does not resolve them)"
             )
-        if self._batch_routes is not None and _batch_path(path):
+        if self._batch_routes is not None and is_batch_path(path):
             return await self._batch_request(request)
         route = self._routes.get(path) or proxy_routes.templated(path)
         if route is not None:
@@ -622,7 +644,10 @@ class ProxyServer:
                 return errors.error_response(405, f"{path} answers {allow} only", "invalid_request_error", "method_not_allowed", headers={"Allow": allow})
             if path == "/v1/models":
                 return await self._models()
-            response = await self._forwarder.handle(request, client)  # type: ignore[union-attr]
+            # `X-Vsup-Batch: line` (a front's batch runner; the header only ever lowers a request): a
+            # batch line here too, into the share interactive requests leave, its key's rate limit kept
+            batch = _marked_line(request.raw_headers)
+            response = await self._forwarder.handle(request, client, batch=batch, rated=batch)  # type: ignore[union-attr]
             if route.admin and path in _ADAPTER_ROUTES and response.status == 200 and self._router is not None:
                 for backend in self.pool.ready():  # an adapter loaded or unloaded: the model names changed
                     self._learn(backend)
