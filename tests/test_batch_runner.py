@@ -335,3 +335,63 @@ def test_a_failing_write_inside_together_is_undone_alone(store):
     assert store.outcomes[("m", "completed")] == 2
     assert store.record(claimed[1], *answer("b"))  # b was not marked done by the undone write
     assert store.batch(batch_id, None)["request_counts"]["completed"] == 3
+
+
+async def test_a_freed_slot_sends_a_held_line_at_once_not_at_the_next_round(store, monkeypatch):
+    # rounds 5 s apart: every line after the first round's two must go out through slot_freed(),
+    # which the forwarder calls as each request ends, from the lines claimed ahead (PREFETCH)
+    monkeypatch.setattr("vsup.batch.runner.MIN_ROUND", 5.0)
+    ids = [f"h{i}" for i in range(10)]
+    batch_id = submit(store, jsonl(ids))
+    store.validate(batch_id, None)
+    runner: Runner
+
+    class Freeing(Send):
+        async def __call__(self, endpoint: str, body: bytes, owner: str) -> tuple[int, bytes, str]:
+            try:
+                return await super().__call__(endpoint, body, owner)
+            finally:
+                asyncio.get_running_loop().call_soon(runner.slot_freed)  # as the forwarder does at a request's end
+
+    send = Freeing(delay=0.01)
+    runner = Runner(store, send, lambda model: 2 - send.in_flight, lambda model: True, poll=10.0)
+    runner.start()
+    try:
+        deadline = asyncio.get_running_loop().time() + 2.0
+        while sum(send.calls.values()) < 10:
+            assert asyncio.get_running_loop().time() < deadline, f"only {sum(send.calls.values())} sent: a round was awaited"
+            await asyncio.sleep(0.01)
+        assert send.most <= 2  # the room was never exceeded
+    finally:
+        await runner.stop()
+
+
+async def test_held_lines_go_back_to_pending_at_a_stop_without_spending_an_attempt(store, monkeypatch):
+    ids = [f"s{i}" for i in range(6)]
+    batch_id = submit(store, jsonl(ids))
+    store.validate(batch_id, None)
+    blocked = asyncio.Event()
+
+    class Stuck(Send):
+        async def __call__(self, endpoint: str, body: bytes, owner: str) -> tuple[int, bytes, str]:
+            await blocked.wait()
+            return await super().__call__(endpoint, body, owner)
+
+    runner = Runner(store, Stuck(), lambda model: 1, lambda model: True, poll=10.0)
+    runner.start()
+    while runner.in_flight < 1:
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)
+    await runner.stop()
+    counts = store.running()[0]
+    assert counts["running"] == 1 and counts["pending"] == 5  # the one in flight stays running (recover() at the next start)
+    again = store.claim(batch_id, 10)
+    assert sorted(c.custom_id for c in again) == ids[1:] and {c.attempt for c in again} == {claimed_attempt(store)}
+
+
+def claimed_attempt(store: Store) -> int:
+    """The attempt a line that was never claimed before carries."""
+    data = jsonl(["fresh"])
+    batch_id = submit(store, data)
+    store.validate(batch_id, None)
+    return store.claim(batch_id, 1)[0].attempt

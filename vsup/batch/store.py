@@ -664,6 +664,18 @@ class Store:
                 self._count(line_model, RUNNING, n)
         return [Claimed(batch_id, r["number"], r["custom_id"], r["model"], bytes(r["body"]), r["attempt"]) for r in rows]
 
+    def unclaim(self, lines: list[Claimed]) -> int:
+        """Lines claimed and never sent (the runner's held lines at a stop) back to pending with
+        the same attempt: no request of theirs is in flight, so there is no answer to forget."""
+        done = 0
+        with self._tx(full=False) as db:
+            for claimed in lines:
+                if db.execute("UPDATE lines SET state = 'pending' WHERE batch_id = ? AND number = ? AND state = 'running' "
+                              "AND attempt = ?", (claimed.batch_id, claimed.number, claimed.attempt)).rowcount:
+                    done += 1
+                    self._count(claimed.model, RUNNING, -1)
+        return done
+
     def record(self, claimed: Claimed, status_code: int | None, body: bytes | None, request_id: str,
                error: dict | None = None) -> bool:
         """The line's one result; False (ignored) when that attempt was forgotten or the line is done.
