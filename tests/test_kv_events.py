@@ -381,6 +381,10 @@ def test_vsup_run_with_kv_aware(tmp_path):
         run.wait_for(lambda s: all(i["state"] == "ready" for i in s["instances"]) and
                      s["instances"][holder]["pid"] != pid, timeout=60, what="the restart")
         ask("after the restart")
-        assert value(proxy, "vsup_proxy_policy_decisions_total", decision="miss") == misses + 1  # not a stale hit
+        after = {d: value(proxy, "vsup_proxy_policy_decisions_total", decision=d) for d in ("hit", "miss", "escaped", "no_tokens")}
+        # not a stale hit: the restarted instance's blocks were forgotten with it; a miss, or on a
+        # loaded box a /tokenize past TOKENIZE_TIMEOUT (the restarted instance's first) routed by load
+        assert after["hit"] == decisions["hit"] and after["escaped"] == 0, (decisions, after)
+        assert after["miss"] + after["no_tokens"] == misses + decisions["no_tokens"] + 1, (decisions, after)
     finally:
         run.close()
