@@ -961,3 +961,21 @@ def test_a_second_process_on_the_same_folder_is_refused_until_the_first_closes(t
     with pytest.raises(VsupError, match=r"batch\.dir: cannot open .*store\.lock"):
         Store.open(folder, Limits())
     assert not (tmp_path / "elsewhere").exists()
+
+
+def test_an_answer_goes_into_the_output_as_it_came_and_text_stays_text(tmp_path):
+    store = Store.open(tmp_path / "b", Limits())
+    batch_id = started(store, jsonl(3))
+    lines = store.claim(batch_id, 3)
+    exact = b'{"object": "list", "data": [{"embedding": [0.10000000000000001, 1e-07, -0.0]}], "note": "caf\\u00e9 \xe2\x9c\x93"}'
+    store.record(lines[0], 200, exact, "r0")
+    store.record(lines[1], 502, b"upstream says <no>\n", "r1")  # not JSON: kept as a string
+    store.record(lines[2], 200, b'{"deep": ' * 3 + b'1' + b'}' * 3, "r2")
+    done = store.finalize(batch_id)
+    raw_output = b"".join(store.content(done["output_file_id"], None))
+    assert exact in raw_output  # spliced byte for byte: no float or escape rewritten
+    output, errors = read(store, done["output_file_id"]), read(store, done["error_file_id"])
+    assert output[0]["response"]["body"]["data"][0]["embedding"] == [0.1, 1e-07, -0.0]
+    assert output[1]["response"]["body"] == {"deep": {"deep": {"deep": 1}}}
+    assert errors[0]["response"]["body"] == "upstream says <no>\n" and errors[0]["error"] is None
+    store.close()

@@ -51,6 +51,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import msgspec
+
 from vsup.batch import lines as lines_mod
 from vsup.batch.dbfile import lock_folder, open_db
 from vsup.batch.errors import BadInput, Conflict, NotFound, TooLarge
@@ -946,15 +948,19 @@ def _marks(values: tuple) -> str:
 
 
 def _result_line(line: sqlite3.Row) -> bytes:
-    """One line of an output or error file, in OpenAI's format."""
+    """One line of an output or error file, in OpenAI's format. The instance's answer goes in as it
+    came (msgspec.Raw: checked to be one JSON value, never turned into Python objects and back:
+    an embedding's floats made that most of a big batch's finalize)."""
     response = None
     if line["status_code"] is not None:
         raw = line["response"]
-        try:
-            body: Any = json.loads(raw) if raw is not None else None
-        except (ValueError, RecursionError):
-            body = bytes(raw).decode("utf-8", "replace")  # not JSON (a proxy's plain-text error): kept as text
+        body: Any = None
+        if raw is not None:
+            try:
+                body = msgspec.json.decode(raw, type=msgspec.Raw)
+            except msgspec.DecodeError:
+                body = bytes(raw).decode("utf-8", "replace")  # not JSON (a proxy's plain-text error): kept as text
         response = {"status_code": line["status_code"], "request_id": line["request_id"], "body": body}
     error = json.loads(line["error"]) if line["error"] else None
     item = {"id": "batch_req_" + secrets.token_hex(16), "custom_id": line["custom_id"], "response": response, "error": error}
-    return json.dumps(item, separators=(",", ":")).encode() + b"\n"
+    return msgspec.json.encode(item) + b"\n"
