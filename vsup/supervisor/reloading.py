@@ -38,6 +38,7 @@ from vsup.supervisor.lifecycle import Instance
 from vsup.supervisor.ports import port_is_free
 from vsup.supervisor.reload_ports import busy_port
 from vsup.supervisor.states import State
+from vsup.supervisor.warmup import warmup_kind
 from vsup.topology.cpulist import format_list
 from vsup.topology.errors import PlanError, TopologyError
 from vsup.topology.fleet import renumber
@@ -57,7 +58,8 @@ def model_proxies(config: VsupConfig) -> dict[str, ProxyConfig]:
 
 def batch_slots(config: VsupConfig) -> dict[str, int]:
     """Each served model's slots per instance for the batch lines' share (vsup/batch/slots.py)."""
-    return {view.name: slots_of(view.config, config.batch) for view in models_of(config)}
+    return {view.name: slots_of(view.config, config.batch, warmup_kind(view.config.vllm.args, view.config.model) != "completion")
+            for view in models_of(config)}
 
 
 def batch_dir(config: VsupConfig, environ: Mapping[str, str]) -> Path | None:
