@@ -371,17 +371,19 @@ async def test_rolling_restart_drains_restarts_and_warms_each_instance_in_turn(f
 
 
 async def test_a_new_base_port_moves_each_instance_one_at_a_time(fleet):
+    # the reload probes the new ports for real: below the kernel's ephemeral range (32768-60999),
+    # where no other test's outgoing connection can hold one as its local port
     f = await fleet(vllm={"listen": "tcp"})
     old = list(f.sup.instances)
-    f.write(vllm={"listen": "tcp", "base_port": 42000})
+    f.write(vllm={"listen": "tcp", "base_port": 22000})
     record = await f.run(f.sup.reload("vsup reload"))
     assert record["state"] == "done", record
-    assert [s["why"].split(";")[0] for s in record["steps"]] == ["port 41000 -> 42000", "port 41001 -> 42001"]
-    assert [s["how"].split(":")[0] for s in record["steps"]] == ["in place, on port 42000", "in place, on port 42001"]
-    assert [(i.name, i.port, i.state) for i in f.sup.instances] == [("0", 42000, State.READY), ("1", 42001, State.READY)]
+    assert [s["why"].split(";")[0] for s in record["steps"]] == ["port 41000 -> 22000", "port 41001 -> 22001"]
+    assert [s["how"].split(":")[0] for s in record["steps"]] == ["in place, on port 22000", "in place, on port 22001"]
+    assert [(i.name, i.port, i.state) for i in f.sup.instances] == [("0", 22000, State.READY), ("1", 22001, State.READY)]
     assert all(o.state is State.STOPPED and o not in f.sup.fleet.drivers for o in old)
     assert set(f.sup.pool.states()) == {"0", "1"} and {b.url for b in f.sup.pool.all()} == {
-        "http://127.0.0.1:42000", "http://127.0.0.1:42001"}
+        "http://127.0.0.1:22000", "http://127.0.0.1:22001"}
     assert min(f.rotation) == 1
 
 
@@ -392,7 +394,7 @@ async def test_on_unix_sockets_a_new_base_port_moves_nothing(fleet):
     old = list(f.sup.instances)
     urls = {b.url for b in f.sup.pool.all()}
     assert all(url.startswith("unix:") for url in urls)
-    f.write(vllm={"base_port": 42000})
+    f.write(vllm={"base_port": 22000})
     record = await f.run(f.sup.reload("vsup reload"))
     assert record["state"] == "done" and record["steps"] == [] and record["unchanged"] == [0, 1], record
     assert f.sup.instances == old and all(i.state is State.READY for i in old)
