@@ -23,6 +23,6 @@ def test_xdg_state_home_then_home_each_port_its_own():
 
 
 def test_no_home_names_the_key(monkeypatch):
-    monkeypatch.setattr("vsup.batch.folder._home_of_user", lambda: None)
+    monkeypatch.setattr("vsup.ownfiles._home_of_user", lambda: None)
     with pytest.raises(VsupError, match="batch.dir is unset .* set batch.dir"):
         default_dir(8000, {})

@@ -17,6 +17,7 @@ import errno
 import grp
 import os
 import stat
+from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Literal
 
@@ -145,3 +146,25 @@ def why(exc: OSError) -> str:
     if exc.errno == errno.ELOOP:
         return "it is a symlink, which vsup does not follow"
     return exc.strerror or str(exc)
+
+
+def state_home(environ: Mapping[str, str], key: str) -> Path:
+    """This user's folder for vsup's state: `$XDG_STATE_HOME/vsup`, else `~/.local/state/vsup`
+    (an XDG_STATE_HOME that is not absolute is ignored, as the XDG rule says: never a folder under
+    the working directory). No home folder: a VsupError naming `key`, the setting that avoids it."""
+    state = environ.get("XDG_STATE_HOME", "")
+    if os.path.isabs(state):
+        return Path(state) / "vsup"
+    home = environ.get("HOME") or _home_of_user()
+    if not home or not os.path.isabs(home):
+        raise VsupError(f"{key} is unset and this user has no home folder for vsup's state (HOME); set {key}")
+    return Path(home) / ".local" / "state" / "vsup"
+
+
+def _home_of_user() -> str | None:
+    import pwd
+
+    try:
+        return pwd.getpwuid(os.geteuid()).pw_dir
+    except KeyError:
+        return None

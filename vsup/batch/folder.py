@@ -6,7 +6,7 @@ is (`$XDG_STATE_HOME/vsup/batches-<port>`, `~/.local/state/vsup/batches-8000`): 
 user on other ports keep their own stores (a store is one process's: store.lock), and a vsup
 started again on its port finds its batches. State that must outlive a restart, never a runtime or
 temporary folder, never the working directory. The same rules as the instances' logs
-(vsup/supervisor/rundir.py's default_log_dir).
+(vsup/supervisor/rundir.py's default_log_dir): ownfiles.state_home.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from vsup.errors import VsupError
+from vsup.ownfiles import state_home
 
 
 def default_dir(port: int, environ: Mapping[str, str] = os.environ) -> Path:
@@ -23,19 +23,4 @@ def default_dir(port: int, environ: Mapping[str, str] = os.environ) -> Path:
     state = environ.get("STATE_DIRECTORY", "").split(":")[0]
     if state:
         return Path(state) / "batches"
-    xdg = environ.get("XDG_STATE_HOME", "")
-    if os.path.isabs(xdg):  # (the XDG rule: a relative value is ignored)
-        return Path(xdg) / "vsup" / f"batches-{port}"
-    home = environ.get("HOME") or _home_of_user()
-    if not home or not os.path.isabs(home):
-        raise VsupError("batch.dir is unset and this user has no home folder for vsup's state (HOME); set batch.dir")
-    return Path(home) / ".local" / "state" / "vsup" / f"batches-{port}"
-
-
-def _home_of_user() -> str | None:
-    import pwd
-
-    try:
-        return pwd.getpwuid(os.geteuid()).pw_dir
-    except KeyError:
-        return None
+    return state_home(environ, "batch.dir") / f"batches-{port}"

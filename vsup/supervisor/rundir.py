@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from vsup.errors import VsupError
+from vsup.ownfiles import state_home
 
 
 def private_dir(environ: Mapping[str, str] = os.environ) -> Path:
@@ -40,22 +41,7 @@ def default_log_dir(environ: Mapping[str, str] = os.environ) -> Path:
     logs = environ.get("LOGS_DIRECTORY", "").split(":")[0]
     if logs:
         return Path(logs)
-    state = environ.get("XDG_STATE_HOME", "")
-    if os.path.isabs(state):  # (the XDG rule: a relative value is ignored)
-        return Path(state) / "vsup" / "logs"
-    home = environ.get("HOME") or _home_of_user()
-    if not home or not os.path.isabs(home):
-        raise VsupError("log.dir is unset and this user has no home folder for vsup's state (HOME); set log.dir")
-    return Path(home) / ".local" / "state" / "vsup" / "logs"
-
-
-def _home_of_user() -> str | None:
-    import pwd
-
-    try:
-        return pwd.getpwuid(os.geteuid()).pw_dir
-    except KeyError:
-        return None
+    return state_home(environ, "log.dir") / "logs"
 
 
 def ensure_private(directory: Path, what: str, alternative: str) -> None:
