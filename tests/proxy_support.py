@@ -42,9 +42,19 @@ def ready_pool(fakes: Iterable[FakeVllm], ready: bool = True) -> BackendPool:
     return pool
 
 
+def model_pool(fake: FakeVllm, model: str = "chat") -> BackendPool:
+    """A pool of the one ready instance `fake`, serving `model` (routing by model, as a fleet's)."""
+    pool = BackendPool()
+    pool.add(Backend(fake.name, fake.url, model))
+    pool.set_state(fake.name, "ready", True)
+    return pool
+
+
 @contextlib.asynccontextmanager
-async def running_proxy(pool: BackendPool, api_key: str | None = None, *, models=None, names=None, **config):
-    proxy = ProxyServer(ProxyConfig(port=0, **config), pool, api_key=api_key, models=models, names=names)
+async def running_proxy(pool: BackendPool, api_key: str | None = None, *, models=None, names=None, server=None, **config):
+    """A started ProxyServer over `pool` (ProxyConfig `config`; `server`: further ProxyServer
+    arguments, e.g. batch and batch_dir), its clients closed and itself stopped after."""
+    proxy = ProxyServer(ProxyConfig(port=0, **config), pool, api_key=api_key, models=models, names=names, **(server or {}))
     await proxy.start()
     try:
         yield proxy

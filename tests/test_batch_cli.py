@@ -16,11 +16,10 @@ import openai
 import pytest
 
 from tests.fakevllm.fixtures import start_fake
-from tests.proxy_support import LEAN, url, wait_for
+from tests.proxy_support import LEAN, model_pool, running_proxy, url, wait_for
 from tests.vsup_harness import VSUP
 from vsup.config.schema import ApiKeyConfig, BatchConfig, ProxyConfig
 from vsup.proxy import ProxyServer
-from vsup.proxy.backends import Backend, BackendPool
 
 KEYS = [ApiKeyConfig(name="alice", key="key-alice"), ApiKeyConfig(name="bob", key="key-bob"),
         ApiKeyConfig(name="root", key="key-root", admin=True)]
@@ -40,16 +39,9 @@ def fake():
 
 @contextlib.asynccontextmanager
 async def batch_proxy(fake, tmp_path):
-    pool = BackendPool()
-    pool.add(Backend(fake.name, fake.url, "chat"))
-    pool.set_state(fake.name, "ready", True)
-    proxy = ProxyServer(ProxyConfig(port=0, api_keys=KEYS), pool, models={"chat": ProxyConfig()},
-                        batch=BatchConfig(), batch_dir=tmp_path / "batches", batch_slots={"chat": 3})
-    await proxy.start()
-    try:
+    server = {"batch": BatchConfig(), "batch_dir": tmp_path / "batches", "batch_slots": {"chat": 3}}
+    async with running_proxy(model_pool(fake), models={"chat": ProxyConfig()}, server=server, api_keys=KEYS) as proxy:
         yield proxy
-    finally:
-        await proxy.drain_and_stop(0)
 
 
 async def vsup(proxy: ProxyServer | None, *args: str, key: str | None = "key-alice", target: str | None = None) -> tuple[int, str, str]:

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from tests.fakevllm.fixtures import start_fake
-from tests.proxy_support import LEAN, client, close_clients
+from tests.proxy_support import LEAN, client, close_clients, model_pool, running_proxy
 from vsup.config.schema import ApiKeyConfig, BatchConfig, ProxyConfig
 from vsup.proxy import ProxyServer
 from vsup.proxy.backends import Backend, BackendPool
@@ -33,17 +33,9 @@ def fake():
 
 @contextlib.asynccontextmanager
 async def batch_proxy(fake, folder, slots: int = 4, **front):
-    pool = BackendPool()
-    pool.add(Backend(fake.name, fake.url, "chat"))
-    pool.set_state(fake.name, "ready", True)
-    proxy = ProxyServer(ProxyConfig(port=0, **front), pool, models={"chat": ProxyConfig()},
-                        batch=BatchConfig(slots_per_instance=slots), batch_dir=folder)
-    await proxy.start()
-    try:
+    async with running_proxy(model_pool(fake), models={"chat": ProxyConfig()},
+                             server={"batch": BatchConfig(slots_per_instance=slots), "batch_dir": folder}, **front) as proxy:
         yield proxy
-    finally:
-        await close_clients(proxy)
-        await proxy.drain_and_stop(0)
 
 
 def jsonl(ids: list[str], delay: float | None = None) -> bytes:

@@ -13,11 +13,10 @@ import aiohttp
 import pytest
 
 from tests.fakevllm.fixtures import start_fake
-from tests.proxy_support import LEAN, url, wait_for
+from tests.proxy_support import LEAN, model_pool, running_proxy, url, wait_for
 from vsup.batch.runner import Busy
 from vsup.config.schema import BatchConfig, ProxyConfig
 from vsup.proxy import ProxyServer
-from vsup.proxy.backends import Backend, BackendPool
 
 LONG = 0.05  # seconds per token: 20 tokens, about 1 s
 ENDPOINT = "/v1/chat/completions"
@@ -35,16 +34,9 @@ def fake():
 
 @contextlib.asynccontextmanager
 async def proxy_over(fake, model: ProxyConfig | None = None, batch: BatchConfig | None = None, slots: int | None = None, **front):
-    pool = BackendPool()
-    pool.add(Backend(fake.name, fake.url, "chat"))
-    pool.set_state(fake.name, "ready", True)
-    proxy = ProxyServer(ProxyConfig(port=0, **front), pool, models={"chat": model or ProxyConfig()}, batch=batch,
-                        batch_slots={"chat": slots} if slots is not None else None)
-    await proxy.start()
-    try:
+    server = {"batch": batch, "batch_slots": {"chat": slots} if slots is not None else None}
+    async with running_proxy(model_pool(fake), models={"chat": model or ProxyConfig()}, server=server, **front) as proxy:
         yield proxy
-    finally:
-        await proxy.drain_and_stop(0)
 
 
 def chat(tokens: int = 2, delay: float | None = None) -> dict:

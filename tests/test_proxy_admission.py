@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 
 from tests.fakevllm.fixtures import start_fake
-from tests.proxy_support import LEAN, metric_value, metrics_text, url, wait_for
+from tests.proxy_support import LEAN, metric_value, metrics_text, model_pool, running_proxy, url, wait_for
 from vsup.config.schema import ApiKeyConfig, ProxyConfig
 from vsup.proxy import ProxyServer
 from vsup.proxy.backends import Backend, BackendPool
@@ -37,16 +37,8 @@ def fake():
 
 @contextlib.asynccontextmanager
 async def proxy_over(fake, model: ProxyConfig | None = None, **front):
-    pool = BackendPool()
-    pool.add(Backend(fake.name, fake.url, "chat"))
-    pool.set_state(fake.name, "ready", True)
-    model = model or ProxyConfig(max_in_flight_per_instance=1)
-    proxy = ProxyServer(ProxyConfig(port=0, **front), pool, models={"chat": model})
-    await proxy.start()
-    try:
+    async with running_proxy(model_pool(fake), models={"chat": model or ProxyConfig(max_in_flight_per_instance=1)}, **front) as proxy:
         yield proxy
-    finally:
-        await proxy.drain_and_stop(0)
 
 
 def chat(tokens: int = 2, delay: float | None = None) -> dict:
