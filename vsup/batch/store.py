@@ -748,7 +748,8 @@ class Store:
         return sum(by_batch.values())
 
     def running(self) -> list[dict]:
-        """The in_progress, cancelling and finalizing batches with their counts and pending lines per model."""
+        """The in_progress, cancelling and finalizing batches with their counts, pending lines per
+        model (`models`: the runner's) and the models of their unfinished lines (`open_models`)."""
         rows = self._all(f"SELECT * FROM batches WHERE status IN ({_marks(_OPEN)}) ORDER BY n", tuple(s.value for s in _OPEN))
         out = []
         for row in rows:
@@ -759,7 +760,8 @@ class Store:
                 "id": row["id"], "owner": row["owner"], "endpoint": row["endpoint"], "status": row["status"],
                 "total": row["total"], "completed": row["completed"], "failed": row["failed"],
                 "pending": sum(models.values()), "running": sum(c[2] for c in counts if c[0] == "running"),
-                "models": models, "created_at": row["created_at"], "in_progress_at": row["in_progress_at"],
+                "models": models, "open_models": sorted({c[1] for c in counts}),  # (pending or running: the views')
+                "created_at": row["created_at"], "in_progress_at": row["in_progress_at"],
                 "expires_at": row["expires_at"], "metadata": json.loads(row["metadata"]) if row["metadata"] else None,
             })
         return out

@@ -91,7 +91,7 @@ class Watch:
         looked = self.samples.look(running, now)
         out = []
         for row in running:
-            models = sorted(set(row.get("models") or ()) | set(self._models.get(row["id"], ())))
+            models = sorted(set(row.get("open_models") or ()) | set(self._models.get(row["id"], ())))
             self._models[row["id"]] = models
             out.append(entry(row, looked[row["id"]], row.get("owner"), models, row.get("pending"), row.get("running")))
         shown = {row["id"] for row in running}
