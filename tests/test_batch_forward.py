@@ -1,7 +1,8 @@
-"""Batch lines through a real ProxyServer over a real fake vLLM process (real sockets): a line
-takes only the slots interactive requests leave but one (no configuration needed), reserved_slots
-are respected, a line that finds no room is answered at once (Busy: never queued), and an
-interactive request waiting for a slot is admitted ahead of any batch line."""
+"""Batch lines through a real ProxyServer over a real fake vLLM process (real sockets): lines take
+a quiet instance whole (and a little of vLLM's queue), one slot stays free while interactive
+requests are recent, an interactive request that finds no slot preempts the youngest line (its
+request aborted in vLLM, the line answered busy: no attempt), reserved_slots and the admission
+limit are respected, and a line that finds no room is answered at once (Busy: never queued)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from tests.proxy_support import LEAN, model_pool, running_proxy, url, wait_for
 from vsup.batch.runner import Busy
 from vsup.config.schema import BatchConfig, ProxyConfig
 from vsup.proxy import ProxyServer
+from vsup.proxy.batch_share import QUEUED
 
 LONG = 0.05  # seconds per token: 20 tokens, about 1 s
 ENDPOINT = "/v1/chat/completions"
@@ -63,27 +65,50 @@ async def post(session, proxy, body, headers=None):
         return response.status, json.loads(await response.text())
 
 
-async def test_batch_lines_never_take_the_last_slot_without_configuration(fake):
-    # no admission settings at all: 3 slots per instance (as --max-num-seqs 3 would give)
+def cancelled(fake) -> int:
+    """Generations the fake vLLM saw cancelled (their client went away), all tests so far."""
+    return len(fake.events("cancelled"))
+
+
+async def test_an_idle_instance_is_used_whole_and_an_interactive_request_preempts_the_youngest_lines(fake):
+    # no admission settings at all: 3 slots per instance (as --max-num-seqs 3 would give), no
+    # interactive request yet: every slot, and QUEUED lines more in vLLM's own queue
     async with proxy_over(fake, slots=3) as proxy, aiohttp.ClientSession() as session:
-        assert proxy.batch_room("chat") == 2
-        lines = [asyncio.create_task(line(proxy, chat(20, LONG))) for _ in range(4)]
-        await wait_for(lambda: proxy.in_flight().get("c0") == 2)
+        assert proxy.batch_room("chat") == 3 + QUEUED
+        before = cancelled(fake)
+        lines = []
+        for _ in range(3 + QUEUED + 1):  # one at a time: their order is their age
+            lines.append(asyncio.create_task(line(proxy, chat(20, LONG))))
+            await asyncio.sleep(0.01)
+        await wait_for(lambda: proxy.in_flight().get("c0") == 3 + QUEUED)
         assert proxy.batch_room("chat") == 0
-        # the last slot is the interactive request's: it is served at once, beside the two lines
+        # an interactive request takes a slot back at once: the youngest lines stop, 3 - 1 stay
         status, answer = await post(session, proxy, chat(2))
         assert status == 200 and answer["object"] == "chat.completion"
-        results = await asyncio.gather(*lines)
-        assert sorted(results, key=str) == [200, 200, "busy", "busy"]
+        assert await asyncio.gather(*lines) == [200, 200, "busy", "busy", "busy", "busy"]  # (the last found no room)
+        # the preempted lines were aborted in vLLM (their connections closed), not left to run
+        await wait_for(lambda: cancelled(fake) - before == 1 + QUEUED, what="the fake to see the preempted lines cancelled")
+        scraped = await (await session.get(url(proxy, "/metrics"))).text()
+        assert 'vsup_batch_preempted_total{model="chat"} 3.0' in scraped
+        # the chat was recent: one slot stays free for the next one (batch.quiet_after)
         assert proxy.batch_room("chat") == 2
         assert proxy.batch_room("nobody") == 0
+
+
+async def test_a_quiet_model_gets_its_whole_instances_again_after_quiet_after(fake):
+    async with proxy_over(fake, slots=3, batch=BatchConfig(quiet_after=0.3)) as proxy, aiohttp.ClientSession() as session:
+        status, _ = await post(session, proxy, chat(2))
+        assert status == 200
+        assert proxy.batch_room("chat") == 2  # a slot kept for the next interactive request
+        await asyncio.sleep(0.35)
+        assert proxy.batch_room("chat") == 3 + QUEUED
 
 
 async def test_interactive_requests_in_flight_shrink_the_batch_share(fake):
     async with proxy_over(fake, slots=3) as proxy, aiohttp.ClientSession() as session:
         chats = [asyncio.create_task(post(session, proxy, chat(20, LONG))) for _ in range(2)]
         await wait_for(lambda: proxy.in_flight().get("c0") == 2)
-        assert proxy.batch_room("chat") == 0  # 3 slots - 1 kept - 2 interactive
+        assert proxy.batch_room("chat") == 0  # 3 slots - 1 kept (they are recent) - 2 interactive
         assert await line(proxy, chat(2)) == "busy"
         assert [status for status, _ in await asyncio.gather(*chats)] == [200, 200]
         assert await line(proxy, chat(2)) == 200
@@ -92,27 +117,31 @@ async def test_interactive_requests_in_flight_shrink_the_batch_share(fake):
 async def test_reserved_slots_are_respected(fake):
     model = ProxyConfig(max_in_flight_per_instance=4, reserved_slots=2)
     async with proxy_over(fake, model, batch=BatchConfig()) as proxy:
-        assert proxy.batch_room("chat") == 2  # auto: the admission limit 4, less the 2 reserved
+        # auto: the admission limit 4, less the 2 reserved (an admission limit is never passed: no queue in vLLM)
+        assert proxy.batch_room("chat") == 2
         lines = [asyncio.create_task(line(proxy, chat(20, LONG))) for _ in range(3)]
         results = await asyncio.gather(*lines)
         assert sorted(results, key=str) == [200, 200, "busy"]
 
 
-async def test_interactive_waiters_are_admitted_ahead_of_batch_lines(fake):
+async def test_an_interactive_request_waiting_for_admission_preempts_a_line_and_new_lines_wait(fake):
     model = ProxyConfig(max_in_flight_per_instance=3)
     async with proxy_over(fake, model) as proxy, aiohttp.ClientSession() as session:
-        first = [asyncio.create_task(line(proxy, chat(20, LONG))) for _ in range(2)]  # the batch share: 3 - 1
-        await wait_for(lambda: proxy.in_flight().get("c0") == 2)
-        chats = [asyncio.create_task(post(session, proxy, chat(20, LONG))) for _ in range(3)]
-        # one interactive request takes the kept slot, two wait in the admission queue
-        await wait_for(lambda: sum(q["waiting"] for q in proxy.queues().values()) == 2)
+        assert proxy.batch_room("chat") == 3  # quiet: the whole admission limit
+        first = []
+        for _ in range(3):
+            first.append(asyncio.create_task(line(proxy, chat(20, LONG))))
+            await asyncio.sleep(0.01)
+        await wait_for(lambda: proxy.in_flight().get("c0") == 3)
+        # each interactive request finds the instance full: it waits, and its wait stops the youngest line
+        chats = [asyncio.create_task(post(session, proxy, chat(20, LONG))) for _ in range(2)]
+        assert await asyncio.gather(*first[1:]) == ["busy", "busy"]
+        await wait_for(lambda: proxy.in_flight().get("c0") == 3 and not proxy.queues().get("chat", {}).get("waiting"),
+                       what="both chats admitted in the preempted lines' slots")
         assert proxy.batch_room("chat") == 0
         assert await line(proxy, chat(2)) == "busy"  # never queued, never ahead of them
-        assert await asyncio.gather(*first) == [200, 200]
-        # the lines' slots went to the waiting interactive requests, not to another line
-        assert sum(q["waiting"] for q in proxy.queues().values()) == 0
-        assert await line(proxy, chat(2)) == "busy"  # 3 slots - 1 kept - 3 interactive < 1
-        assert [status for status, _ in await asyncio.gather(*chats)] == [200, 200, 200]
+        assert await first[0] == 200  # the oldest line ran on
+        assert [status for status, _ in await asyncio.gather(*chats)] == [200, 200]
         assert await line(proxy, chat(2)) == 200
 
 

@@ -1,7 +1,7 @@
 """The Batch API beyond one box, on real sockets: a front ProxyServer holding the batch store over
 two node ProxyServers (the per-node vsups of an export: their own Batch API off), each over a real
 fake vLLM process. The front's lines carry `X-Vsup-Batch: line`, so each node places them as its
-own batch lines (below its interactive requests, never its last slot, never queued); a node's busy
+own batch lines (below its interactive requests, stopped for one that needs the slot, never queued); a node's busy
 answer is no failure of the node at the front; a client that sends the header itself only gets
 less (its key's rate limit still applies); with --forward-key the lines go with an admin key."""
 
@@ -104,7 +104,8 @@ async def post(session, proxy, body, headers=None):
 
 
 async def test_a_batch_through_the_front_completes_spread_over_both_nodes_within_their_shares(fakes, tmp_path):
-    # each node takes 3 batch lines at once (4 slots, one kept); the front would send 7 to each: the
+    # each node takes 6 batch lines at once (4 slots, 2 queued: no interactive traffic there); the front
+    # would send 10 to each (8 slots, 2 queued): the
     # nodes' busy answers hold the rest at the front, and are no failures of the nodes
     async with node(fakes[0], 4) as a, node(fakes[1], 4) as b, front({"a": a, "b": b}, tmp_path / "batches") as f:
         ids = [f"line-{i}" for i in range(16)]
@@ -179,21 +180,24 @@ async def test_a_front_that_passes_keys_on_sends_lines_with_an_admin_key_not_cha
 
 
 def test_a_nodes_busy_answer_caps_the_fronts_share_there_for_a_while():
+    from tests.test_batch_share import Line
     from vsup.proxy.batch_share import BUSY_HOLD, BatchShare
 
     now = [0.0]
     in_flight: dict[str, int] = {}
     share = BatchShare(in_flight, lambda: now[0])
-    share.configure({}, 10, {}, 0)
+    share.configure({}, 10, {}, 0, quiet_after=30.0)
+    share.interactive("chat")  # (recent interactive traffic: one slot kept)
     a = Backend("a", "http://127.0.0.1:1", "chat")
-    for _ in range(3):
+    lines = [Line() for _ in range(3)]
+    for line in lines:
         in_flight["a"] = in_flight.get("a", 0) + 1
-        share.started("a")
+        share.started("a", line)
     assert share.room(a) == 6  # 10 slots, one kept, 3 lines there
     share.refused("a")  # the node said busy with 3 of ours: it takes 3 for now
     assert share.room(a) == 0
     in_flight["a"] -= 1
-    share.ended("a")
+    share.ended("a", lines[0])
     assert share.room(a) == 1  # one ended: its slot is ours again, no more
     now[0] += BUSY_HOLD
     assert share.room(a) == 7  # then the whole share is tried again

@@ -318,7 +318,9 @@ class BatchConfig(_Section):
     retention: float = Field(30 * 86400.0, ge=0, description="seconds files and finished batches are kept after they end (a file from its upload, a batch from its completion, failure, expiry or cancel); then deleted with their results; 0: kept until deleted. 30 days, OpenAI's own for batch files", json_schema_extra=LIVE)
     priority: int | None = Field(None, description="the admission priority of batch lines (proxy.api_keys' priorities); null: one below the lowest priority in use, so every interactive request is admitted ahead of any batch line", json_schema_extra=LIVE)
     max_attempts: int = Field(3, ge=1, description="tries of one line that the instances refused as busy (429, 503), broke off (502, 504) or never answered before the line fails (error attempts_exhausted in the error file); an answer the proxy gave because no slot was free counts as no try. 3: a passing fault is retried, a line that breaks an instance is not retried for ever", json_schema_extra=LIVE)
-    slots_per_instance: int | Literal["auto"] = Field("auto", description="the requests one instance runs at once, of which batch lines take what interactive requests leave but one (but proxy.reserved_slots, when more): auto: its model's proxy.max_in_flight_per_instance, else the --max-num-seqs of its vllm.args, else vLLM's CPU default (128), so an idle instance is kept full with batch lines; a pooling model (embeddings, scores) without an admission limit twice that: it answers in one engine step, so lines queued in vLLM make an interactive request wait one step, and keep its engine from idling between steps", json_schema_extra=LIVE)
+    slots_per_instance: int | Literal["auto"] = Field("auto", description="the requests one instance runs at once, of which batch lines take what interactive requests leave (less proxy.reserved_slots; and one slot kept free while interactive traffic is recent: batch.quiet_after): auto: its model's proxy.max_in_flight_per_instance, else the --max-num-seqs of its vllm.args, else vLLM's CPU default (128), so an idle instance is kept full with batch lines; a pooling model (embeddings, scores) without an admission limit twice that: it answers in one engine step, so lines queued in vLLM make an interactive request wait one step, and keep its engine from idling between steps", json_schema_extra=LIVE)
+
+    quiet_after: float = Field(30.0, ge=0, description="seconds after a model's latest interactive request during which one slot of each of its instances stays free of batch lines for the next one; after them batch lines take every slot, and an interactive request that finds none stops the youngest line on its instance (sent again later, costing it no attempt). 30: the pause between two messages of a conversation keeps the slot; 0: batch lines always take every slot free", json_schema_extra=LIVE)
 
     @field_validator("max_file_bytes", "max_total_bytes")
     @classmethod
@@ -333,8 +335,8 @@ class BatchConfig(_Section):
     @field_validator("slots_per_instance")
     @classmethod
     def _slots(cls, value: int | str) -> int | str:
-        if isinstance(value, int) and value < 2:
-            raise ValueError("must be at least 2 (one slot always stays for interactive requests), or auto")
+        if isinstance(value, int) and value < 1:
+            raise ValueError("must be at least 1, or auto")
         return value
 
 

@@ -9,7 +9,9 @@ turns, first come first served within a key (start-time fair queueing: a waiter'
 past its key's previous waiter's, and never behind the round being served, so a key that
 arrives behind another's hundred waiters goes next, not hundredth). A freed slot
 (`release`) or a pool change (`poke`) grants the best waiter a slot on a particular instance; the
-slot is reserved for it until its task runs, so a newcomer cannot take it in between. A waiter
+slot is reserved for it until its task runs, so a newcomer cannot take it in between; a waiter
+not granted at once tells `crowding` its instances (the forwarder's batch share stops a batch line
+there, whose end grants the slot: proxy/batch_share.py). A waiter
 that leaves (its client gone, the drain) gives a granted slot on to the next at once.
 
 Bounded: `queue_max` waiters per queue; a full queue refuses (FULL) unless the newcomer's
@@ -79,6 +81,9 @@ class Admission:
         self.served: dict[str, int] = {}  # queue -> the round of the waiter granted last
         self.waiting = 0
         self.enqueued = 0  # requests that ever waited (a gate compares it around admit())
+        # told of each waiter not granted at once, with its instances: batch lines there make room
+        # (the forwarder's BatchShare.make_room preempts one; its end grants the slot)
+        self.crowding: Callable[[tuple[Backend, ...]], object] = lambda backends: None
 
     # -- per request
     def room(self, backend: Backend, priority: int) -> bool:
@@ -88,6 +93,15 @@ class Admission:
         cap = limit.limit - (limit.reserve if priority < self.top else 0)
         name = backend.name
         return self.in_flight.get(name, 0) + self.reserved.get(name, 0) < cap
+
+    def space(self, backend: Backend, priority: int) -> int | None:
+        """How many more requests of `priority` `backend` takes now; None: no limit."""
+        limit = self.limit_of(backend)
+        if limit is None:
+            return None
+        cap = limit.limit - (limit.reserve if priority < self.top else 0)
+        name = backend.name
+        return max(0, cap - self.in_flight.get(name, 0) - self.reserved.get(name, 0))
 
     def free(self, ready: Iterable[Backend], priority: int) -> tuple[Backend, ...]:
         return tuple(b for b in ready if self.room(b, priority))
@@ -125,6 +139,8 @@ class Admission:
         insort(waiters, waiter)
         self.waiting += 1
         self.poke()  # a slot may be free for it already (another queue's waiters blocked on other instances)
+        if not waiter.future.done():
+            self.crowding(ready())
         try:
             outcome = await waiter.future
         except asyncio.CancelledError:

@@ -1,25 +1,36 @@
-"""The share of each instance batch lines may take: what interactive requests leave, but one slot.
+"""The share of each instance batch lines may take: what interactive requests leave.
 
 An instance runs `slots` requests at once (batch.slots_per_instance: auto is its model's
 admission limit, else its --max-num-seqs, else vLLM's CPU default). Batch lines may hold at most
-`slots − max(reserved_slots, 1) − interactive in flight` of them (interactive: the proxy's other
-requests there, and admission slots granted to a waiter not yet running), so at least one slot of
-every instance stays free for an interactive request with no configuration at all. A model whose
-interactive requests wait in the admission queue has no room for batch lines: they are admitted
-ahead. Batch lines never wait in the proxy: a line that finds no room is answered at once (503,
-`x-vsup-batch: busy`) and its runner keeps it for a later round. Pure: the forwarder counts.
+`slots − keep − interactive in flight` of them (interactive: the proxy's other requests there, and
+admission slots granted to a waiter not yet running). `keep` is proxy.reserved_slots, but at
+least one while the model has had an interactive request in the last batch.quiet_after seconds:
+a colleague's next message finds a slot free. A quiet model's instances are used whole, and
+QUEUED lines more wait in each vLLM's own queue: the engine takes the next line the moment one
+ends instead of after a round trip through vsup (what lets a client loop that keeps more requests
+in flight than the slots beat one that keeps exactly the slots). An interactive request takes its
+slot back: one counted in flight on an instance where the lines
+hold more than that (`crowded`), or one that waits in the admission queue while lines hold slots
+it could use (`make_room`), preempts the youngest line there (the least work lost; one still
+waiting for its answer): the line's request is cancelled, which closes its connection and so
+aborts it in vLLM, and the line is answered busy, which costs it no attempt (its runner sends it
+again first when room comes). A model whose interactive requests wait in the admission queue has
+no room for new batch lines. Batch lines never wait in the proxy: a line that finds no room is
+answered at once (503, `x-vsup-batch: busy`). Pure: the forwarder counts and cancels.
 
 Across hosts (a front `vsup proxy --batch-dir` over the nodes' vsups): the front's Sender marks
 each line `X-Vsup-Batch: line` (LINE_HEADER), and a node places such a request as a batch line of
-its own: into its instances' share, else its busy answer at once. The front cannot see a node's
-interactive traffic, so a node's busy answer teaches it: that node takes no more batch lines than
-the front has in flight there (`refused`), for BUSY_HOLD seconds, then the front tries the full
-share again (one busy answer a node per BUSY_HOLD at most, while interactive traffic fills it).
+its own: into its instances' share (preempted there like its own lines), else its busy answer at
+once. The front cannot see a node's interactive traffic, so a node's busy answer teaches it: that
+node takes no more batch lines than the front has in flight there (`refused`), for BUSY_HOLD
+seconds, then the front tries the full share again (one busy answer a node per BUSY_HOLD at most,
+while interactive traffic fills it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from typing import Protocol
 
 from vsup.batch.slots import CPU_DEFAULT_SLOTS
 from vsup.proxy.backends import Backend
@@ -35,36 +46,89 @@ LINE = "line"
 BUSY_HOLD = 1.0
 
 
+class Line(Protocol):
+    """A batch line in flight (the forwarder's Exchange): `abort` cancels its request."""
+    phase: str
+
+    def abort(self, reason: str) -> None: ...
+
+
+# Lines per instance beyond its slots while its model is quiet: queued in vLLM, the first preempted.
+QUEUED = 2
+# Exchange.abort's reason for a preempted line (the forwarder answers it busy).
+PREEMPTED = "preempted"
+# A line in this phase is receiving its answer: done but for the bytes, never preempted.
+ANSWERING = "response"
+
+
 class BatchShare:
-    """`in_flight`: the forwarder's requests per instance, batch lines included (it counts them in
-    `batch` too). `waiting(model)`: interactive requests queued for that model; `granted(name)`:
-    admission slots granted on that instance to waiters not running yet (the gate's, when built)."""
+    """`in_flight`: the forwarder's requests per instance, batch lines included (it tells this of
+    them: `started`, `ended`). `waiting(model)`: interactive requests queued for that model;
+    `granted(name)`: admission slots granted on that instance to waiters not running yet (the
+    gate's, when built)."""
 
     def __init__(self, in_flight: dict[str, int], clock: Callable[[], float] = lambda: 0.0) -> None:
         self.in_flight = in_flight
         self.clock = clock
         self.learned: dict[str, tuple[int, float]] = {}  # backend name -> (lines it holds at most, until when)
-        self.batch: dict[str, int] = {}  # backend name -> batch lines in flight there
+        self.lines: dict[str, list[Line]] = {}  # backend name -> its batch lines in flight, oldest first
+        self.stopping: dict[str, int] = {}  # backend name -> lines preempted there and not ended yet
+        self.preempted: dict[str, int] = {}  # model -> lines preempted so far (the metric)
         self.slots: dict[str, int] = {}  # model -> slots per instance
         self.default_slots = CPU_DEFAULT_SLOTS  # a model without figures of its own
         self.reserved: dict[str, int] = {}  # model -> proxy.reserved_slots
         self.default_reserved = 0
+        self.quiet_after = 0.0  # batch.quiet_after
+        self.seen: dict[str, float] = {}  # model -> when its latest interactive request started
         self.waiting: Callable[[str], int] = lambda model: 0
         self.granted: Callable[[str], int] = lambda name: 0
-        self.admits: Callable[[Backend], bool] = lambda backend: True  # the admission limit has room at the batch priority
+        # how many more requests at the batch priority the admission limit lets in there; None: no limit
+        self.admits: Callable[[Backend], int | None] = lambda backend: None
 
-    def configure(self, slots: Mapping[str, int], default_slots: int, reserved: Mapping[str, int], default_reserved: int) -> None:
+    def configure(self, slots: Mapping[str, int], default_slots: int, reserved: Mapping[str, int], default_reserved: int,
+                  quiet_after: float = 0.0) -> None:
         self.slots, self.default_slots = dict(slots), default_slots
         self.reserved, self.default_reserved = dict(reserved), default_reserved
+        self.quiet_after = quiet_after
 
-    def cap(self, backend: Backend) -> int:
-        """Batch lines `backend` may hold now (its share)."""
+    def interactive(self, model: str) -> None:
+        """An interactive request of `model` starts: a slot stays free for the next one for quiet_after seconds."""
+        self.seen[model] = self.clock()
+
+    def recent(self, model: str) -> bool:
+        """Whether `model` had an interactive request in the last quiet_after seconds."""
+        seen = self.seen.get(model)
+        if seen is None:
+            return False
+        if self.clock() - seen < self.quiet_after:
+            return True
+        del self.seen[model]
+        return False
+
+    def held(self, name: str) -> int:
+        """Batch lines in flight on the instance `name`, those preempted and not ended yet included."""
+        return len(self.lines.get(name, ())) + self.stopping.get(name, 0)
+
+    def _cap(self, backend: Backend, new: bool = False) -> int:
+        """Batch lines `backend` may hold, by what interactive requests hold there; `new`: for new
+        lines, so one slot more is kept while its model's interactive traffic is recent, and
+        QUEUED more lines are taken while it is quiet (a line is preempted for a request that
+        needs its slot, never to keep one free or to empty vLLM's queue)."""
         model, name = backend.model, backend.name
         slots = self.slots.get(model, self.default_slots)
-        keep = max(self.reserved.get(model, self.default_reserved), 1)
-        batch = self.batch.get(name, 0)
-        interactive = self.in_flight.get(name, 0) - batch + self.granted(name)
-        cap = slots - keep - interactive
+        keep = self.reserved.get(model, self.default_reserved)
+        if new:
+            if self.recent(model):
+                keep = max(keep, 1)
+            else:
+                slots += QUEUED
+        interactive = self.in_flight.get(name, 0) - self.held(name) + self.granted(name)
+        return slots - keep - interactive
+
+    def cap(self, backend: Backend) -> int:
+        """Batch lines `backend` may hold now (its share; less for a while after a node's busy answer)."""
+        cap = self._cap(backend, new=True)
+        name = backend.name
         learned = self.learned.get(name)
         if learned is not None:
             if self.clock() < learned[1]:
@@ -75,13 +139,13 @@ class BatchShare:
     def refused(self, name: str) -> None:
         """The instance `name` (a node's vsup) answered a batch line busy: for BUSY_HOLD seconds it
         takes no more lines than it holds now (the line just refused is no longer counted)."""
-        self.learned[name] = (self.batch.get(name, 0), self.clock() + BUSY_HOLD)
+        self.learned[name] = (self.held(name), self.clock() + BUSY_HOLD)
 
     def room(self, backend: Backend) -> int:
         """How many more batch lines `backend` takes now."""
-        if not self.admits(backend):
-            return 0
-        return max(0, self.cap(backend) - self.batch.get(backend.name, 0))
+        room = self.cap(backend) - self.held(backend.name)
+        admits = self.admits(backend)
+        return max(0, room if admits is None else min(room, admits))
 
     def free(self, backends: Iterable[Backend], queue: str) -> tuple[Backend, ...]:
         """The instances that take one more batch line now; none while `queue` has interactive waiters."""
@@ -95,15 +159,51 @@ class BatchShare:
             return 0
         return sum(self.room(b) for b in backends)
 
-    def started(self, name: str) -> None:
-        self.batch[name] = self.batch.get(name, 0) + 1
+    def started(self, name: str, line: Line) -> None:
+        self.lines.setdefault(name, []).append(line)
 
-    def ended(self, name: str) -> None:
-        left = self.batch.get(name, 0) - 1
+    def ended(self, name: str, line: Line) -> None:
+        lines = self.lines.get(name)
+        if lines is not None and line in lines:
+            lines.remove(line)
+            if not lines:
+                del self.lines[name]
+            return
+        left = self.stopping.get(name, 0) - 1  # a preempted line, its request now over
         if left > 0:
-            self.batch[name] = left
+            self.stopping[name] = left
         else:
-            self.batch.pop(name, None)
+            self.stopping.pop(name, None)
+
+    # -- an interactive request takes its slot back
+    def crowded(self, backend: Backend) -> int:
+        """An interactive request was just counted in flight on `backend`: preempt lines there
+        while they hold more than the share (how many were preempted)."""
+        preempted = 0
+        while len(self.lines.get(backend.name, ())) > self._cap(backend) and self._preempt(backend):
+            preempted += 1
+        return preempted
+
+    def make_room(self, backends: Iterable[Backend]) -> bool:
+        """An interactive request waits in the admission queue for one of `backends`: preempt one
+        line on the one holding most (its end releases the slot to the waiter); False: none held."""
+        fullest = max(backends, key=lambda b: len(self.lines.get(b.name, ())), default=None)
+        return fullest is not None and self._preempt(fullest)
+
+    def _preempt(self, backend: Backend) -> bool:
+        """Stop the youngest line on `backend` still waiting for its answer."""
+        name = backend.name
+        lines = self.lines.get(name, [])
+        victim = next((line for line in reversed(lines) if line.phase != ANSWERING), None)
+        if victim is None:
+            return False
+        lines.remove(victim)
+        if not lines:
+            del self.lines[name]
+        self.stopping[name] = self.stopping.get(name, 0) + 1
+        self.preempted[backend.model] = self.preempted.get(backend.model, 0) + 1
+        victim.abort(PREEMPTED)
+        return True
 
 
 def lowest_below(priorities: Iterable[int]) -> int:

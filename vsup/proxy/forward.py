@@ -36,7 +36,7 @@ from collections.abc import Callable
 from vsup.config.schema import ProxyConfig
 from vsup.proxy import codec, errors, usage
 from vsup.proxy.backends import Backend, BackendPool
-from vsup.proxy.batch_share import BUSY, BUSY_HEADER, BatchShare, lowest_below
+from vsup.proxy.batch_share import BUSY, BUSY_HEADER, PREEMPTED, BatchShare, lowest_below
 from vsup.proxy.bodyparse import INLINE_BYTES, BodyParser, NotAnObject, ParserUnavailable, refuse_non_object
 from vsup.proxy.budget import BodyBudget
 from vsup.proxy.clients import ClientPolicy
@@ -157,9 +157,9 @@ class Forwarder:
         gate = self.gate
         return gate.admission.reserved.get(name, 0) if gate is not None else 0
 
-    def _admits(self, backend: Backend) -> bool:
+    def _admits(self, backend: Backend) -> int | None:
         gate = self.gate
-        return gate is None or gate.admission.room(backend, self.lowest_priority())
+        return None if gate is None else gate.admission.space(backend, self.lowest_priority())
 
     def lowest_priority(self) -> int:
         """The batch lines' admission priority."""
@@ -445,7 +445,11 @@ class Forwarder:
             name = backend.name
             self.in_flight[name] = self.in_flight.get(name, 0) + 1
             if batch:
-                self.share.started(name)
+                self.share.started(name, exchange)
+            else:
+                self.share.interactive(backend.model)
+                if name in self.share.lines:
+                    self.share.crowded(backend)  # batch lines there beyond their share now: the youngest stop
             tokens = Prefill.estimate(balancer.prefill_bytes(exchange.size))  # a cached prefix is no prefill
             self.prefill.add(name, tokens)  # until its first byte: work ahead of the next request's first token
             exchange.prefill = (self.prefill, name, tokens)
@@ -464,7 +468,7 @@ class Forwarder:
                 else:
                     del self.in_flight[name]
                 if batch:
-                    self.share.ended(name)
+                    self.share.ended(name, exchange)
                 if gate is not None:
                     gate.admission.release(backend)  # the slot to the best waiter
                 if self.batch_freed is not None:
@@ -474,7 +478,7 @@ class Forwarder:
             fallback, reason, why = outcome
             if reason in _UNREACHABLE:
                 unreachable.append(f"instance {name}: {why}")
-            if reason is None:
+            if reason is None or reason == PREEMPTED:  # (preempted: an interactive request took the slot)
                 return fallback, backend
             if reason == "busy":  # (a node's vsup: its busy answer caps its share for a while)
                 self.share.refused(name)
@@ -640,6 +644,9 @@ class Forwarder:
             if exchange.reason is None:
                 raise  # the client went away: the finally below drops the upstream connection
             asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            if exchange.reason == PREEMPTED:  # a batch line an interactive request took the slot of (batch_share.py)
+                exchange.reason = None
+                return self._busy(), PREEMPTED, f"preempted on instance {backend.name} by an interactive request"
             if exchange.reason == "stalled":  # nothing reached the client: another instance may answer
                 exchange.reason = None
                 why = f"instance {backend.name} stalled: no byte within proxy.stall_timeout and its prefill allowance"

@@ -275,3 +275,14 @@ def batch_families(figures: Figures) -> Iterable[Any]:
     yield family
     yield GaugeMetricFamily("vsup_batch_store_bytes", "Bytes the batch store holds: files, and the lines and results of unfinished "
                             "batches (bounded by batch.max_total_bytes)", value=figures.store_bytes)
+
+
+def preempted_family(preempted: Mapping[str, int]) -> Any:
+    """Batch lines an interactive request took the slot of (proxy/batch_share.py), by model: each
+    was aborted in vLLM and sent again later (no attempt spent); its work so far was lost."""
+    family = CounterMetricFamily("vsup_batch_preempted", "Batch lines stopped by model so that an interactive request "
+                                 "could take their slot (sent again later; their work so far is lost)", labels=["model"])
+    for model, count in sorted(preempted.items()):
+        family.add_metric([model], count)
+    return family
+

@@ -51,7 +51,7 @@ from vsup.proxy.gate import Gate, refit
 from vsup.proxy.health import PROXY_HEADER
 from vsup.proxy.load import LoadProbe
 from vsup.proxy.messages import Answer, Body, RawResponse, Request, Response
-from vsup.proxy.metrics import CONTENT_TYPE, ProxyMetrics, batch_families
+from vsup.proxy.metrics import CONTENT_TYPE, ProxyMetrics, batch_families, preempted_family
 from vsup.proxy.models import merged_models, models_of
 from vsup.proxy.routing import ModelRouter
 from vsup.proxy.upstream import UpstreamClient
@@ -282,7 +282,8 @@ class ProxyServer:
             return limit if isinstance(limit, int) and limit > 0 else CPU_DEFAULT_SLOTS
 
         forwarder.share.configure({name: slots(c, name) for name, c in models.items()}, slots(self.config, None),
-                                  {name: c.reserved_slots for name, c in models.items()}, self.config.reserved_slots)
+                                  {name: c.reserved_slots for name, c in models.items()}, self.config.reserved_slots,
+                                  batch.quiet_after)
 
     def batch_room(self, model: str) -> int:
         """How many more batch lines the instances of `model` take now (the runner's Room)."""
@@ -402,6 +403,7 @@ class ProxyServer:
                                                 self.metrics.families)
             if self._gate is not None:
                 self._gate.authenticated = self._auth.enabled
+                self._gate.admission.crowding = forwarder.share.make_room  # a waiter preempts a batch line
 
     def batches(self) -> list[dict]:
         """The running batches and those that ended lately, each with its rate and ETA (batch/watch.py:
@@ -412,6 +414,9 @@ class ProxyServer:
         figures = self._watch.figures() if self._watch is not None else None
         if figures is not None:
             yield from batch_families(figures)
+        share = self._forwarder.share if self._forwarder is not None else None
+        if share is not None and (figures is not None or share.preempted):  # (a node preempts a front's lines too)
+            yield preempted_family(share.preempted)
 
     def queues(self) -> dict[str, dict]:
         """The admission queues by model (vsup status): waiting by priority, the oldest wait, waits so far."""

@@ -1,0 +1,119 @@
+"""BatchShare (vsup/proxy/batch_share.py), pure: the lines' share of an instance while its model
+is quiet and while interactive traffic is recent, and which lines an interactive request preempts.
+The forwarder's side (real sockets, a real fake vLLM) is tests/test_batch_forward.py."""
+
+from __future__ import annotations
+
+from vsup.proxy.backends import Backend
+from vsup.proxy.batch_share import ANSWERING, PREEMPTED, QUEUED, BatchShare
+
+
+class Line:
+    """A batch line in flight, as the forwarder's Exchange: its phase, and abort() records why."""
+
+    def __init__(self, phase: str = "non_streaming") -> None:
+        self.phase = phase
+        self.aborted: str | None = None
+
+    def abort(self, reason: str) -> None:
+        self.aborted = reason
+
+
+class Box:
+    """One BatchShare over instances with `slots` each, the forwarder's counting done by hand."""
+
+    def __init__(self, slots: int = 4, reserved: int = 0, quiet_after: float = 10.0) -> None:
+        self.now = 100.0
+        self.in_flight: dict[str, int] = {}
+        self.share = BatchShare(self.in_flight, lambda: self.now)
+        self.share.configure({"chat": slots}, 128, {"chat": reserved}, 0, quiet_after)
+        self.a, self.b = Backend("a", "http://127.0.0.1:1", "chat"), Backend("b", "http://127.0.0.1:2", "chat")
+
+    def line(self, backend: Backend, phase: str = "non_streaming") -> Line:
+        line = Line(phase)
+        self.in_flight[backend.name] = self.in_flight.get(backend.name, 0) + 1
+        self.share.started(backend.name, line)
+        return line
+
+    def end(self, backend: Backend, line: Line | None = None) -> None:
+        self.in_flight[backend.name] -= 1
+        if line is not None:
+            self.share.ended(backend.name, line)
+
+    def interactive(self, backend: Backend) -> int:
+        """An interactive request counted in flight on `backend`, as _send does: how many lines it preempted."""
+        self.in_flight[backend.name] = self.in_flight.get(backend.name, 0) + 1
+        self.share.interactive(backend.model)
+        return self.share.crowded(backend)
+
+
+def test_a_quiet_instance_is_taken_whole_and_queued_lines_beyond():
+    box = Box(slots=4)
+    assert box.share.room(box.a) == 4 + QUEUED
+    for _ in range(4 + QUEUED):
+        box.line(box.a)
+    assert box.share.room(box.a) == 0
+    assert box.share.total([box.a, box.b], "chat") == 4 + QUEUED
+
+
+def test_recent_interactive_traffic_keeps_one_slot_and_quiet_after_gives_it_back():
+    box = Box(slots=4, quiet_after=10.0)
+    box.interactive(box.a)
+    box.end(box.a)
+    assert box.share.room(box.a) == 3  # no request in flight, one slot kept for the next
+    box.now += 9.9
+    assert box.share.room(box.a) == 3
+    box.now += 0.2
+    assert box.share.room(box.a) == 4 + QUEUED
+
+
+def test_reserved_slots_are_kept_and_one_more_is_not_added_to_them():
+    box = Box(slots=6, reserved=2)
+    assert box.share.room(box.a) == 6 + QUEUED - 2
+    box.share.interactive("chat")
+    assert box.share.room(box.a) == 4  # reserved_slots already keep slots free: not one more
+
+
+def test_an_interactive_request_preempts_the_youngest_lines_down_to_the_slots_it_leaves():
+    box = Box(slots=4)
+    lines = [box.line(box.a) for _ in range(4 + QUEUED)]
+    assert box.interactive(box.a) == QUEUED + 1  # 4 slots, 1 interactive: 3 lines stay
+    assert [line.aborted for line in lines] == [None] * 3 + [PREEMPTED] * (QUEUED + 1)
+    assert box.share.preempted == {"chat": QUEUED + 1}
+    # until their requests end, the preempted lines still hold their slots: no room, and no second preemption
+    assert box.share.held("a") == 4 + QUEUED and box.share.room(box.a) == 0
+    assert box.share.crowded(box.a) == 0
+    for line in lines[3:]:
+        box.end(box.a, line)
+    assert box.share.held("a") == 3 and box.share.room(box.a) == 0  # 4 - 1 kept - 1 interactive - 3 lines
+    assert box.interactive(box.a) == 1  # a second interactive request: the youngest of the three
+    assert lines[2].aborted == PREEMPTED and lines[1].aborted is None
+
+
+def test_a_line_receiving_its_answer_is_never_preempted():
+    box = Box(slots=2)
+    old = box.line(box.a)
+    answering = box.line(box.a, ANSWERING)  # (the youngest, but done but for the bytes)
+    assert box.interactive(box.a) == 1
+    assert (old.aborted, answering.aborted) == (PREEMPTED, None)
+    box2 = Box(slots=1)
+    only = box2.line(box2.a, ANSWERING)
+    assert box2.interactive(box2.a) == 0 and only.aborted is None
+
+
+def test_a_free_slot_is_taken_without_preempting():
+    box = Box(slots=4)
+    lines = [box.line(box.a) for _ in range(3)]
+    assert box.interactive(box.a) == 0
+    assert all(line.aborted is None for line in lines)
+
+
+def test_a_waiter_preempts_one_line_on_the_fullest_of_its_instances():
+    box = Box(slots=4)
+    on_a = [box.line(box.a) for _ in range(2)]
+    on_b = [box.line(box.b) for _ in range(3)]
+    assert box.share.make_room([box.a, box.b])
+    assert [line.aborted for line in on_b] == [None, None, PREEMPTED]
+    assert all(line.aborted is None for line in on_a)
+    assert not Box().share.make_room([Box().a])  # no line there: nothing to stop
+    assert not box.share.make_room([])
