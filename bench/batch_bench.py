@@ -17,7 +17,9 @@ One `vsup run` (batch on, its store in a folder of the run) serves every phase, 
              (default: a few around the instances' slots); the best lines/s is the baseline.
   batch      the same number of lines (fresh text) as a batch through the openai SDK
              (client.files.create, client.batches.create), nothing else running: lines/s from
-             batches.create to the status `completed` seen by polling (every 0.1 s).
+             batches.create to the status `completed` seen by polling (every 0.1 s). It starts
+             batch.quiet_after seconds (--quiet-after) after the loop's last request: an idle box,
+             whose every slot batch lines may take (until then one stays free for a colleague).
   beside     another batch (--beside-lines), and the interactive chats again while it runs (from its
              first finished line until --chats chats or 95 % of its lines): TTFT p50/p90 beside a
              batch. (The chats end early when the batch does: the figures say how many there were.)
@@ -26,7 +28,10 @@ One `vsup run` (batch on, its store in a folder of the run) serves every phase, 
              its instances die with it (PR_SET_PDEATHSIG). The same `vsup run` is started again
              with the same config and store; the bench polls the same batch id to its end and
              reads its output and error files: every custom_id must be there, exactly once.
-The issue's bars, as ratios of this run: beside's TTFT p50 / alone's <= 1.5; batch lines/s / the
+alone, loop, batch and beside make a turn; with --repeat N the run takes N turns, each ratio below
+is taken within a turn (against that turn's own baselines: a shared machine's speed drifts over
+minutes) and the figure is the median of the N (the lower middle of an even N); the result file
+shows the turn of the median throughput ratio, and every turn. The issue's bars, as ratios of this run: beside's TTFT p50 / alone's <= 1.5; batch lines/s / the
 best loop's >= 0.9; and kill: one result per custom_id, none missing.
 
 With --endpoint /v1/embeddings the batch runs on an embedding model (the chat model's weights,
@@ -70,6 +75,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 from result import Recorder  # noqa: E402  (bench/result.py: docs/bench/<name>.json)
+
+from vsup.config.schema import BatchConfig  # noqa: E402
 
 # the `vsup` of the Python running the bench (a test's venv), else this checkout's .venv, else PATH's
 VSUP = next((str(p) for p in (Path(sys.executable).with_name("vsup"), ROOT / ".venv" / "bin" / "vsup") if p.exists()), "vsup")
@@ -162,7 +169,7 @@ def vsup_config(args, workdir: Path) -> dict:
         "stop": {"timeout": 10},
         "log": {"dir": str(workdir / "logs"), "echo": True},
         "control": {"socket": str(workdir / "control.sock")},
-        "batch": {"dir": str(workdir / "batches"),
+        "batch": {"dir": str(workdir / "batches"), "quiet_after": args.quiet_after,
                   **({"slots_per_instance": args.slots_per_instance} if args.slots_per_instance else {})},
     }
     if args.endpoint == EMBED_ENDPOINT:
@@ -257,6 +264,23 @@ class Vsup:
                 pass
         psutil.wait_procs(alive, timeout=10)
 
+    def cpu(self) -> dict[str, float]:
+        """CPU seconds so far of vsup's own process (proxy, batch runner, its writer thread), of its
+        instances (every descendant: vLLM's API servers and engines) and of this bench (the client)."""
+        def used(process: psutil.Process) -> float:
+            try:
+                times = process.cpu_times()
+                return times.user + times.system
+            except psutil.Error:
+                return 0.0
+
+        out = {"vsup": 0.0, "vllm": 0.0, "client": used(psutil.Process())}
+        if self.proc is not None and self.proc.poll() is None:
+            main = psutil.Process(self.proc.pid)
+            out["vsup"] = used(main)
+            out["vllm"] = sum(used(child) for child in main.children(recursive=True))
+        return out
+
     def log_tail(self) -> str:
         logs = sorted(self.workdir.glob("vsup-*.log"))
         return logs[-1].read_text(errors="replace")[-3000:] if logs else "(no log)"
@@ -297,6 +321,13 @@ async def chats(url: str, args, salt: str, go_on=lambda: True) -> list[float]:
 
 
 # ---- the client-side loop -------------------------------------------------------------------------
+
+def cpu_spent(vsup: Vsup, before: dict[str, float], lines: int) -> dict[str, float]:
+    """CPU milliseconds per line of each part since `before` (vsup.cpu()): where a phase's work went
+    on a machine whose cores the instances share with vsup and the client."""
+    after = vsup.cpu()
+    return {part: round((after[part] - before[part]) * 1000 / lines, 2) for part in after}
+
 
 async def client_loop(url: str, endpoint: str, bodies: list[dict], concurrency: int) -> dict:
     """Every body through the proxy, `concurrency` in flight (what a script does without the Batch API)."""
@@ -381,8 +412,16 @@ def one_per_custom_id(ids: list[str], output: list[dict], errors: list[dict]) ->
             "met": not duplicates and not missing and not strangers and len(output) == len(ids) and ok_answers == len(ids)}
 
 
-async def batch_alone(client: openai.AsyncOpenAI, args) -> dict:
-    batch_id, ids, upload_s = await submit(client, args, "batch")
+def turn_ratios(row: dict) -> dict:
+    """One turn's two ratios: its chats' TTFT p50 beside its batch over alone, its batch's lines/s
+    over its best loop's."""
+    best = row["best_loop"]["lines_per_s"]
+    return {"ttft_p50_beside_over_alone": round(row["beside"]["ttft_p50_s"] / row["alone"]["ttft_p50_s"], 3),
+            "batch_over_best_loop": round(row["batch"]["lines_per_s"] / best, 3) if best else float("nan")}
+
+
+async def batch_alone(client: openai.AsyncOpenAI, args, salt: str = "batch") -> dict:
+    batch_id, ids, upload_s = await submit(client, args, salt)
     began = time.monotonic()
     batch = await poll(client, batch_id, lambda b: False, args.batch_timeout)
     elapsed = time.monotonic() - began
@@ -394,9 +433,9 @@ async def batch_alone(client: openai.AsyncOpenAI, args) -> dict:
             "lines_per_s": round(args.lines / elapsed, 3), "status": batch.status, "failed": batch.request_counts.failed}
 
 
-async def beside(client: openai.AsyncOpenAI, url: str, args) -> dict:
+async def beside(client: openai.AsyncOpenAI, url: str, args, salt: str = "beside") -> dict:
     """A batch and the chats beside it: from its first finished line until --chats chats or 95 %."""
-    batch_id, ids, _ = await submit(client, args, "beside", args.beside_lines)
+    batch_id, ids, _ = await submit(client, args, salt, args.beside_lines)
     began = time.monotonic()
     state: dict = {}
     watcher = asyncio.create_task(poll(client, batch_id, lambda b: False, args.batch_timeout, state))
@@ -407,7 +446,7 @@ async def beside(client: openai.AsyncOpenAI, url: str, args) -> dict:
         return not watcher.done() and (batch is None or (batch.status in ("validating", "in_progress")
                                                           and done_lines(batch) < 0.95 * args.beside_lines))
 
-    ttfts = await chats(url, args, "beside", running)
+    ttfts = await chats(url, args, salt, running)
     if not ttfts:
         raise RuntimeError("no chat was measured beside the batch: it ended first (raise --beside-lines)")
     chats_done = done_lines(state["batch"]) if "batch" in state else 0
@@ -477,17 +516,28 @@ async def run(args, vsup: Vsup) -> dict:
     await warm_up(vsup.url, args)
     client = openai.AsyncOpenAI(base_url=vsup.url + "/v1", api_key="batch-bench", max_retries=0, timeout=900)
     out: dict = {"ready_s": round(ready_s, 1)}
-    out["alone"] = ttft_figures(await chats(vsup.url, args, "alone"))
-    print(f"  alone: {out['alone']}", file=sys.stderr)
-    out["loop"] = []
-    for c in concurrencies(args):
-        row = await client_loop(vsup.url, args.endpoint, line_bodies(args, f"loop-{c}"), c)
-        out["loop"].append(row)
-        print(f"  loop: {row}", file=sys.stderr)
-    out["batch"] = await batch_alone(client, args)
-    print(f"  batch: {out['batch']}", file=sys.stderr)
-    out["beside"] = await beside(client, vsup.url, args)
-    print(f"  beside: {out['beside']}", file=sys.stderr)
+    turns: list[dict] = []
+    for turn in range(args.repeat):  # each turn's ratios against its own baselines: the machine's speed drifts
+        row: dict = {"alone": ttft_figures(await chats(vsup.url, args, f"alone-{turn}"))}
+        print(f"  alone: {row['alone']}", file=sys.stderr)
+        row["loop"] = []
+        for c in concurrencies(args):
+            before = vsup.cpu()
+            row["loop"].append(await client_loop(vsup.url, args.endpoint, line_bodies(args, f"loop-{c}-{turn}"), c))
+            row["loop"][-1]["cpu_ms_per_line"] = cpu_spent(vsup, before, args.lines)
+            print(f"  loop: {row['loop'][-1]}", file=sys.stderr)
+        await asyncio.sleep(args.quiet_after + 0.5)  # no interactive request for batch.quiet_after: an idle box
+        before = vsup.cpu()
+        row["batch"] = await batch_alone(client, args, f"batch-{turn}")
+        row["batch"]["cpu_ms_per_line"] = cpu_spent(vsup, before, args.lines)
+        print(f"  batch: {row['batch']}", file=sys.stderr)
+        row["beside"] = await beside(client, vsup.url, args, f"beside-{turn}")
+        print(f"  beside: {row['beside']}", file=sys.stderr)
+        row["best_loop"] = max(row["loop"], key=lambda r: r["lines_per_s"])
+        row["ratios"] = turn_ratios(row)
+        print(f"  turn {turn + 1}: {row['ratios']}", file=sys.stderr)
+        turns.append(row)
+    out["turns"] = turns
     if args.kill_halfway:
         out["kill"] = await kill_halfway(client, vsup, args)
         print(f"  kill: {out['kill']}", file=sys.stderr)
@@ -496,10 +546,19 @@ async def run(args, vsup: Vsup) -> dict:
 
 
 def figures(out: dict, args) -> dict:
-    best = max(out["loop"], key=lambda row: row["lines_per_s"])
-    alone, near = out["alone"]["ttft_p50_s"], out["beside"]["ttft_p50_s"]
-    ttft_ratio = near / alone
-    throughput = out["batch"]["lines_per_s"] / best["lines_per_s"] if best["lines_per_s"] else float("nan")
+    """The median turn's figures; each ratio the median of the turns' (the lower middle of an even count)."""
+    turns = out.pop("turns")
+    middle = (len(turns) - 1) // 2
+
+    def median(key: str) -> float:
+        return sorted(t["ratios"][key] for t in turns)[middle]
+
+    ttft_ratio, throughput = median("ttft_p50_beside_over_alone"), median("batch_over_best_loop")
+    shown = sorted(turns, key=lambda t: t["ratios"]["batch_over_best_loop"])[middle]
+    out.update({k: shown[k] for k in ("alone", "loop", "batch", "beside")})
+    best = shown["best_loop"]
+    if len(turns) > 1:
+        out["turns"] = turns
     bars = [
         {"what": "interactive TTFT p50 beside a batch / alone", "value": round(ttft_ratio, 2), "bar": f"<= {TTFT_BAR:g}",
          "met": ttft_ratio <= TTFT_BAR},
@@ -566,11 +625,16 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--chat-instances", type=int, default=1, help="--endpoint /v1/embeddings: instances of the chat model")
     parser.add_argument("--max-num-seqs", type=int, default=None, help="each instance's --max-num-seqs: its slots (default 16; --fake 4)")
     parser.add_argument("--slots-per-instance", type=int, default=None, help="batch.slots_per_instance (default: auto, "
-                        "the --max-num-seqs: batch lines take all but one)")
+                        "the --max-num-seqs: batch lines take what interactive requests leave)")
     parser.add_argument("--vllm-priority", type=int, default=None, help="an experiment: vLLM's --scheduling-policy "
                         "priority, and this priority (lower runs first; chats have 0) in every line's body (the loop's too)")
     parser.add_argument("--concurrency", default=None, help="the client loop's concurrencies, comma-separated (default: half "
                         "the slots, the batch's share, all slots, twice and four times the slots: vLLM queues the rest)")
+    parser.add_argument("--quiet-after", type=float, default=None, help="batch.quiet_after: seconds after an interactive "
+                        "request that a slot stays free of batch lines; the batch alone starts this long after the loop "
+                        "(default: vsup's, 30; --quick 1)")
+    parser.add_argument("--repeat", type=int, default=1, help="turns of alone, loop, batch and beside; each ratio is "
+                        "the median of the turns'")
     parser.add_argument("--prompt-words", type=int, default=64, help="words of a line's prompt (or input)")
     parser.add_argument("--batch-tokens", type=int, default=None, help="tokens a chat line generates (default 32; --fake 8)")
     parser.add_argument("--chat-tokens", type=int, default=16, help="tokens an interactive chat generates")
@@ -587,6 +651,7 @@ def parse_args(argv: list[str] | None):
     args = parser.parse_args(argv)
     args.seed = args.seed or random.Random().randbytes(4).hex()
     defaults = {"lines": 40 if args.quick else 200, "chats": 10 if args.quick else 40,
+                "quiet_after": 1.0 if args.quick else BatchConfig().quiet_after,
                 "instances": 2 if args.endpoint == CHAT_ENDPOINT else 1,
                 "max_num_seqs": 4 if args.fake else 16, "batch_tokens": 8 if args.fake else 32}
     for key, value in defaults.items():
@@ -594,13 +659,16 @@ def parse_args(argv: list[str] | None):
             setattr(args, key, value)
     if args.beside_lines is None:
         args.beside_lines = max(args.lines, 150) if args.quick else args.lines
-    for name in ("lines", "beside_lines", "chats", "instances", "chat_instances", "prompt_words", "batch_tokens", "chat_tokens"):
+    for name in ("lines", "beside_lines", "chats", "instances", "chat_instances", "prompt_words", "batch_tokens", "chat_tokens",
+                 "repeat"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    if args.slots_per_instance is not None and args.slots_per_instance < 2:
-        parser.error("--slots-per-instance must be at least 2 (one slot stays for interactive requests)")
+    if args.slots_per_instance is not None and args.slots_per_instance < 1:
+        parser.error("--slots-per-instance must be at least 1")
     if args.max_num_seqs < 2:
-        parser.error("--max-num-seqs must be at least 2 (one slot of each instance stays for interactive requests)")
+        parser.error("--max-num-seqs must be at least 2 (one slot of each instance stays for interactive requests while they come)")
+    if args.quiet_after < 0:
+        parser.error("--quiet-after must be 0 or more")
     if args.kill_halfway and args.lines < 4:
         parser.error("--kill-halfway needs --lines 4 or more")
     if args.concurrency:

@@ -561,11 +561,15 @@ def _batch_backend(f: dict[str, Any]) -> str:
         seqs += f", batch.slots_per_instance {st['slots_per_instance']}"
     if st.get("vllm_priority") is not None:
         seqs += f", vLLM's priority scheduler with the lines at priority {st['vllm_priority']}"
+    if st.get("quiet_after") is not None:
+        seqs += f", batch.quiet_after {st['quiet_after']:g} s"
+    model = ("the real-shape random Llama (1.3 B parameters)" if "real-shape" in str(st.get("model_dir"))
+             else "the tiny random Llama")
     if st["endpoint"] == "/v1/embeddings":
-        return (f"one `vsup run`: {st['chat_instances']} {kind} chat instance(s) of the tiny random Llama and {st['instances']} "
+        return (f"one `vsup run`: {st['chat_instances']} {kind} chat instance(s) of {model} and {st['instances']} "
                 f"embedding instance(s) of the same weights, {seqs}; embeddings batches of "
                 f"{st['lines']:,} lines ({st['prompt_words']}-word inputs)")
-    return (f"one `vsup run` of {st['instances']} {kind} instances of the tiny random Llama, {seqs}; "
+    return (f"one `vsup run` of {st['instances']} {kind} instances of {model}, {seqs}; "
             f"chat batches of {st['lines']:,} lines ({st['prompt_words']}-word prompts, {st['batch_tokens']} tokens each)")
 
 
@@ -612,7 +616,19 @@ def batch(link: str, file: str = "batch_bench.json") -> str:
                     f"{'one result each' if k['met'] else 'NOT one result each'} |")
     verdicts = "; ".join(f"{b['what']}: {'met' if b['met'] else 'not met'}" for b in f["bars"])
     return (f"{_batch_backend(f)}:\n\n| what | measured | against the bar |\n|---|---|---|\n" + "\n".join(rows)
-            + f"\n\n{verdicts}. {conditions(data, link)}")
+            + _turns(f) + f"\n\n{verdicts}. {conditions(data, link)}")
+
+
+def _turns(f: dict[str, Any]) -> str:
+    """With --repeat: what each turn measured, and which the table shows."""
+    turns = f.get("turns")
+    if not turns:
+        return ""
+    ttft = ", ".join(f"{t['ratios']['ttft_p50_beside_over_alone']:.2f}×" for t in turns)
+    rate = ", ".join(f"{t['ratios']['batch_over_best_loop']:.2f}×" for t in turns)
+    return (f"\n\n{len(turns)} turns, each against its own baselines (the chats alone and the loops just before its "
+            f"batch): TTFT p50 beside / alone {ttft}; the batch / the best loop {rate}. The bars take the median of each; "
+            "the rows above are the turn of the median throughput.")
 
 
 # ---- bench/start_bench.py -------------------------------------------------------------------------
