@@ -158,7 +158,7 @@ def vsup_config(args, workdir: Path) -> dict:
     else:
         vllm = {"venv": str(args.venv), "env": {"HF_HUB_OFFLINE": "1", "VLLM_CACHE_ROOT": str(workdir / "vllm-cache")},
                 "args": ["--dtype", "float32", "--enforce-eager", "--max-model-len", "2048", *slots]}
-        placement = {"reserve_cores": 0, "kvcache_gib": 0.0625, "overhead_gib": 1.5}
+        placement = {"reserve_cores": 0, "kvcache_gib": args.kvcache_gib, "overhead_gib": 1.5}
         model = str(args.model_dir)
     config: dict = {
         "placement": placement,
@@ -643,6 +643,7 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--prefill-delay", type=float, default=0.0005, help="--fake: FAKE_VLLM_PREFILL_DELAY")
     parser.add_argument("--venv", type=Path, default=None, help="vLLM's venv (default: scripts/vllm-env's)")
     parser.add_argument("--model-dir", type=Path, default=None, help="the model (default: scripts/build_tiny_model.py's, built once)")
+    parser.add_argument("--kvcache-gib", type=float, default=0.0625, help="each vLLM instance's KV cache (placement.kvcache_gib)")
     parser.add_argument("--startup-timeout", type=float, default=900.0)
     parser.add_argument("--batch-timeout", type=float, default=3600.0, help="seconds one batch may take")
     parser.add_argument("--seed", default=None, help="salt of the generated text (default: a new one per run)")

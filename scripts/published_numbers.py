@@ -741,6 +741,7 @@ RENDERERS: dict[str, Callable[[str], str]] = {
     "batch-embeddings": lambda link: batch(link, "batch_bench-embeddings.json"),
     "batch-line": batch_line,
     "batch-slots32": lambda link: batch(link, "batch_bench-slots32.json"),
+    "batch-real-shape": lambda link: batch(link, "batch_bench-real-shape.json"),
     "batch-vllm-priority": lambda link: batch(link, "batch_bench-vllm-priority.json"),
 }
 

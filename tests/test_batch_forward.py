@@ -18,7 +18,7 @@ from tests.proxy_support import LEAN, model_pool, running_proxy, url, wait_for
 from vsup.batch.runner import Busy
 from vsup.config.schema import BatchConfig, ProxyConfig
 from vsup.proxy import ProxyServer
-from vsup.proxy.batch_share import QUEUED
+from vsup.proxy.batch_share import QUIET
 
 LONG = 0.05  # seconds per token: 20 tokens, about 1 s
 ENDPOINT = "/v1/chat/completions"
@@ -72,24 +72,25 @@ def cancelled(fake) -> int:
 
 async def test_an_idle_instance_is_used_whole_and_an_interactive_request_preempts_the_youngest_lines(fake):
     # no admission settings at all: 3 slots per instance (as --max-num-seqs 3 would give), no
-    # interactive request yet: every slot, and QUEUED lines more in vLLM's own queue
+    # interactive request yet: every slot, and as many again in vLLM's own queue
     async with proxy_over(fake, slots=3) as proxy, aiohttp.ClientSession() as session:
-        assert proxy.batch_room("chat") == 3 + QUEUED
+        assert proxy.batch_room("chat") == 3 * QUIET
         before = cancelled(fake)
         lines = []
-        for _ in range(3 + QUEUED + 1):  # one at a time: their order is their age
+        for _ in range(3 * QUIET + 1):  # one at a time: their order is their age
             lines.append(asyncio.create_task(line(proxy, chat(20, LONG))))
             await asyncio.sleep(0.01)
-        await wait_for(lambda: proxy.in_flight().get("c0") == 3 + QUEUED)
+        await wait_for(lambda: proxy.in_flight().get("c0") == 3 * QUIET)
         assert proxy.batch_room("chat") == 0
         # an interactive request takes a slot back at once: the youngest lines stop, 3 - 1 stay
         status, answer = await post(session, proxy, chat(2))
         assert status == 200 and answer["object"] == "chat.completion"
-        assert await asyncio.gather(*lines) == [200, 200, "busy", "busy", "busy", "busy"]  # (the last found no room)
+        # the youngest stopped, and the last found no room
+        assert await asyncio.gather(*lines) == [200, 200] + ["busy"] * (3 * QUIET - 1)
         # the preempted lines were aborted in vLLM (their connections closed), not left to run
-        await wait_for(lambda: cancelled(fake) - before == 1 + QUEUED, what="the fake to see the preempted lines cancelled")
+        await wait_for(lambda: cancelled(fake) - before == 3 * QUIET - 2, what="the fake to see the preempted lines cancelled")
         scraped = await (await session.get(url(proxy, "/metrics"))).text()
-        assert 'vsup_batch_preempted_total{model="chat"} 3.0' in scraped
+        assert f'vsup_batch_preempted_total{{model="chat"}} {3 * QUIET - 2}.0' in scraped
         # the chat was recent: one slot stays free for the next one (batch.quiet_after)
         assert proxy.batch_room("chat") == 2
         assert proxy.batch_room("nobody") == 0
@@ -101,7 +102,7 @@ async def test_a_quiet_model_gets_its_whole_instances_again_after_quiet_after(fa
         assert status == 200
         assert proxy.batch_room("chat") == 2  # a slot kept for the next interactive request
         await asyncio.sleep(0.35)
-        assert proxy.batch_room("chat") == 3 + QUEUED
+        assert proxy.batch_room("chat") == 3 * QUIET
 
 
 async def test_interactive_requests_in_flight_shrink_the_batch_share(fake):

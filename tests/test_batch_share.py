@@ -5,7 +5,7 @@ The forwarder's side (real sockets, a real fake vLLM) is tests/test_batch_forwar
 from __future__ import annotations
 
 from vsup.proxy.backends import Backend
-from vsup.proxy.batch_share import ANSWERING, PREEMPTED, QUEUED, BatchShare
+from vsup.proxy.batch_share import ANSWERING, PREEMPTED, QUIET, BatchShare
 
 
 class Line:
@@ -49,11 +49,11 @@ class Box:
 
 def test_a_quiet_instance_is_taken_whole_and_queued_lines_beyond():
     box = Box(slots=4)
-    assert box.share.room(box.a) == 4 + QUEUED
-    for _ in range(4 + QUEUED):
+    assert box.share.room(box.a) == 4 * QUIET
+    for _ in range(4 * QUIET):
         box.line(box.a)
     assert box.share.room(box.a) == 0
-    assert box.share.total([box.a, box.b], "chat") == 4 + QUEUED
+    assert box.share.total([box.a, box.b], "chat") == 4 * QUIET
 
 
 def test_recent_interactive_traffic_keeps_one_slot_and_quiet_after_gives_it_back():
@@ -64,24 +64,24 @@ def test_recent_interactive_traffic_keeps_one_slot_and_quiet_after_gives_it_back
     box.now += 9.9
     assert box.share.room(box.a) == 3
     box.now += 0.2
-    assert box.share.room(box.a) == 4 + QUEUED
+    assert box.share.room(box.a) == 4 * QUIET
 
 
 def test_reserved_slots_are_kept_and_one_more_is_not_added_to_them():
     box = Box(slots=6, reserved=2)
-    assert box.share.room(box.a) == 6 + QUEUED - 2
+    assert box.share.room(box.a) == 6 * QUIET - 2
     box.share.interactive("chat")
     assert box.share.room(box.a) == 4  # reserved_slots already keep slots free: not one more
 
 
 def test_an_interactive_request_preempts_the_youngest_lines_down_to_the_slots_it_leaves():
     box = Box(slots=4)
-    lines = [box.line(box.a) for _ in range(4 + QUEUED)]
-    assert box.interactive(box.a) == QUEUED + 1  # 4 slots, 1 interactive: 3 lines stay
-    assert [line.aborted for line in lines] == [None] * 3 + [PREEMPTED] * (QUEUED + 1)
-    assert box.share.preempted == {"chat": QUEUED + 1}
+    lines = [box.line(box.a) for _ in range(4 * QUIET)]
+    assert box.interactive(box.a) == 4 * QUIET - 3  # 4 slots, 1 interactive: 3 lines stay
+    assert [line.aborted for line in lines] == [None] * 3 + [PREEMPTED] * (4 * QUIET - 3)
+    assert box.share.preempted == {"chat": 4 * QUIET - 3}
     # until their requests end, the preempted lines still hold their slots: no room, and no second preemption
-    assert box.share.held("a") == 4 + QUEUED and box.share.room(box.a) == 0
+    assert box.share.held("a") == 4 * QUIET and box.share.room(box.a) == 0
     assert box.share.crowded(box.a) == 0
     for line in lines[3:]:
         box.end(box.a, line)

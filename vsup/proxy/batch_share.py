@@ -5,11 +5,12 @@ admission limit, else its --max-num-seqs, else vLLM's CPU default). Batch lines 
 `slots − keep − interactive in flight` of them (interactive: the proxy's other requests there, and
 admission slots granted to a waiter not yet running). `keep` is proxy.reserved_slots, but at
 least one while the model has had an interactive request in the last batch.quiet_after seconds:
-a colleague's next message finds a slot free. A quiet model's instances are used whole, and
-QUEUED lines more wait in each vLLM's own queue: the engine takes the next line the moment one
-ends instead of after a round trip through vsup (what lets a client loop that keeps more requests
-in flight than the slots beat one that keeps exactly the slots). An interactive request takes its
-slot back: one counted in flight on an instance where the lines
+a colleague's next message finds a slot free. A quiet model's instances are used whole, and as
+many lines again wait in each vLLM's own queue (QUIET times the slots in all): the engine takes
+the next lines the moment running ones end instead of after a round trip through vsup — lines
+started together end together, so a queue shorter than the slots leaves slots empty — which is
+what lets a client loop that keeps more requests in flight than the slots beat one that keeps
+exactly the slots. An interactive request takes its slot back: one counted in flight on an instance where the lines
 hold more than that (`crowded`), or one that waits in the admission queue while lines hold slots
 it could use (`make_room`), preempts the youngest line there (the least work lost; one still
 waiting for its answer): the line's request is cancelled, which closes its connection and so
@@ -53,8 +54,9 @@ class Line(Protocol):
     def abort(self, reason: str) -> None: ...
 
 
-# Lines per instance beyond its slots while its model is quiet: queued in vLLM, the first preempted.
-QUEUED = 2
+# A quiet model's instances take this many times their slots of lines (the rest queued in vLLM, the
+# first preempted).
+QUIET = 2
 # Exchange.abort's reason for a preempted line (the forwarder answers it busy).
 PREEMPTED = "preempted"
 # A line in this phase is receiving its answer: done but for the bytes, never preempted.
@@ -112,7 +114,7 @@ class BatchShare:
     def _cap(self, backend: Backend, new: bool = False) -> int:
         """Batch lines `backend` may hold, by what interactive requests hold there; `new`: for new
         lines, so one slot more is kept while its model's interactive traffic is recent, and
-        QUEUED more lines are taken while it is quiet (a line is preempted for a request that
+        QUIET times the slots are taken while it is quiet (a line is preempted for a request that
         needs its slot, never to keep one free or to empty vLLM's queue)."""
         model, name = backend.model, backend.name
         slots = self.slots.get(model, self.default_slots)
@@ -121,7 +123,7 @@ class BatchShare:
             if self.recent(model):
                 keep = max(keep, 1)
             else:
-                slots += QUEUED
+                slots *= QUIET
         interactive = self.in_flight.get(name, 0) - self.held(name) + self.granted(name)
         return slots - keep - interactive
 
