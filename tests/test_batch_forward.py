@@ -115,6 +115,34 @@ async def test_interactive_requests_in_flight_shrink_the_batch_share(fake):
         assert await line(proxy, chat(2)) == 200
 
 
+async def test_a_streamed_chat_holds_new_lines_off_its_instance_until_its_first_token(fake):
+    async def streamed(session) -> float:
+        """The chat's stream: the seconds from its first byte to its end (its first token came then)."""
+        body = {**chat(3), "stream": True, "fake": {"first_token_delay": 0.6, "token_delay": 0.1}}
+        async with session.post(url(proxy, ENDPOINT), data=json.dumps(body),
+                                headers={"Content-Type": "application/json"}) as response:
+            assert response.status == 200
+            await response.content.readany()
+            began = asyncio.get_running_loop().time()
+            await response.read()
+            return asyncio.get_running_loop().time() - began
+
+    async with proxy_over(fake, slots=3) as proxy, aiohttp.ClientSession() as session:
+        stream = asyncio.create_task(streamed(session))
+        await wait_for(lambda: proxy.in_flight().get("c0") == 1)
+        assert proxy.batch_room("chat") == 0  # a slot free, but a line now would prefill beside the chat
+        assert await line(proxy, chat(2)) == "busy"
+        await wait_for(lambda: proxy.batch_room("chat") == 1, what="the first token to end the hold")
+        assert proxy.in_flight().get("c0") == 1  # while the chat still streams: 3 - 1 kept (recent) - the chat
+        assert await stream > 0.1
+        assert await line(proxy, chat(2)) == 200
+        # a request that is not streamed holds nothing (its first byte is its whole answer)
+        pending = asyncio.create_task(post(session, proxy, {**chat(3), "fake": {"first_token_delay": 0.5}}))
+        await wait_for(lambda: proxy.in_flight().get("c0") == 1)
+        assert proxy.batch_room("chat") == 1
+        assert (await pending)[0] == 200
+
+
 async def test_reserved_slots_are_respected(fake):
     model = ProxyConfig(max_in_flight_per_instance=4, reserved_slots=2)
     async with proxy_over(fake, model, batch=BatchConfig()) as proxy:

@@ -117,3 +117,16 @@ def test_a_waiter_preempts_one_line_on_the_fullest_of_its_instances():
     assert all(line.aborted is None for line in on_a)
     assert not Box().share.make_room([Box().a])  # no line there: nothing to stop
     assert not box.share.make_room([])
+
+
+def test_a_stream_awaiting_its_first_byte_holds_new_lines_off_its_instance_only():
+    box = Box(slots=4)
+    woken = []
+    box.share.on_free = lambda: woken.append(True)
+    box.share.hold("a")
+    box.share.hold("a")
+    assert box.share.room(box.a) == 0 and box.share.room(box.b) == 4 * QUIET
+    box.share.released("a")
+    assert box.share.room(box.a) == 0 and not woken  # the other stream still waits
+    box.share.released("a")
+    assert box.share.room(box.a) == 4 * QUIET and woken == [True]  # the runner is told at once

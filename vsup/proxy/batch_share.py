@@ -10,13 +10,15 @@ many lines again wait in each vLLM's own queue (QUIET times the slots in all): t
 the next lines the moment running ones end instead of after a round trip through vsup — lines
 started together end together, so a queue shorter than the slots leaves slots empty — which is
 what lets a client loop that keeps more requests in flight than the slots beat one that keeps
-exactly the slots. An interactive request takes its slot back: one counted in flight on an instance where the lines
+exactly the slots. An interactive request takes its slot back, and its first token goes first: one counted in flight on an instance where the lines
 hold more than that (`crowded`), or one that waits in the admission queue while lines hold slots
 it could use (`make_room`), preempts the youngest line there (the least work lost; one still
 waiting for its answer): the line's request is cancelled, which closes its connection and so
 aborts it in vLLM, and the line is answered busy, which costs it no attempt (its runner sends it
-again first when room comes). A model whose interactive requests wait in the admission queue has
-no room for new batch lines. Batch lines never wait in the proxy: a line that finds no room is
+again first when room comes). A streamed interactive request holds new lines off its instance until
+its first byte (`hold`): a line started now would put its prompt's prefill in the engine's next
+steps, ahead of or beside the request's own, which on a real-size model costs it a prefill's time.
+A model whose interactive requests wait in the admission queue has no room for new batch lines. Batch lines never wait in the proxy: a line that finds no room is
 answered at once (503, `x-vsup-batch: busy`). Pure: the forwarder counts and cancels.
 
 Across hosts (a front `vsup proxy --batch-dir` over the nodes' vsups): the front's Sender marks
@@ -82,6 +84,8 @@ class BatchShare:
         self.default_reserved = 0
         self.quiet_after = 0.0  # batch.quiet_after
         self.seen: dict[str, float] = {}  # model -> when its latest interactive request started
+        self.holding: dict[str, int] = {}  # backend name -> streamed interactive requests there awaiting their first byte
+        self.on_free: Callable[[], None] = lambda: None  # told when a hold ends (the runner may send again)
         self.waiting: Callable[[str], int] = lambda model: 0
         self.granted: Callable[[str], int] = lambda name: 0
         # how many more requests at the batch priority the admission limit lets in there; None: no limit
@@ -96,6 +100,19 @@ class BatchShare:
     def interactive(self, model: str) -> None:
         """An interactive request of `model` starts: a slot stays free for the next one for quiet_after seconds."""
         self.seen[model] = self.clock()
+
+    def hold(self, name: str) -> None:
+        """A streamed interactive request was sent to the instance `name`: no new line starts there
+        until its first byte (`released`)."""
+        self.holding[name] = self.holding.get(name, 0) + 1
+
+    def released(self, name: str) -> None:
+        left = self.holding.get(name, 0) - 1
+        if left > 0:
+            self.holding[name] = left
+            return
+        self.holding.pop(name, None)
+        self.on_free()
 
     def recent(self, model: str) -> bool:
         """Whether `model` had an interactive request in the last quiet_after seconds."""
@@ -145,6 +162,8 @@ class BatchShare:
 
     def room(self, backend: Backend) -> int:
         """How many more batch lines `backend` takes now."""
+        if backend.name in self.holding:
+            return 0
         room = self.cap(backend) - self.held(backend.name)
         admits = self.admits(backend)
         return max(0, room if admits is None else min(room, admits))

@@ -8,6 +8,7 @@ import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from vsup.proxy.batch_share import BatchShare
     from vsup.proxy.load import Prefill
     from vsup.proxy.ratelimit import Charge
 
@@ -17,7 +18,7 @@ class Exchange:
     (one timer for all requests, see Forwarder._sweep) cancels the handler when the instance stays
     silent past the limit or the proxy drains; per request and per chunk only timestamps are stored."""
 
-    __slots__ = ("task", "limit", "limit_key", "last", "reason", "phase", "stream", "idle_limit", "first_data_at", "sent_at", "held", "backend", "size", "charge", "prefill")
+    __slots__ = ("task", "limit", "limit_key", "last", "reason", "phase", "stream", "idle_limit", "first_data_at", "sent_at", "held", "backend", "size", "charge", "prefill", "holds")
 
     def __init__(self, task: asyncio.Task, now: float) -> None:
         self.task = task
@@ -35,6 +36,7 @@ class Exchange:
         self.size = 0  # its body's bytes
         self.charge: Charge | None = None  # its key's token reservation, settled by the answer (ratelimit.py)
         self.prefill: tuple[Prefill, str, float] | None = None  # counted as awaiting its first byte there (load.py)
+        self.holds: tuple[BatchShare, str] | None = None  # a stream holding new batch lines off its instance until its first byte
 
     def on_data(self, now: float) -> None:
         """A piece of the response body arrived (the relay inlines this per chunk)."""
@@ -55,6 +57,10 @@ class Exchange:
             prefill, name, tokens = self.prefill
             self.prefill = None
             prefill.done(name, tokens)
+        if self.holds is not None:
+            share, name = self.holds
+            self.holds = None
+            share.released(name)
 
     def arm(self, limit: float, key: str, now: float) -> None:
         """A new phase with its own limit, counted from now."""

@@ -447,9 +447,13 @@ class Forwarder:
             if batch:
                 self.share.started(name, exchange)
             else:
-                self.share.interactive(backend.model)
-                if name in self.share.lines:
-                    self.share.crowded(backend)  # batch lines there beyond their share now: the youngest stop
+                share = self.share
+                share.interactive(backend.model)
+                if name in share.lines:
+                    share.crowded(backend)  # batch lines there beyond their share now: the youngest stop
+                if exchange.stream:  # no new line there before its first byte (batch_share.py)
+                    share.hold(name)
+                    exchange.holds = (share, name)
             tokens = Prefill.estimate(balancer.prefill_bytes(exchange.size))  # a cached prefix is no prefill
             self.prefill.add(name, tokens)  # until its first byte: work ahead of the next request's first token
             exchange.prefill = (self.prefill, name, tokens)

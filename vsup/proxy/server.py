@@ -256,7 +256,7 @@ class ProxyServer:
         self._store = store = Store.open(directory, limits_of(batch))
         self._watch = Watch(store)  # the batches as vsup status, /status and /metrics see them
         self._runner = Runner(store, self.send_line, self.batch_room, self.serves)
-        self._forwarder.batch_freed = self._runner.slot_freed
+        self._forwarder.batch_freed = self._forwarder.share.on_free = self._runner.slot_freed
         self._batch_routes = BatchRoutes(self._store, self._runner.wake, self.serves, directory)
         self._runner.start()
         log.info("batch store %s: the Batch API is served (/v1/files, /v1/batches)", directory)
@@ -350,6 +350,7 @@ class ProxyServer:
             self._runner = None
         if self._forwarder is not None:
             self._forwarder.batch_freed = None
+            self._forwarder.share.on_free = lambda: None
         self._batch_routes = None
         self._watch = None
         if self._store is not None:
