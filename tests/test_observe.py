@@ -277,6 +277,39 @@ async def test_collector_scrapes_and_measures_real_instances(fake_vllm):
     assert 'instance="2"' not in text
 
 
+async def test_pss_and_numa_are_read_at_most_every_page_walk_period(fake_vllm, monkeypatch):
+    from vsup.observe import collector as collector_mod
+
+    srv = fake_vllm().wait_ready()
+    walks: list[int] = []
+    real = numa.read_numa_bytes
+
+    def counted(pid, *args, **kwargs):
+        walks.append(pid)
+        return real(pid, *args, **kwargs)
+
+    monkeypatch.setattr(numa, "read_numa_bytes", counted)
+    monkeypatch.setattr(collector_mod, "PAGE_WALK_EVERY", 0.5)
+    pids = list(srv.pids())
+    async with aiohttp.ClientSession() as session:
+        collector = Collector(lambda: [Target("0", srv.url, (0,), leader=srv.pid)], session, interval=1.0, timeout=2.0,
+                              pids=lambda target: pids)
+        await collector.collect()
+        first = collector.figures("0")
+        assert len(walks) == len(pids) and first["pss_bytes"] and first["numa_bytes"]
+        await collector.collect()  # within the period: the last walk's figures, no new walk
+        again = collector.figures("0")
+        assert len(walks) == len(pids)
+        assert (again["pss_bytes"], again["numa_bytes"]) == (first["pss_bytes"], first["numa_bytes"])
+        assert again["rss_bytes"] > 0 and again["cpu_seconds"] >= first["cpu_seconds"]  # these every round
+        pids.pop()  # a process of the tree gone: walked again at once
+        await collector.collect()
+        assert len(walks) == 2 * len(pids) + 1
+        await asyncio.sleep(0.6)
+        await collector.collect()
+        assert len(walks) == 3 * len(pids) + 1
+
+
 async def test_a_hung_instance_costs_the_timeout_not_the_round(fake_vllm):
     hung = fake_vllm(env={"FAKE_VLLM_HANG_AFTER": "1"}).wait_ready()
     hung.wait_event("hang", timeout=10)

@@ -28,6 +28,11 @@ from vsup.proxy.address import Sessions
 
 log = logging.getLogger("vsup.observe")
 
+# Seconds between two reads of a tree's PSS (smaps_rollup) and NUMA placement (numa_maps): the kernel
+# walks every page table to count them (~50 ms of CPU each for a 6 GB model's worker, 2-3x that for a
+# 7B's), which every metrics.interval cost a few % of a core per instance; they change slowly.
+PAGE_WALK_EVERY = 30.0
+
 # A vLLM /metrics is ~100 KiB (~1,500 series). An instance's body is read up to this many bytes per
 # series of metrics.max_series_per_instance (a vLLM series line with a long model path is ~200
 # bytes), so a huge one costs a bounded read, not a parse of it all (200,000 series: ~400 MiB).
@@ -86,6 +91,8 @@ class Collector:
         self._dropped: dict[tuple[str, str], int] = {}  # (instance, reason) -> families left out, all rounds
         self._dropping: dict[str, set[tuple[str, str]]] = {}  # instance -> (family, reason) of its last round
         self._trees: dict[str, procstats.TreeSample] = {}
+        # instance -> (when, its pids then, their PSS, bytes per NUMA node): the page walks' last read
+        self._walked: dict[str, tuple[float, tuple[int, ...], int | None, dict[int, int]]] = {}
         self._tokens: dict[str, dict[str, CounterWindow]] = {}
         self._scrape_state: dict[str, str] = {}
         self.snapshot = Snapshot()
@@ -174,6 +181,7 @@ class Collector:
             figures[target.name] = f
         for gone in set(self._trees) - {t.name for t in targets if t.leader is not None}:
             del self._trees[gone]
+            self._walked.pop(gone, None)
         took = time.monotonic() - began
         wall = time.time()
         merged, refused = scrape.merge(scraped)
@@ -203,12 +211,20 @@ class Collector:
         pids = self._pids(target)
         if not pids:
             self._trees.pop(target.name, None)
+            self._walked.pop(target.name, None)
             return {"pids": [], "cpu_seconds": None, "cpu_percent": None, "rss_bytes": None, "pss_bytes": None,
                     "numa_bytes": {}, "numa_local_bytes": None, "numa_remote_bytes": None, "numa_local_ratio": None}
-        sample = procstats.read_tree(pids, now)
+        walked = self._walked.get(target.name)
+        walk = walked is None or now - walked[0] >= PAGE_WALK_EVERY or walked[1] != tuple(sorted(pids))
+        sample = procstats.read_tree(pids, now, pss=walk)
         before = self._trees.get(target.name)
         self._trees[target.name] = sample
-        by_node = numa.add_up(part for pid in sample.pids if (part := numa.read_numa_bytes(pid)) is not None)
+        if walk:
+            by_node = numa.add_up(part for pid in sample.pids if (part := numa.read_numa_bytes(pid)) is not None)
+            pss = sample.pss
+            self._walked[target.name] = (now, tuple(sorted(pids)), pss, by_node)
+        else:
+            _, _, pss, by_node = walked  # type: ignore[misc]
         local, remote = numa.local_split(by_node, target.nodes)
         known = bool(by_node)
         return {
@@ -216,7 +232,7 @@ class Collector:
             "cpu_seconds": round(sample.cpu_seconds, 3),
             "cpu_percent": _round(procstats.cpu_percent(before, sample), 1),
             "rss_bytes": sample.rss,
-            "pss_bytes": sample.pss,
+            "pss_bytes": pss,
             "numa_bytes": {str(node): size for node, size in sorted(by_node.items())},
             "numa_local_bytes": local if known else None,
             "numa_remote_bytes": remote if known else None,
