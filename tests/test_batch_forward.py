@@ -136,7 +136,9 @@ async def test_a_streamed_chat_holds_new_lines_off_its_instance_until_its_first_
         assert proxy.in_flight().get("c0") == 1  # while the chat still streams: 3 - 1 kept (recent) - the chat
         assert await stream > 0.1
         assert await line(proxy, chat(2)) == 200
-        # a request that is not streamed holds nothing (its first byte is its whole answer)
+        # a request that is not streamed holds nothing (its first byte is its whole answer); (the line
+        # just sent is one started within the chat's time to first byte: the stagger's, waited out first)
+        await wait_for(lambda: proxy.batch_room("chat") == 2, what="the stagger of the last line to pass")
         pending = asyncio.create_task(post(session, proxy, {**chat(3), "fake": {"first_token_delay": 0.5}}))
         await wait_for(lambda: proxy.in_flight().get("c0") == 1)
         assert proxy.batch_room("chat") == 1

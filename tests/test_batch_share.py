@@ -130,3 +130,26 @@ def test_a_stream_awaiting_its_first_byte_holds_new_lines_off_its_instance_only(
     assert box.share.room(box.a) == 0 and not woken  # the other stream still waits
     box.share.released("a")
     assert box.share.room(box.a) == 4 * QUIET and woken == [True]  # the runner is told at once
+
+
+def test_while_chats_are_recent_lines_start_staggered_by_their_time_to_first_byte():
+    box = Box(slots=16)
+    box.share.hold("a", "chat")
+    box.now += 0.75  # the chat's first byte 0.75 s later
+    box.share.released("a")
+    assert box.share.ttft == {"chat": 0.75}
+    box.interactive(box.a)
+    box.end(box.a)
+    assert box.share.room(box.a) == 15  # none started lately: the share
+    box.line(box.a)
+    box.line(box.a)
+    assert box.share.room(box.a) == 0  # 16 // STAGGER = 2 may start within 0.75 s
+    box.now += 0.76
+    assert box.share.room(box.a) == 2
+    assert box.share.room(box.b) == 15  # another instance: its own
+    box.now += 30.0  # quiet again: no stagger
+    assert box.share.room(box.a) == 16 * QUIET - 2
+    box.share.hold("b", "chat")
+    box.now += 2.0
+    box.share.released("b", answered=False)  # ended without a byte: no time to learn from
+    assert box.share.ttft == {"chat": 0.75}

@@ -18,6 +18,10 @@ aborts it in vLLM, and the line is answered busy, which costs it no attempt (its
 again first when room comes). A streamed interactive request holds new lines off its instance until
 its first byte (`hold`): a line started now would put its prompt's prefill in the engine's next
 steps, ahead of or beside the request's own, which on a real-size model costs it a prefill's time.
+While interactive traffic is recent, new lines also start staggered: on an instance at most one
+per STAGGER slots within the time a recent stream took to its first byte (`ttft`, measured by the
+holds), so lines that ended together do not start together and put several prefills in one engine
+step, which a chat that arrives then would wait behind (seconds on a real-size model).
 A model whose interactive requests wait in the admission queue has no room for new batch lines. Batch lines never wait in the proxy: a line that finds no room is
 answered at once (503, `x-vsup-batch: busy`). Pure: the forwarder counts and cancels.
 
@@ -32,6 +36,7 @@ while interactive traffic fills it).
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
@@ -59,6 +64,12 @@ class Line(Protocol):
 # A quiet model's instances take this many times their slots of lines (the rest queued in vLLM, the
 # first preempted).
 QUIET = 2
+# While interactive traffic is recent: lines an instance may start within one `ttft`, per this many slots.
+STAGGER = 8
+# (the most start times kept per instance)
+STAGGER_MAX = 1024
+# The weight of a new first-byte time in a model's `ttft` (an exponential mean).
+TTFT_WEIGHT = 0.3
 # Exchange.abort's reason for a preempted line (the forwarder answers it busy).
 PREEMPTED = "preempted"
 # A line in this phase is receiving its answer: done but for the bytes, never preempted.
@@ -85,6 +96,9 @@ class BatchShare:
         self.quiet_after = 0.0  # batch.quiet_after
         self.seen: dict[str, float] = {}  # model -> when its latest interactive request started
         self.holding: dict[str, int] = {}  # backend name -> streamed interactive requests there awaiting their first byte
+        self.holds: dict[str, list[tuple[float, str]]] = {}  # backend name -> (since, model) of each hold, oldest first
+        self.ttft: dict[str, float] = {}  # model -> recent streams' seconds to their first byte (a mean)
+        self.young: dict[str, deque[float]] = {}  # backend name -> when its recent lines started
         self.on_free: Callable[[], None] = lambda: None  # told when a hold ends (the runner may send again)
         self.waiting: Callable[[str], int] = lambda model: 0
         self.granted: Callable[[str], int] = lambda name: 0
@@ -101,12 +115,24 @@ class BatchShare:
         """An interactive request of `model` starts: a slot stays free for the next one for quiet_after seconds."""
         self.seen[model] = self.clock()
 
-    def hold(self, name: str) -> None:
+    def hold(self, name: str, model: str = "") -> None:
         """A streamed interactive request was sent to the instance `name`: no new line starts there
         until its first byte (`released`)."""
         self.holding[name] = self.holding.get(name, 0) + 1
+        self.holds.setdefault(name, []).append((self.clock(), model))
 
-    def released(self, name: str) -> None:
+    def released(self, name: str, answered: bool = True) -> None:
+        """A hold on `name` ends: `answered`, by its first byte (its time joins the model's ttft), else
+        by the attempt's end."""
+        holds = self.holds.get(name)
+        if holds:
+            since, model = holds.pop(0)  # (the oldest: streams answer in about the order they came)
+            if not holds:
+                del self.holds[name]
+            if answered and model:
+                took = self.clock() - since
+                known = self.ttft.get(model)
+                self.ttft[model] = took if known is None else known + TTFT_WEIGHT * (took - known)
         left = self.holding.get(name, 0) - 1
         if left > 0:
             self.holding[name] = left
@@ -165,6 +191,8 @@ class BatchShare:
         if backend.name in self.holding:
             return 0
         room = self.cap(backend) - self.held(backend.name)
+        if room > 0 and self.recent(backend.model):
+            room = min(room, self._stagger(backend))
         admits = self.admits(backend)
         return max(0, room if admits is None else min(room, admits))
 
@@ -180,8 +208,24 @@ class BatchShare:
             return 0
         return sum(self.room(b) for b in backends)
 
+    def _stagger(self, backend: Backend) -> int:
+        """Lines `backend` may start now while interactive traffic is recent (see the module's doc)."""
+        ttft = self.ttft.get(backend.model)
+        young = self.young.get(backend.name)
+        if ttft is None or not young:
+            return STAGGER_MAX
+        since = self.clock() - ttft
+        while young and young[0] < since:
+            young.popleft()
+        slots = self.slots.get(backend.model, self.default_slots)
+        return max(1, slots // STAGGER) - len(young)
+
     def started(self, name: str, line: Line) -> None:
         self.lines.setdefault(name, []).append(line)
+        young = self.young.setdefault(name, deque())
+        young.append(self.clock())
+        if len(young) > STAGGER_MAX:
+            young.popleft()
 
     def ended(self, name: str, line: Line) -> None:
         lines = self.lines.get(name)

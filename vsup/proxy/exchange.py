@@ -60,7 +60,7 @@ class Exchange:
         if self.holds is not None:
             share, name = self.holds
             self.holds = None
-            share.released(name)
+            share.released(name, self.first_data_at is not None)
 
     def arm(self, limit: float, key: str, now: float) -> None:
         """A new phase with its own limit, counted from now."""

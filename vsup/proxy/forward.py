@@ -452,7 +452,7 @@ class Forwarder:
                 if name in share.lines:
                     share.crowded(backend)  # batch lines there beyond their share now: the youngest stop
                 if exchange.stream:  # no new line there before its first byte (batch_share.py)
-                    share.hold(name)
+                    share.hold(name, backend.model)
                     exchange.holds = (share, name)
             tokens = Prefill.estimate(balancer.prefill_bytes(exchange.size))  # a cached prefix is no prefill
             self.prefill.add(name, tokens)  # until its first byte: work ahead of the next request's first token
