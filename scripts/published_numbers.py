@@ -553,6 +553,11 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1000:.0f} ms" if seconds < 1 else fmt_s(seconds)
 
 
+def _per_s(rate: float) -> str:
+    """Lines a second: three figures at least (a real-size model runs about one a second)."""
+    return f"{rate:.2f}" if rate < 10 else f"{rate:.1f}"
+
+
 def _batch_backend(f: dict[str, Any]) -> str:
     st = f["settings"]
     kind = "fake vLLM" if f["backend"] == "fake" else "real vLLM CPU"
@@ -588,7 +593,8 @@ def batch_line(link: str, file: str = "batch_bench.json") -> str:
     kill = (f"; vsup killed with -9 at {k['lines_done_at_kill']:,} of {k['lines']:,} lines and started again: "
             f"{k['output_results']:,} results for {k['custom_ids']:,} custom_ids, {k['duplicates']} twice, {k['missing']} missing"
             if k else "")
-    return (f"{_batch_backend(f)}: a chat's TTFT p50 beside a batch {_against(r['ttft_p50_beside_over_alone'], 1.5, False)}× "
+    turns = f" (medians of {len(f['turns'])} turns)" if f.get("turns") else ""
+    return (f"{_batch_backend(f)}{turns}: a chat's TTFT p50 beside a batch {_against(r['ttft_p50_beside_over_alone'], 1.5, False)}× "
             f"its p50 alone (bar ≤ 1.5), a batch alone {_against(r['batch_over_best_loop'], 0.9, True)}× the lines/s of the best "
             f"client loop (bar ≥ 0.9){kill}; "
             f"{'every bar met' if f['met'] else 'not every bar met'}. {conditions(data, link)}")
@@ -601,12 +607,12 @@ def batch(link: str, file: str = "batch_bench.json") -> str:
     alone, near, best = f["alone"], f["beside"], f["best_loop"]
     rows = [f"| a chat alone ({alone['requests']} chats) | TTFT p50 {_ms(alone['ttft_p50_s'])}, p90 {_ms(alone['ttft_p90_s'])} | |",
             f"| a chat beside a batch of {near['batch_lines']:,} lines ({near['requests']} chats) | TTFT p50 "
-            f"{_ms(near['ttft_p50_s'])}, p90 {_ms(near['ttft_p90_s'])}; the batch {near['batch_lines_per_s']:.1f} lines/s | "
+            f"{_ms(near['ttft_p50_s'])}, p90 {_ms(near['ttft_p90_s'])}; the batch {_per_s(near['batch_lines_per_s'])} lines/s | "
             f"p50 {_against(f['ratios']['ttft_p50_beside_over_alone'], 1.5, False)}× alone (bar ≤ 1.5) |"]
     for row in f["loop"]:
         mark = " (the best)" if row == best else ""
-        rows.append(f"| a client loop, {row['concurrency']} in flight{mark} | {row['lines_per_s']:.1f} lines/s | |")
-    rows.append(f"| the batch alone (openai SDK, to `completed`) | {f['batch']['lines_per_s']:.1f} lines/s | "
+        rows.append(f"| a client loop, {row['concurrency']} in flight{mark} | {_per_s(row['lines_per_s'])} lines/s | |")
+    rows.append(f"| the batch alone (openai SDK, to `completed`) | {_per_s(f['batch']['lines_per_s'])} lines/s | "
                 f"{_against(f['ratios']['batch_over_best_loop'], 0.9, True)}× the best loop (bar ≥ 0.9) |")
     k = f.get("kill")
     if k:

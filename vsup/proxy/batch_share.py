@@ -10,20 +10,23 @@ many lines again wait in each vLLM's own queue (QUIET times the slots in all): t
 the next lines the moment running ones end instead of after a round trip through vsup — lines
 started together end together, so a queue shorter than the slots leaves slots empty — which is
 what lets a client loop that keeps more requests in flight than the slots beat one that keeps
-exactly the slots. An interactive request takes its slot back, and its first token goes first: one counted in flight on an instance where the lines
-hold more than that (`crowded`), or one that waits in the admission queue while lines hold slots
-it could use (`make_room`), preempts the youngest line there (the least work lost; one still
-waiting for its answer): the line's request is cancelled, which closes its connection and so
-aborts it in vLLM, and the line is answered busy, which costs it no attempt (its runner sends it
-again first when room comes). A streamed interactive request holds new lines off its instance until
-its first byte (`hold`): a line started now would put its prompt's prefill in the engine's next
-steps, ahead of or beside the request's own, which on a real-size model costs it a prefill's time.
-While interactive traffic is recent, new lines also start staggered: on an instance at most one
-per STAGGER slots within the time a recent stream took to its first byte (`ttft`, measured by the
-holds), so lines that ended together do not start together and put several prefills in one engine
-step, which a chat that arrives then would wait behind (seconds on a real-size model).
-A model whose interactive requests wait in the admission queue has no room for new batch lines. Batch lines never wait in the proxy: a line that finds no room is
-answered at once (503, `x-vsup-batch: busy`). Pure: the forwarder counts and cancels.
+exactly the slots.
+
+An interactive request takes its slot back, and its first token goes first:
+- one counted in flight on an instance where the lines hold more than it leaves them
+  (`crowded`), or one that waits in the admission queue while lines hold slots it could use
+  (`make_room`), preempts the youngest line there still waiting for its answer (the least work
+  lost): the line's request is cancelled, which closes its connection and so aborts it in vLLM,
+  and the line is answered busy, which costs it no attempt (its runner sends it again first);
+- a streamed one holds new lines off its instance until its first byte (`hold`): a line started
+  then would put its prompt's prefill in the engine's next steps, beside or ahead of its own;
+- while interactive traffic is recent, new lines start staggered: an instance starts at most one
+  per STAGGER slots within the time recent streams took to their first byte (`ttft`, which the
+  holds measure), so lines that ended together do not start together and put a wave of prefills
+  in one engine step, which a chat arriving then would wait behind.
+A model whose interactive requests wait in the admission queue has no room for new lines. Lines
+never wait in the proxy: one that finds no room is answered at once (503, `x-vsup-batch: busy`).
+Pure: the forwarder counts and cancels.
 
 Across hosts (a front `vsup proxy --batch-dir` over the nodes' vsups): the front's Sender marks
 each line `X-Vsup-Batch: line` (LINE_HEADER), and a node places such a request as a batch line of
