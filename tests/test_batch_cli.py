@@ -74,7 +74,7 @@ async def metrics_text(proxy: ProxyServer) -> str:
 
 async def test_list_show_follow_and_what_status_and_metrics_see(fake, tmp_path):
     async with batch_proxy(fake, tmp_path) as proxy:
-        batch_id = await make_batch(proxy, 16, 0.2, metadata=METADATA)  # 5 lines at a time (3 slots, 2 queued: quiet), 0.8 s each
+        batch_id = await make_batch(proxy, 16, 0.5, metadata=METADATA)  # 6 lines at a time (3 slots, twice that: quiet), 2 s each
         code, out, err = await vsup(proxy, "list")
         assert code == 0, err
         row = next(line for line in out.splitlines() if line.startswith(batch_id))

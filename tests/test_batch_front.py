@@ -104,10 +104,10 @@ async def post(session, proxy, body, headers=None):
 
 
 async def test_a_batch_through_the_front_completes_spread_over_both_nodes_within_their_shares(fakes, tmp_path):
-    # each node takes 6 batch lines at once (4 slots, 2 queued: no interactive traffic there); the front
-    # would send 10 to each (8 slots, 2 queued): the
-    # nodes' busy answers hold the rest at the front, and are no failures of the nodes
-    async with node(fakes[0], 4) as a, node(fakes[1], 4) as b, front({"a": a, "b": b}, tmp_path / "batches") as f:
+    # each node takes 4 batch lines at once (2 slots, twice that while no interactive request comes);
+    # the front would send all 16 at once (8 slots a node, twice that): the nodes' busy answers hold
+    # the rest at the front, and are no failures of the nodes
+    async with node(fakes[0], 2) as a, node(fakes[1], 2) as b, front({"a": a, "b": b}, tmp_path / "batches") as f:
         ids = [f"line-{i}" for i in range(16)]
         done = await run_batch(client(f), ids, delay=0.03)
         assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 16, 0)

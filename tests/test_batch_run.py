@@ -20,7 +20,7 @@ METADATA = {"job": "\x1b]0;pwned\x07 <script>x</script>"}
 
 
 def test_a_running_batch_in_status_the_page_metrics_and_vsup_batch(tmp_path):
-    config = make_config(tmp_path, instances=1, proxy={"api_key": KEY}, batch={"dir": str(tmp_path / "batches"), "slots_per_instance": 3})  # 5 lines at a time (quiet: 3 slots, 2 queued), 1 s each
+    config = make_config(tmp_path, instances=1, proxy={"api_key": KEY}, batch={"dir": str(tmp_path / "batches"), "slots_per_instance": 3})  # 6 lines at a time (quiet: 3 slots, twice that), 1 s each
     run = VsupRun(tmp_path, config)
     try:
         run.wait_ready()

@@ -35,7 +35,7 @@ def batch_file(endpoint: str) -> tuple[bytes, list[str]]:
     ids = [f"{endpoint.rsplit('/', 1)[1]}-{n:03d}" for n in range(LINES)]
     if endpoint == "/v1/embeddings":
         bodies = [{"model": EMBED, "input": f"document {n}: " + "the river runs by the stone city " * 20} for n in range(LINES)]
-    else:  # 48 tokens each, 6 at a time on the instance (--max-num-seqs 4 and 2 queued: no chat comes): seconds, not one wave
+    else:  # 48 tokens each, 8 at a time on the instance (--max-num-seqs 4, twice that: no chat comes): seconds, not one wave
         bodies = [{"model": CHAT, "messages": [{"role": "user", "content": f"summarize line {n}"}], "max_tokens": 48,
                    "ignore_eos": True, "temperature": 0} for n in range(LINES)]
     data = "".join(json.dumps({"custom_id": cid, "method": "POST", "url": endpoint, "body": body}) + "\n"
@@ -68,7 +68,7 @@ def test_chat_and_embeddings_batches_survive_a_kill9_of_vsup_with_one_result_per
     venv, model = vllm_install
     config = fleet_config(venv, model, tmp_path)
     config["batch"] = {"dir": str(tmp_path / "batches")}
-    for entry in config["models"]:  # 4 slots an instance: the chat batch takes 6 at a time (2 queued in vLLM)
+    for entry in config["models"]:  # 4 slots an instance: the chat batch takes 8 at a time (4 queued in vLLM)
         args = list(entry.get("vllm", {}).get("args", config["vllm"]["args"]))
         args[args.index("--max-num-seqs") + 1] = "4"
         entry["vllm"] = {"args": args}

@@ -482,7 +482,9 @@ class Forwarder:
             fallback, reason, why = outcome
             if reason in _UNREACHABLE:
                 unreachable.append(f"instance {name}: {why}")
-            if reason is None or reason == PREEMPTED:  # (preempted: an interactive request took the slot)
+            if reason == PREEMPTED:  # an interactive request took the slot: busy, as a line that found none
+                return fallback, None
+            if reason is None:
                 return fallback, backend
             if reason == "busy":  # (a node's vsup: its busy answer caps its share for a while)
                 self.share.refused(name)
