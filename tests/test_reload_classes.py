@@ -372,7 +372,7 @@ async def test_ready_when_applies_to_a_vsup_still_starting(tmp_path):
 
 
 BATCH_LIVE = {"max_file_bytes": "1MiB", "max_total_bytes": "2MiB", "retention": 60.0, "priority": -50, "max_attempts": 5,
-              "slots_per_instance": 7}
+              "slots_per_instance": 7, "quiet_after": 3600.0}
 
 
 async def test_batch_keys_apply_at_once(fleet):
@@ -380,11 +380,15 @@ async def test_batch_keys_apply_at_once(fleet):
 
     f = await fleet()
     proxy = f.sup.proxy
-    assert proxy.batch_room("m") == 2 * (128 - 1)  # auto: no admission limit, no --max-num-seqs: vLLM's CPU default
+    # auto: no admission limit, no --max-num-seqs: vLLM's CPU default, twice over while the model is quiet
+    assert proxy.batch_room("m") == 2 * 2 * 128
     record = await reload(f, batch=BATCH_LIVE)
     assert sorted(record["applied"]) == sorted(f"batch.{key}" for key in BATCH_LIVE)
     assert proxy._store.limits == Limits(1024**2, 2 * 1024**2, 60.0, 5)
     assert proxy._forwarder.lowest_priority() == -50
+    assert proxy.batch_room("m") == 2 * 2 * 7  # slots_per_instance: 7, still quiet
+    assert proxy._forwarder.share.quiet_after == 3600.0
+    proxy._forwarder.share.interactive("m")  # a chat now: recent for the reloaded quiet_after (an hour)
     assert proxy.batch_room("m") == 2 * (7 - 1)  # each of the 2 instances keeps one slot
     await f.stop()
 
