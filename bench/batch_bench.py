@@ -169,7 +169,7 @@ def vsup_config(args, workdir: Path) -> dict:
         "stop": {"timeout": 10},
         "log": {"dir": str(workdir / "logs"), "echo": True},
         "control": {"socket": str(workdir / "control.sock")},
-        "batch": {"dir": str(workdir / "batches"), "quiet_after": args.quiet_after,
+        "batch": {"dir": str(workdir / "batches"), "quiet_after": args.quiet_after, "beside_interactive": args.beside_interactive,
                   **({"slots_per_instance": args.slots_per_instance} if args.slots_per_instance else {})},
     }
     if args.endpoint == EMBED_ENDPOINT:
@@ -633,6 +633,8 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--quiet-after", type=float, default=None, help="batch.quiet_after: seconds after an interactive "
                         "request that a slot stays free of batch lines; the batch alone starts this long after the loop "
                         "(default: vsup's, 30; --quick 1)")
+    parser.add_argument("--beside-interactive", type=float, default=None, help="batch.beside_interactive: the share of "
+                        "each instance's slots lines may hold while chats are recent (default: vsup's, 0.125)")
     parser.add_argument("--repeat", type=int, default=1, help="turns of alone, loop, batch and beside; each ratio is "
                         "the median of the turns'")
     parser.add_argument("--prompt-words", type=int, default=64, help="words of a line's prompt (or input)")
@@ -653,6 +655,7 @@ def parse_args(argv: list[str] | None):
     args.seed = args.seed or random.Random().randbytes(4).hex()
     defaults = {"lines": 40 if args.quick else 200, "chats": 10 if args.quick else 40,
                 "quiet_after": 1.0 if args.quick else BatchConfig().quiet_after,
+                "beside_interactive": BatchConfig().beside_interactive,
                 "instances": 2 if args.endpoint == CHAT_ENDPOINT else 1,
                 "max_num_seqs": 4 if args.fake else 16, "batch_tokens": 8 if args.fake else 32}
     for key, value in defaults.items():
@@ -670,6 +673,8 @@ def parse_args(argv: list[str] | None):
         parser.error("--max-num-seqs must be at least 2 (one slot of each instance stays for interactive requests while they come)")
     if args.quiet_after < 0:
         parser.error("--quiet-after must be 0 or more")
+    if not 0 <= args.beside_interactive <= 1:
+        parser.error("--beside-interactive must be between 0 and 1 (a share of the slots)")
     if args.kill_halfway and args.lines < 4:
         parser.error("--kill-halfway needs --lines 4 or more")
     if args.concurrency:

@@ -568,6 +568,8 @@ def _batch_backend(f: dict[str, Any]) -> str:
         seqs += f", vLLM's priority scheduler with the lines at priority {st['vllm_priority']}"
     if st.get("quiet_after") is not None:
         seqs += f", batch.quiet_after {st['quiet_after']:g} s"
+    if st.get("beside_interactive") is not None:
+        seqs += f", batch.beside_interactive {st['beside_interactive']:g}"
     model = ("the real-shape random Llama (1.3 B parameters)" if "real-shape" in str(st.get("model_dir"))
              else "the tiny random Llama")
     if st["endpoint"] == "/v1/embeddings":

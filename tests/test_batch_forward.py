@@ -21,6 +21,9 @@ from vsup.proxy import ProxyServer
 from vsup.proxy.batch_share import QUIET
 
 LONG = 0.05  # seconds per token: 20 tokens, about 1 s
+# While chats are recent lines may hold every slot but the one kept (batch.beside_interactive 1):
+# the rules of the keep and the hold on their own; the default share is its own test below.
+WHOLE = BatchConfig(beside_interactive=1.0)
 ENDPOINT = "/v1/chat/completions"
 
 
@@ -73,7 +76,7 @@ def cancelled(fake) -> int:
 async def test_an_idle_instance_is_used_whole_and_an_interactive_request_preempts_the_youngest_lines(fake):
     # no admission settings at all: 3 slots per instance (as --max-num-seqs 3 would give), no
     # interactive request yet: every slot, and as many again in vLLM's own queue
-    async with proxy_over(fake, slots=3) as proxy, aiohttp.ClientSession() as session:
+    async with proxy_over(fake, slots=3, batch=WHOLE) as proxy, aiohttp.ClientSession() as session:
         assert proxy.batch_room("chat") == 3 * QUIET
         before = cancelled(fake)
         lines = []
@@ -97,12 +100,23 @@ async def test_an_idle_instance_is_used_whole_and_an_interactive_request_preempt
 
 
 async def test_a_quiet_model_gets_its_whole_instances_again_after_quiet_after(fake):
-    async with proxy_over(fake, slots=3, batch=BatchConfig(quiet_after=0.3)) as proxy, aiohttp.ClientSession() as session:
+    async with proxy_over(fake, slots=3, batch=BatchConfig(quiet_after=0.3, beside_interactive=1.0)) as proxy, aiohttp.ClientSession() as session:
         status, _ = await post(session, proxy, chat(2))
         assert status == 200
         assert proxy.batch_room("chat") == 2  # a slot kept for the next interactive request
         await asyncio.sleep(0.35)
         assert proxy.batch_room("chat") == 3 * QUIET
+
+
+async def test_beside_recent_chats_lines_take_their_share_of_each_instance_and_the_rest_once_quiet(fake):
+    # the default batch.beside_interactive, an eighth: 2 of 16 slots while chats are recent
+    async with proxy_over(fake, slots=16, batch=BatchConfig(quiet_after=2.0)) as proxy, aiohttp.ClientSession() as session:
+        assert BatchConfig().beside_interactive == 0.125
+        assert (await post(session, proxy, chat(2)))[0] == 200
+        assert proxy.batch_room("chat") == 2
+        lines = [asyncio.create_task(line(proxy, chat(20, LONG))) for _ in range(3)]
+        assert sorted(await asyncio.gather(*lines), key=str) == [200, 200, "busy"]  # (the third found no room: never queued)
+        await wait_for(lambda: proxy.batch_room("chat") == 16 * QUIET, what="quiet_after to pass")  # quiet again: every slot, and vLLM's queue
 
 
 async def test_interactive_requests_in_flight_shrink_the_batch_share(fake):
@@ -127,7 +141,7 @@ async def test_a_streamed_chat_holds_new_lines_off_its_instance_until_its_first_
             await response.read()
             return asyncio.get_running_loop().time() - began
 
-    async with proxy_over(fake, slots=3) as proxy, aiohttp.ClientSession() as session:
+    async with proxy_over(fake, slots=3, batch=WHOLE) as proxy, aiohttp.ClientSession() as session:
         stream = asyncio.create_task(streamed(session))
         await wait_for(lambda: proxy.in_flight().get("c0") == 1)
         assert proxy.batch_room("chat") == 0  # a slot free, but a line now would prefill beside the chat

@@ -5,7 +5,7 @@ The forwarder's side (real sockets, a real fake vLLM) is tests/test_batch_forwar
 from __future__ import annotations
 
 from vsup.proxy.backends import Backend
-from vsup.proxy.batch_share import ANSWERING, PREEMPTED, QUIET, BatchShare
+from vsup.proxy.batch_share import ANSWERING, PREEMPTED, QUIET, BatchShare, lines_beside
 
 
 class Line:
@@ -22,11 +22,11 @@ class Line:
 class Box:
     """One BatchShare over instances with `slots` each, the forwarder's counting done by hand."""
 
-    def __init__(self, slots: int = 4, reserved: int = 0, quiet_after: float = 10.0) -> None:
+    def __init__(self, slots: int = 4, reserved: int = 0, quiet_after: float = 10.0, beside: float = 1.0) -> None:
         self.now = 100.0
         self.in_flight: dict[str, int] = {}
         self.share = BatchShare(self.in_flight, lambda: self.now)
-        self.share.configure({"chat": slots}, 128, {"chat": reserved}, 0, quiet_after)
+        self.share.configure({"chat": slots}, 128, {"chat": reserved}, 0, quiet_after, beside)
         self.a, self.b = Backend("a", "http://127.0.0.1:1", "chat"), Backend("b", "http://127.0.0.1:2", "chat")
 
     def line(self, backend: Backend, phase: str = "non_streaming") -> Line:
@@ -65,6 +65,35 @@ def test_recent_interactive_traffic_keeps_one_slot_and_quiet_after_gives_it_back
     assert box.share.room(box.a) == 3
     box.now += 0.2
     assert box.share.room(box.a) == 4 * QUIET
+
+
+def test_beside_recent_chats_lines_hold_their_share_of_the_slots_and_the_whole_again_once_quiet():
+    box = Box(slots=16, quiet_after=10.0, beside=0.25)
+    assert box.share.room(box.a) == 16 * QUIET  # quiet: the share does not apply
+    box.interactive(box.a)
+    box.end(box.a)
+    assert box.share.room(box.a) == 4  # a quarter of 16 slots
+    lines = [box.line(box.a) for _ in range(3)]
+    assert box.share.room(box.a) == 1
+    box.line(box.a)
+    assert box.share.room(box.a) == 0  # 12 slots free, but the chats' steps stay small
+    assert box.share.room(box.b) == 4  # per instance
+    box.end(box.a, lines[0])
+    assert box.share.room(box.a) == 1
+    box.now += 10.1
+    assert box.share.room(box.a) == 16 * QUIET - 3
+
+
+def test_the_share_beside_chats_rounds_down_keeps_one_line_and_zero_stops_new_lines():
+    assert [lines_beside(slots, 0.25) for slots in (1, 2, 4, 7, 8, 128)] == [1, 1, 1, 1, 2, 32]
+    assert lines_beside(16, 1.0) == 16
+    assert lines_beside(16, 0.0) == 0
+    box = Box(slots=8, beside=0.0)
+    box.interactive(box.a)
+    box.end(box.a)
+    assert box.share.room(box.a) == 0 and box.share.total([box.a, box.b], "chat") == 0
+    box.now += 10.1
+    assert box.share.room(box.a) == 8 * QUIET
 
 
 def test_reserved_slots_are_kept_and_one_more_is_not_added_to_them():

@@ -372,7 +372,7 @@ async def test_ready_when_applies_to_a_vsup_still_starting(tmp_path):
 
 
 BATCH_LIVE = {"max_file_bytes": "1MiB", "max_total_bytes": "2MiB", "retention": 60.0, "priority": -50, "max_attempts": 5,
-              "slots_per_instance": 7, "quiet_after": 3600.0}
+              "slots_per_instance": 7, "quiet_after": 3600.0, "beside_interactive": 1.0}
 
 
 async def test_batch_keys_apply_at_once(fleet):

@@ -97,6 +97,7 @@ class BatchShare:
         self.reserved: dict[str, int] = {}  # model -> proxy.reserved_slots
         self.default_reserved = 0
         self.quiet_after = 0.0  # batch.quiet_after
+        self.beside = 1.0  # batch.beside_interactive: the slots' fraction lines may hold while interactive traffic is recent
         self.seen: dict[str, float] = {}  # model -> when its latest interactive request started
         self.holding: dict[str, int] = {}  # backend name -> streamed interactive requests there awaiting their first byte
         self.holds: dict[str, list[tuple[float, str]]] = {}  # backend name -> (since, model) of each hold, oldest first
@@ -109,10 +110,10 @@ class BatchShare:
         self.admits: Callable[[Backend], int | None] = lambda backend: None
 
     def configure(self, slots: Mapping[str, int], default_slots: int, reserved: Mapping[str, int], default_reserved: int,
-                  quiet_after: float = 0.0) -> None:
+                  quiet_after: float = 0.0, beside: float = 1.0) -> None:
         self.slots, self.default_slots = dict(slots), default_slots
         self.reserved, self.default_reserved = dict(reserved), default_reserved
-        self.quiet_after = quiet_after
+        self.quiet_after, self.beside = quiet_after, beside
 
     def interactive(self, model: str) -> None:
         """An interactive request of `model` starts: a slot stays free for the next one for quiet_after seconds."""
@@ -165,13 +166,16 @@ class BatchShare:
         model, name = backend.model, backend.name
         slots = self.slots.get(model, self.default_slots)
         keep = self.reserved.get(model, self.default_reserved)
+        beside = None
         if new:
             if self.recent(model):
                 keep = max(keep, 1)
+                beside = lines_beside(slots, self.beside)
             else:
                 slots *= QUIET
         interactive = self.in_flight.get(name, 0) - self.held(name) + self.granted(name)
-        return slots - keep - interactive
+        cap = slots - keep - interactive
+        return cap if beside is None else min(cap, beside)
 
     def cap(self, backend: Backend) -> int:
         """Batch lines `backend` may hold now (its share; less for a while after a node's busy answer)."""
@@ -272,6 +276,13 @@ class BatchShare:
         self.preempted[backend.model] = self.preempted.get(backend.model, 0) + 1
         victim.abort(PREEMPTED)
         return True
+
+
+def lines_beside(slots: int, share: float) -> int:
+    """Lines an instance of `slots` holds while its model's interactive traffic is recent
+    (batch.beside_interactive: `share` of the slots, one at least unless it is 0, so a batch
+    still moves while chats go on)."""
+    return 0 if share <= 0 else max(1, int(slots * share))
 
 
 def lowest_below(priorities: Iterable[int]) -> int:

@@ -283,7 +283,7 @@ class ProxyServer:
 
         forwarder.share.configure({name: slots(c, name) for name, c in models.items()}, slots(self.config, None),
                                   {name: c.reserved_slots for name, c in models.items()}, self.config.reserved_slots,
-                                  batch.quiet_after)
+                                  batch.quiet_after, batch.beside_interactive)
 
     def batch_room(self, model: str) -> int:
         """How many more batch lines the instances of `model` take now (the runner's Room)."""
