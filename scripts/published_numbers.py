@@ -24,6 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from vsup.proxy.batch_share import lines_beside
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCH_DIR = ROOT / "docs" / "bench"
 # A block may be indented (inside a list item): its lines get the BEGIN marker's indentation.
@@ -602,6 +604,31 @@ def batch_line(link: str, file: str = "batch_bench.json") -> str:
             f"{'every bar met' if f['met'] else 'not every bar met'}. {conditions(data, link)}")
 
 
+BESIDE_FILES = "batch_bench-beside-*.json"
+
+
+def batch_beside(link: str) -> str:
+    """bench/batch_bench.py at each batch.beside_interactive tried: a chat's TTFT beside a batch
+    against the batch's speed while the chats go on."""
+    runs = sorted((with_file(path.name) for path in BENCH_DIR.glob(BESIDE_FILES)),
+                  key=lambda data: -data["figures"]["settings"]["beside_interactive"])
+    rows = ["| batch.beside_interactive | lines beside the chats, per instance | chat TTFT p50 beside / alone, each turn "
+            "| the batch's lines/s beside the chats, each turn |", "|---|---|---|---|"]
+    for data in runs:
+        f = data["figures"]
+        st, turns = f["settings"], f.get("turns") or [f]
+        share = st["beside_interactive"]
+        ratios = ", ".join(f"{t['beside']['ttft_p50_s'] / t['alone']['ttft_p50_s']:.2f}" for t in turns)
+        speeds = ", ".join(_per_s(t["beside"]["batch_lines_per_s"]) for t in turns)
+        rows.append(f"| {share:g} | {lines_beside(st['max_num_seqs'], share)} of {st['max_num_seqs']} | {ratios} | {speeds} |")
+    first = runs[0]["figures"]
+    first = {**first, "settings": {**first["settings"], "beside_interactive": None}}  # (each row's own)
+    notes = "\n".join(f"- {data['figures']['settings']['beside_interactive']:g}: {conditions(data, link)}" for data in runs)
+    return (f"{_batch_backend(first)}; a batch of {first['settings']['beside_lines']:,} lines with "
+            f"{first['settings']['chats']} chats beside it, one after another (the lines/s count the whole batch: "
+            f"the chats end before it does).\n\n" + "\n".join(rows) + "\n\n" + notes)
+
+
 def batch(link: str, file: str = "batch_bench.json") -> str:
     """bench/batch_bench.py: the chat alone and beside a batch, the loops, the batch, the kill."""
     data = with_file(file)
@@ -748,6 +775,7 @@ RENDERERS: dict[str, Callable[[str], str]] = {
     "batch": batch,
     "batch-embeddings": lambda link: batch(link, "batch_bench-embeddings.json"),
     "batch-line": batch_line,
+    "batch-beside": batch_beside,
     "batch-slots32": lambda link: batch(link, "batch_bench-slots32.json"),
     "batch-real-shape": lambda link: batch(link, "batch_bench-real-shape.json"),
     "batch-vllm-priority": lambda link: batch(link, "batch_bench-vllm-priority.json"),

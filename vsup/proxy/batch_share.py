@@ -5,7 +5,9 @@ admission limit, else its --max-num-seqs, else vLLM's CPU default). Batch lines 
 `slots − keep − interactive in flight` of them (interactive: the proxy's other requests there, and
 admission slots granted to a waiter not yet running). `keep` is proxy.reserved_slots, but at
 least one while the model has had an interactive request in the last batch.quiet_after seconds:
-a colleague's next message finds a slot free. A quiet model's instances are used whole, and as
+a colleague's next message finds a slot free; and then lines hold no more than
+batch.beside_interactive of the slots (`lines_beside`): on a CPU every running line's next token
+shares the engine step a chat's first token waits for (docs/batch.md measures the shares). A quiet model's instances are used whole, and as
 many lines again wait in each vLLM's own queue (QUIET times the slots in all): the engine takes
 the next lines the moment running ones end instead of after a round trip through vsup — lines
 started together end together, so a queue shorter than the slots leaves slots empty — which is
