@@ -84,6 +84,19 @@ def test_beside_recent_chats_lines_hold_their_share_of_the_slots_and_the_whole_a
     assert box.share.room(box.a) == 16 * QUIET - 3
 
 
+def test_the_first_chat_after_a_quiet_spell_preempts_the_lines_down_to_their_share_beside_it():
+    box = Box(slots=16, beside=0.125)
+    lines = [box.line(box.a) for _ in range(16 * QUIET)]
+    other = [box.line(box.b) for _ in range(16 * QUIET)]
+    assert box.interactive(box.a) == 16 * QUIET - 2  # its first token waits behind 2 lines' steps, not 32
+    assert [line.aborted for line in lines[:2]] == [None, None]  # the oldest stay: the most work kept
+    assert {line.aborted for line in lines[2:]} == {PREEMPTED}
+    assert box.share.room(box.a) == 0
+    assert box.interactive(box.a) == 0  # the next chat finds the share held already
+    assert {line.aborted for line in other} == {None}  # only the chat's instance; b's on the next chat there
+    assert box.interactive(box.b) == 16 * QUIET - 2
+
+
 def test_the_share_beside_chats_rounds_down_keeps_one_line_and_zero_stops_new_lines():
     assert [lines_beside(slots, 0.25) for slots in (1, 2, 4, 7, 8, 128)] == [1, 1, 1, 1, 2, 32]
     assert lines_beside(16, 1.0) == 16

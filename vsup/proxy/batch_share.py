@@ -15,9 +15,9 @@ what lets a client loop that keeps more requests in flight than the slots beat o
 exactly the slots.
 
 An interactive request takes its slot back, and its first token goes first:
-- one counted in flight on an instance where the lines hold more than it leaves them
-  (`crowded`), or one that waits in the admission queue while lines hold slots it could use
-  (`make_room`), preempts the youngest line there still waiting for its answer (the least work
+- one counted in flight on an instance where the lines hold more than it leaves them, or more
+  than their share beside it (`crowded`: the first after a quiet spell), or one that waits in
+  the admission queue while lines hold slots it could use (`make_room`), preempts the youngest line there still waiting for its answer (the least work
   lost): the line's request is cancelled, which closes its connection and so aborts it in vLLM,
   and the line is answered busy, which costs it no attempt (its runner sends it again first);
 - a streamed one holds new lines off its instance until its first byte (`hold`): a line started
@@ -161,23 +161,23 @@ class BatchShare:
         return len(self.lines.get(name, ())) + self.stopping.get(name, 0)
 
     def _cap(self, backend: Backend, new: bool = False) -> int:
-        """Batch lines `backend` may hold, by what interactive requests hold there; `new`: for new
-        lines, so one slot more is kept while its model's interactive traffic is recent, and
-        QUIET times the slots are taken while it is quiet (a line is preempted for a request that
-        needs its slot, never to keep one free or to empty vLLM's queue)."""
+        """Batch lines `backend` may hold, by what interactive requests hold there, and no more
+        than its share beside them while its model's interactive traffic is recent; `new`: for new
+        lines, so one slot more is kept while that traffic is recent, and QUIET times the slots are
+        taken while it is quiet (a line is preempted for a request that needs its slot or for the
+        share beside the chats, never to keep a slot free or to empty vLLM's queue)."""
         model, name = backend.model, backend.name
         slots = self.slots.get(model, self.default_slots)
         keep = self.reserved.get(model, self.default_reserved)
-        beside = None
+        recent = self.recent(model)
         if new:
-            if self.recent(model):
+            if recent:
                 keep = max(keep, 1)
-                beside = lines_beside(slots, self.beside)
             else:
                 slots *= QUIET
         interactive = self.in_flight.get(name, 0) - self.held(name) + self.granted(name)
         cap = slots - keep - interactive
-        return cap if beside is None else min(cap, beside)
+        return min(cap, lines_beside(slots, self.beside)) if recent else cap
 
     def cap(self, backend: Backend) -> int:
         """Batch lines `backend` may hold now (its share; less for a while after a node's busy answer)."""
@@ -252,7 +252,9 @@ class BatchShare:
     # -- an interactive request takes its slot back
     def crowded(self, backend: Backend) -> int:
         """An interactive request was just counted in flight on `backend`: preempt lines there
-        while they hold more than the share (how many were preempted)."""
+        while they hold more than the share — the first request after a quiet spell finds lines
+        in every slot and as many queued in vLLM, and its first token would wait behind all of
+        their steps until they end (how many were preempted)."""
         preempted = 0
         while len(self.lines.get(backend.name, ())) > self._cap(backend) and self._preempt(backend):
             preempted += 1
