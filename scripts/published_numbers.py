@@ -612,7 +612,7 @@ def batch_beside(link: str) -> str:
     against the batch's speed while the chats go on."""
     runs = sorted((with_file(path.name) for path in BENCH_DIR.glob(BESIDE_FILES)),
                   key=lambda data: -data["figures"]["settings"]["beside_interactive"])
-    rows = ["| batch.beside_interactive | lines beside the chats, per instance | chat TTFT p50 beside / alone, each turn "
+    rows = ["| batch.beside_interactive | lines beside the chats, per instance at most | chat TTFT p50 beside / alone, each turn "
             "| the batch's lines/s beside the chats, each turn |", "|---|---|---|---|"]
     for data in runs:
         f = data["figures"]
@@ -620,7 +620,9 @@ def batch_beside(link: str) -> str:
         share = st["beside_interactive"]
         ratios = ", ".join(f"{t['beside']['ttft_p50_s'] / t['alone']['ttft_p50_s']:.2f}" for t in turns)
         speeds = ", ".join(_per_s(t["beside"]["batch_lines_per_s"]) for t in turns)
-        rows.append(f"| {share:g} | {lines_beside(st['max_num_seqs'], share)} of {st['max_num_seqs']} | {ratios} | {speeds} |")
+        slots = st["max_num_seqs"]
+        most = min(lines_beside(slots, share), slots - 1)  # (one slot kept for the next chat)
+        rows.append(f"| {share:g} | {most} of {slots} | {ratios} | {speeds} |")
     first = runs[0]["figures"]
     first = {**first, "settings": {**first["settings"], "beside_interactive": None}}  # (each row's own)
     notes = "\n".join(f"- {data['figures']['settings']['beside_interactive']:g}: {conditions(data, link)}" for data in runs)
