@@ -618,7 +618,7 @@ def batch_beside(link: str) -> str:
         f = data["figures"]
         st, turns = f["settings"], f.get("turns") or [f]
         share = st["beside_interactive"]
-        ratios = ", ".join(f"{t['beside']['ttft_p50_s'] / t['alone']['ttft_p50_s']:.2f}" for t in turns)
+        ratios = ", ".join(f"{t['ratios']['ttft_p50_beside_over_alone']:.2f}" for t in turns)  # (the bench's own)
         speeds = ", ".join(_per_s(t["beside"]["batch_lines_per_s"]) for t in turns)
         slots = st["max_num_seqs"]
         most = min(lines_beside(slots, share), slots - 1)  # (one slot kept for the next chat)

@@ -7,18 +7,18 @@ admission slots granted to a waiter not yet running). `keep` is proxy.reserved_s
 least one while the model has had an interactive request in the last batch.quiet_after seconds:
 a colleague's next message finds a slot free; and then lines hold no more than
 batch.beside_interactive of the slots (`lines_beside`): on a CPU every running line's next token
-shares the engine step a chat's first token waits for (docs/batch.md measures the shares). A quiet model's instances are used whole, and as
-many lines again wait in each vLLM's own queue (QUIET times the slots in all): the engine takes
-the next lines the moment running ones end instead of after a round trip through vsup — lines
-started together end together, so a queue shorter than the slots leaves slots empty — which is
-what lets a client loop that keeps more requests in flight than the slots beat one that keeps
-exactly the slots.
+shares the engine step a chat's first token waits for (docs/batch.md measures the shares). A
+quiet model's instances are used whole, and as many lines again wait in each vLLM's own queue
+(QUIET times the slots in all): the engine takes the next lines the moment running ones end
+instead of after a round trip through vsup — lines started together end together, so a queue
+shorter than the slots leaves slots empty — which is what lets a client loop that keeps more
+requests in flight than the slots beat one that keeps exactly the slots.
 
 An interactive request takes its slot back, and its first token goes first:
 - one counted in flight on an instance where the lines hold more than it leaves them, or more
   than their share beside it (`crowded`: the first after a quiet spell), or one that waits in
-  the admission queue while lines hold slots it could use (`make_room`), preempts the youngest line there still waiting for its answer (the least work
-  lost): the line's request is cancelled, which closes its connection and so aborts it in vLLM,
+  the admission queue while lines hold slots it could use (`make_room`), preempts the youngest
+  line there still waiting for its answer (the least work lost): the line's request is cancelled, which closes its connection and so aborts it in vLLM,
   and the line is answered busy, which costs it no attempt (its runner sends it again first);
 - a streamed one holds new lines off its instance until its first byte (`hold`): a line started
   then would put its prompt's prefill in the engine's next steps, beside or ahead of its own;
