@@ -366,6 +366,44 @@ async def test_a_freed_slot_sends_a_held_line_at_once_not_at_the_next_round(stor
         await runner.stop()
 
 
+async def test_a_freed_slot_claims_more_lines_when_none_is_held(store, monkeypatch):
+    # rounds 5 s apart and 40 lines through a room of 2: more than the first round claims (2 sent,
+    # PREFETCH held), so a freed slot that finds no held line claims the next ones itself
+    monkeypatch.setattr("vsup.batch.runner.MIN_ROUND", 5.0)
+    ids = [f"k{i}" for i in range(40)]
+    batch_id = submit(store, jsonl(ids))
+    store.validate(batch_id, None)
+    runner: Runner
+
+    class Freeing(Send):
+        async def __call__(self, endpoint: str, body: bytes, owner: str) -> tuple[int, bytes, str]:
+            try:
+                return await super().__call__(endpoint, body, owner)
+            finally:
+                asyncio.get_running_loop().call_soon(runner.slot_freed)
+
+    send = Freeing(delay=0.005)
+    runner = Runner(store, send, lambda model: 2 - send.in_flight, lambda model: True, poll=10.0)
+    runner.start()
+    try:
+        deadline = asyncio.get_running_loop().time() + 3.0
+        while sum(send.calls.values()) < 40:
+            assert asyncio.get_running_loop().time() < deadline, f"only {sum(send.calls.values())} sent: a round was awaited"
+            await asyncio.sleep(0.01)
+        assert send.most <= 2 and sorted(send.calls) == sorted(ids) and set(send.calls.values()) == {1}
+        while store.running()[0]["running"]:  # the last results land
+            await asyncio.sleep(0.01)
+        # no line pending any more: a freed slot (interactive traffic) reads nothing from the store
+        reads: list[str] = []
+        store._db.set_trace_callback(reads.append)
+        for _ in range(5):
+            runner.slot_freed()
+        store._db.set_trace_callback(None)
+        assert reads == []
+    finally:
+        await runner.stop()
+
+
 async def test_held_lines_go_back_to_pending_at_a_stop_without_spending_an_attempt(store, monkeypatch):
     ids = [f"s{i}" for i in range(6)]
     batch_id = submit(store, jsonl(ids))

@@ -219,6 +219,23 @@ def test_a_result_over_max_total_bytes_is_kept_as_an_error(tmp_path):
     store.close()
 
 
+def test_results_written_together_count_each_other_against_max_total_bytes(tmp_path):
+    # the runner's writer records many results in one transaction (together()), where the store's
+    # usage is read once: the results kept before a line in it still count against the limit
+    data = jsonl(3)
+    store = Store.open(tmp_path / "b", Limits(max_total_bytes=len(data) * 2 + 2500))
+    batch_id = started(store, data)
+    claimed = store.claim(batch_id, 3)
+    with store.together():
+        for c in claimed:
+            assert store.record(c, 200, b'"' + b"x" * 1000 + b'"', f"r{c.number}")
+    done = store.finalize(batch_id)
+    assert [r["custom_id"] for r in read(store, done["output_file_id"])] == ["req-0", "req-1"]
+    (failed,) = read(store, done["error_file_id"])
+    assert failed["custom_id"] == "req-2" and failed["error"]["code"] == "storage_limit_exceeded"
+    store.close()
+
+
 def test_a_batch_whose_lines_would_pass_max_total_bytes_fails_validation(tmp_path):
     data = jsonl(5)
     store = Store.open(tmp_path / "b", Limits(max_total_bytes=len(data) + 10))
@@ -753,7 +770,8 @@ def test_finalize_in_steps_writes_the_same_files_as_at_once(tmp_path):
         while (done := store.finalize(batch_id, step=step))["status"] == "finalizing":
             calls += 1
             assert store.finish_ready() == [batch_id]
-        assert calls == {None: 0, 1: 10, 3: 3, 1000: 0}[step]
+        # steps of 1: the tenth writes the last line and ends the batch (no empty step after it)
+        assert calls == {None: 0, 1: 9, 3: 3, 1000: 0}[step]
         strip = [{**o, "id": "-"} for o in read(store, done["output_file_id"]) + read(store, done["error_file_id"])]
         outputs.append(strip)
         store.close()
@@ -769,7 +787,7 @@ def test_a_finalize_step_ends_after_its_bytes_too(store, monkeypatch):
     calls = 1
     while store.finalize(batch_id, step=1000)["status"] == "finalizing":
         calls += 1
-    assert calls == 3  # about 1 KiB a line: three lines a step
+    assert calls == 2  # about 1 KiB a line: three lines a step, and the second step's last line ends the batch
     output = read(store, store.batch(batch_id, None)["output_file_id"])
     assert [o["custom_id"] for o in output] == [f"req-{i}" for i in range(6)]
 

@@ -258,6 +258,7 @@ class Store:
         self.in_flight: dict[str, int] = {}  # model -> lines running (claimed, no result yet)
         self._tally: list[tuple[str, str, int]] = []  # the open transaction's (model, outcome or RUNNING, n)
         self._together = False  # inside together(): each write a savepoint of its one transaction
+        self._usage: int | None = None  # usage() as read once inside together() (_usage_now)
         self._full = True  # the connection's synchronous setting (dbfile opens it FULL)
 
     @classmethod
@@ -347,14 +348,14 @@ class Store:
                 return
             self._sync(False)  # lines' results (see _sync)
             self._db.execute("BEGIN IMMEDIATE")
-            self._tally, self._together = [], True
+            self._tally, self._together, self._usage = [], True, None
             try:
                 yield
             except BaseException:
-                self._tally, self._together = [], False
+                self._tally, self._together, self._usage = [], False, None
                 self._db.execute("ROLLBACK")
                 raise
-            self._together = False
+            self._together, self._usage = False, None
             try:
                 self._db.execute("COMMIT")
             except BaseException:
@@ -402,6 +403,16 @@ class Store:
         if row is None or (owner is not None and row["owner"] != owner):
             raise _no_batch(batch_id)
         return row
+
+    def _usage_now(self) -> int:
+        """usage(), read once per together() transaction (nothing else writes while it holds the
+        lock, and record() adds what it keeps): three aggregate queries per line's result were
+        most of the writer's work on fast lines, and grow with the files and batches retained."""
+        if not self._together:
+            return self.usage()
+        if self._usage is None:
+            self._usage = self.usage()
+        return self._usage
 
     def usage(self) -> int:
         """Bytes held in all: every file (uploads under way too), and the lines and results of unfinished batches."""
@@ -686,7 +697,7 @@ class Store:
         if error is None and status_code is None:
             error = {"code": "no_response", "message": "the request got no answer"}
         size = len(body or b"")
-        if size and self.usage() + size > self.limits.max_total_bytes:
+        if size and self._usage_now() + size > self.limits.max_total_bytes:
             too = TooLarge("batch.max_total_bytes", self.limits.max_total_bytes, "this request's answer")
             status_code, body, ok, size = None, None, False, 0
             error = {"code": too.code, "message": too.message}
@@ -698,6 +709,8 @@ class Store:
             if done:
                 db.execute("UPDATE batches SET completed = completed + ?, failed = failed + ?, held = held + ? WHERE id = ?",
                            (int(ok), int(not ok), size, claimed.batch_id))
+                if self._usage is not None:
+                    self._usage += size
                 self._count(claimed.model, "completed" if ok else "failed")  # (ok as kept: a result over the limit failed)
                 self._count(claimed.model, RUNNING, -1)
         return bool(done)
@@ -828,13 +841,14 @@ class Store:
         last, count, more = row["written"], 0, False
         start = writers[True].size + writers[False].size
         for line in cursor:
-            ok = line["error"] is None and line["status_code"] is not None and 200 <= line["status_code"] < 300
-            writers[ok].write(_result_line(line))
-            last, count = line["number"], count + 1
-            # a step ends after `step` lines or STEP_BYTES written (an embedding's answer is large)
+            # a step ends after `step` lines or STEP_BYTES written (an embedding's answer is large),
+            # and is the last when no line is left after them (not one more step with nothing to write)
             if step is not None and (count >= step or writers[True].size + writers[False].size - start >= STEP_BYTES):
                 more = True
                 break
+            ok = line["error"] is None and line["status_code"] is not None and 200 <= line["status_code"] < 300
+            writers[ok].write(_result_line(line))
+            last, count = line["number"], count + 1
         cursor.close()
         for writer in writers.values():
             writer.close()
