@@ -67,7 +67,7 @@ def test_the_input_file_is_openai_lines_of_the_endpoint():
 def test_the_fake_run_end_to_end_with_a_kill_halfway(tmp_path):
     out = tmp_path / "batch_bench.json"
     done = subprocess.run([sys.executable, str(BENCH), "--fake", "--lines", "30", "--beside-lines", "90", "--chats", "5",
-                           "--concurrency", "6,8", "--kill-halfway", "--result", str(out)],
+                           "--concurrency", "6,8", "--kill-halfway", "--quiet-after", "2", "--result", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=110, stdin=subprocess.DEVNULL)
     assert done.returncode == 0, done.stderr[-4000:]
     data = json.loads(out.read_text())
@@ -79,7 +79,10 @@ def test_the_fake_run_end_to_end_with_a_kill_halfway(tmp_path):
     assert [row["concurrency"] for row in f["loop"]] == [6, 8] and all(row["errors"] == 0 and row["lines"] == 30 for row in f["loop"])
     assert f["best_loop"]["lines_per_s"] == max(row["lines_per_s"] for row in f["loop"])
     assert f["batch"]["status"] == "completed" and f["batch"]["lines_per_s"] > 0 and f["batch"]["failed"] == 0
-    assert f["ratios"]["batch_over_best_loop"] == pytest.approx(f["batch"]["lines_per_s"] / f["best_loop"]["lines_per_s"], abs=1e-3)
+    # the throughput ratio's baseline: the sweep's best concurrency measured again after the batch
+    assert f["again"]["concurrency"] == f["best_loop"]["concurrency"] and f["again"]["lines"] == 30 and f["again"]["errors"] == 0
+    assert f["ratios"]["batch_over_best_loop"] == pytest.approx(f["batch"]["lines_per_s"] / f["again"]["lines_per_s"], abs=1e-3)
+    assert f["ratios"]["batch_over_sweep_best"] == pytest.approx(f["batch"]["lines_per_s"] / f["best_loop"]["lines_per_s"], abs=1e-3)
     kill = f["kill"]
     # killed at half the batch, never after its end; the same id resumed to completion, one result each
     assert 15 <= kill["lines_done_at_kill"] < 30 and kill["killed_exit"] == -9 and kill["new_supervisor"], kill
