@@ -370,6 +370,7 @@ async def test_a_freed_slot_claims_more_lines_when_none_is_held(store, monkeypat
     # rounds 5 s apart and 40 lines through a room of 2: more than the first round claims (2 sent,
     # PREFETCH held), so a freed slot that finds no held line claims the next ones itself
     monkeypatch.setattr("vsup.batch.runner.MIN_ROUND", 5.0)
+    monkeypatch.setattr("vsup.batch.runner.PREFETCH", 4)
     ids = [f"k{i}" for i in range(40)]
     batch_id = submit(store, jsonl(ids))
     store.validate(batch_id, None)
