@@ -598,9 +598,10 @@ def batch_line(link: str, file: str = "batch_bench.json") -> str:
             f"{k['output_results']:,} results for {k['custom_ids']:,} custom_ids, {k['duplicates']} twice, {k['missing']} missing"
             if k else "")
     turns = f" (medians of {len(f['turns'])} turns)" if f.get("turns") else ""
+    again = " (measured again right after the batch)" if "again" in f else ""
     return (f"{_batch_backend(f)}{turns}: a chat's TTFT p50 beside a batch {_against(r['ttft_p50_beside_over_alone'], 1.5, False)}× "
             f"its p50 alone (bar ≤ 1.5), a batch alone {_against(r['batch_over_best_loop'], 0.9, True)}× the lines/s of the best "
-            f"client loop (bar ≥ 0.9){kill}; "
+            f"client loop{again} (bar ≥ 0.9){kill}; "
             f"{'every bar met' if f['met'] else 'not every bar met'}. {conditions(data, link)}")
 
 
@@ -643,8 +644,16 @@ def batch(link: str, file: str = "batch_bench.json") -> str:
     for row in f["loop"]:
         mark = " (the best)" if row == best else ""
         rows.append(f"| a client loop, {row['concurrency']} in flight{mark} | {_per_s(row['lines_per_s'])} lines/s | |")
-    rows.append(f"| the batch alone (openai SDK, to `completed`) | {_per_s(f['batch']['lines_per_s'])} lines/s | "
-                f"{_against(f['ratios']['batch_over_best_loop'], 0.9, True)}× the best loop (bar ≥ 0.9) |")
+    again = f.get("again")
+    if again is None:  # (a result of the bench before it measured the best loop again)
+        rows.append(f"| the batch alone (openai SDK, to `completed`) | {_per_s(f['batch']['lines_per_s'])} lines/s | "
+                    f"{_against(f['ratios']['batch_over_best_loop'], 0.9, True)}× the best loop (bar ≥ 0.9) |")
+    else:
+        rows.append(f"| the batch alone (openai SDK, to `completed`) | {_per_s(f['batch']['lines_per_s'])} lines/s | "
+                    f"{_against(f['ratios']['batch_over_best_loop'], 0.9, True)}× the best loop measured again (bar ≥ 0.9); "
+                    f"{f['ratios']['batch_over_sweep_best']:.2f}× its figure in the sweep |")
+        rows.append(f"| the best loop again, {again['concurrency']} in flight, right after the batch | "
+                    f"{_per_s(again['lines_per_s'])} lines/s | the bar's baseline |")
     k = f.get("kill")
     if k:
         rows.append(f"| kill -9 of vsup at {k['lines_done_at_kill']:,} of {k['lines']:,} lines, started again (ready in "
@@ -663,6 +672,12 @@ def _turns(f: dict[str, Any]) -> str:
         return ""
     ttft = ", ".join(f"{t['ratios']['ttft_p50_beside_over_alone']:.2f}×" for t in turns)
     rate = ", ".join(f"{t['ratios']['batch_over_best_loop']:.2f}×" for t in turns)
+    if all("again" in t for t in turns):
+        swept = ", ".join(f"{t['ratios']['batch_over_sweep_best']:.2f}×" for t in turns)
+        return (f"\n\n{len(turns)} turns, each against its own baselines (the chats alone just before its batch, the best "
+                f"loop measured again just after it): TTFT p50 beside / alone {ttft}; the batch / the best loop {rate} "
+                f"(against the sweep's best figure: {swept}). The bars take the median of each; the rows above are the "
+                "turn of the median throughput.")
     return (f"\n\n{len(turns)} turns, each against its own baselines (the chats alone and the loops just before its "
             f"batch): TTFT p50 beside / alone {ttft}; the batch / the best loop {rate}. The bars take the median of each; "
             "the rows above are the turn of the median throughput.")
