@@ -759,6 +759,64 @@ def test_a_crash_in_the_middle_of_finalize_is_finished_at_the_next_open(tmp_path
     crashed.close()
 
 
+def test_feedable_names_the_models_with_lines_pending_and_counts_nothing(store):
+    data = b"".join(jsonl(3, model, prefix=model) for model in ("b-model", "a-model", "c-model"))
+    batch_id = started(store, data)
+    statements: list[str] = []
+    store._db.set_trace_callback(statements.append)
+    (batch,) = store.feedable()
+    store._db.set_trace_callback(None)
+    assert batch["id"] == batch_id and batch["status"] == "in_progress" and batch["pending"]
+    assert batch["models"] == ["a-model", "b-model", "c-model"]
+    # no statement visits every line (a round runs whenever a line ends; a batch may hold millions)
+    assert not [sql for sql in statements if "COUNT(" in sql.upper() or "GROUP BY" in sql.upper()], statements
+    store.claim(batch_id, 3, "b-model")  # every b-model line running: none pending there
+    assert store.feedable()[0]["models"] == ["a-model", "c-model"]
+    store.claim(batch_id, 6)
+    (batch,) = store.feedable()
+    assert batch["models"] == [] and not batch["pending"]
+    assert store.finalize(batch_id, step=None)["status"] == "completed"
+    assert store.feedable() == []  # an ended batch is not the runner's any more
+
+
+def test_running_counts_agree_with_the_lines_through_every_move(store):
+    # running() derives a batch's pending lines from its row (total - done - running) instead of
+    # counting them: checked against a count of the lines after each kind of move
+    import random
+
+    def counted(batch_id: str) -> tuple[dict[str, int], int, list[str]]:
+        rows = store._db.execute("SELECT state, model, COUNT(*) FROM lines WHERE batch_id = ? AND state != 'done' "
+                                 "GROUP BY state, model", (batch_id,)).fetchall()
+        return ({m: n for st, m, n in rows if st == "pending"}, sum(n for st, _, n in rows if st == "running"),
+                sorted({m for _, m, _ in rows}))
+
+    one = started(store, jsonl(12, "m1", "one"))
+    mixed = started(store, jsonl(5, "m1", "x") + jsonl(7, "m2", "y"))
+    rng = random.Random(7)
+    held: list[Claimed] = []
+    for step in range(60):
+        for row in store.running():
+            pending, running, open_models = counted(row["id"])
+            assert (row["models"], row["running"], row["open_models"]) == (pending, running, open_models), (step, row)
+            assert row["pending"] == sum(pending.values())
+        move = rng.choice(["claim", "claim", "record", "fail", "requeue", "unclaim"])
+        if move == "claim":
+            held += store.claim(rng.choice([one, mixed]), rng.randint(1, 3), rng.choice([None, "m1", "m2"]))
+        elif held:
+            line = held.pop(rng.randrange(len(held)))
+            if move == "record":
+                store.record(line, 200, answer(line), "r")
+            elif move == "fail":
+                store.record(line, 500, b'{"error": "x"}', "r")
+            elif move == "requeue":
+                store.requeue(line, "answered 503")
+            else:
+                store.unclaim([line])
+    store.fail_pending(mixed, "m2", "model_not_found", "gone")
+    (row,) = [r for r in store.running() if r["id"] == mixed]
+    assert (row["models"], row["running"]) == counted(mixed)[:2]
+
+
 def test_finalize_in_steps_writes_the_same_files_as_at_once(tmp_path):
     outputs = []
     for step in (None, 1, 3, 1000):

@@ -194,15 +194,14 @@ class Runner:
                     self._wake.set()  # read in steps (the loop goes on serving between them): the next at once
             except Exception as exc:  # that batch's trouble is not the others'
                 log.error("batch %s: validation failed: %s: %s", batch_id, type(exc).__name__, exc)
-        batches = {b["id"]: b for b in store.running()}
+        batches = {b["id"]: b for b in store.feedable()}  # (counts nothing: a round costs the same at any size)
         wanted: dict[str, list[dict[str, Any]]] = {}  # model -> the in-progress batches with lines pending for it
         for batch in batches.values():
             if batch["status"] == "cancelling" and batch["pending"]:
                 store.fail_pending(batch["id"], None, "batch_cancelled", "the batch was cancelled before this line ran")
             elif batch["status"] == "in_progress":
-                for model, pending in batch["models"].items():
-                    if pending:
-                        wanted.setdefault(model, []).append(batch)
+                for model in batch["models"]:
+                    wanted.setdefault(model, []).append(batch)
         self._settle_held(batches)
         self._feeding = wanted
         for model in sorted(wanted.keys() | self._held.keys()):

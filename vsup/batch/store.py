@@ -139,6 +139,17 @@ CREATE INDEX IF NOT EXISTS lines_by_model ON lines (batch_id, state, model, numb
 CREATE INDEX IF NOT EXISTS lines_running ON lines (state) WHERE state = 'running';
 """
 
+# The models with lines pending in a batch (?1), each found by one seek of lines_by_model (a loose
+# index scan: SQLite has none of its own, and DISTINCT would visit every pending line).
+_PENDING_MODELS = """
+WITH RECURSIVE found(model) AS (
+    SELECT (SELECT MIN(model) FROM lines WHERE batch_id = ?1 AND state = 'pending')
+    UNION ALL
+    SELECT (SELECT MIN(model) FROM lines WHERE batch_id = ?1 AND state = 'pending' AND model > found.model)
+    FROM found WHERE found.model IS NOT NULL
+) SELECT model FROM found WHERE model IS NOT NULL
+"""
+
 OUTCOMES = ("completed", "failed", "requeued")  # how a line's attempt ends, as `Store.outcomes` counts it
 RUNNING = "running"  # (a change of `Store.in_flight` in a transaction's tally)
 
@@ -766,17 +777,44 @@ class Store:
         rows = self._all(f"SELECT * FROM batches WHERE status IN ({_marks(_OPEN)}) ORDER BY n", tuple(s.value for s in _OPEN))
         out = []
         for row in rows:
-            counts = self._all("SELECT state, model, COUNT(*) FROM lines WHERE batch_id = ? AND state != 'done' "
-                               "GROUP BY state, model", (row["id"],))
-            models = {c[1]: c[2] for c in counts if c[0] == "pending"}
+            batch_id = row["id"]
+            running = {r[0]: r[1] for r in self._all(
+                "SELECT model, COUNT(*) FROM lines WHERE batch_id = ? AND state = 'running' GROUP BY model", (batch_id,))}
+            waiting = [r[0] for r in self._all(_PENDING_MODELS, (batch_id,))]
+            # the lines neither done (counted in the row) nor running are pending: no count of them
+            # (a batch's pending lines may be millions, and the views ask every refresh) unless
+            # several models share them
+            left = row["total"] - row["completed"] - row["failed"] - sum(running.values())
+            if len(waiting) == 1 and left > 0:
+                models = {waiting[0]: left}
+            elif waiting:
+                models = {r[0]: r[1] for r in self._all(
+                    "SELECT model, COUNT(*) FROM lines WHERE batch_id = ? AND state = 'pending' GROUP BY model", (batch_id,))}
+            else:
+                models = {}
             out.append({
-                "id": row["id"], "owner": row["owner"], "endpoint": row["endpoint"], "status": row["status"],
+                "id": batch_id, "owner": row["owner"], "endpoint": row["endpoint"], "status": row["status"],
                 "total": row["total"], "completed": row["completed"], "failed": row["failed"],
-                "pending": sum(models.values()), "running": sum(c[2] for c in counts if c[0] == "running"),
-                "models": models, "open_models": sorted({c[1] for c in counts}),  # (pending or running: the views')
+                "pending": sum(models.values()), "running": sum(running.values()),
+                "models": models, "open_models": sorted(models.keys() | running.keys()),  # (pending or running: the views')
                 "created_at": row["created_at"], "in_progress_at": row["in_progress_at"],
                 "expires_at": row["expires_at"], "metadata": json.loads(row["metadata"]) if row["metadata"] else None,
             })
+        return out
+
+    def feedable(self) -> list[dict]:
+        """The runner's round: the in_progress, cancelling and finalizing batches, oldest first, each
+        with the models that have lines pending (`models`, by index seeks, one a model) and whether
+        any does (`pending`). Unlike running() it counts nothing, so a round costs the same at a
+        million lines as at ten (running() counted a 200,000-line batch's lines in ~50 ms, and a
+        round runs whenever a line ends)."""
+        rows = self._all(f"SELECT id, owner, endpoint, status, created_at FROM batches WHERE status IN ({_marks(_OPEN)}) "
+                         "ORDER BY n", tuple(s.value for s in _OPEN))
+        out = []
+        for row in rows:
+            models = [r[0] for r in self._all(_PENDING_MODELS, (row["id"],))]
+            out.append({"id": row["id"], "owner": row["owner"], "endpoint": row["endpoint"], "status": row["status"],
+                        "created_at": row["created_at"], "models": models, "pending": bool(models)})
         return out
 
     def finish_ready(self) -> list[str]:
