@@ -230,8 +230,11 @@ class Runner:
         if room <= 0:
             self._starved = True
         room -= self._send_held(model, room)
-        # what the room takes now, and PREFETCH more held for the slots that free before the next round
-        want = room + max(0, PREFETCH - len(self._held.get(model, ())))
+        # what the room takes now, and the held lines topped up to PREFETCH for the slots that free
+        # before the next round — once half of them went (a claim for every few lines that ended
+        # since the last round was a transaction each round for nothing)
+        held = len(self._held.get(model, ()))
+        want = room + (PREFETCH - held if held <= PREFETCH // 2 else 0)
         asked = want
         for batch in sorted(batches, key=lambda b: b["created_at"]):
             if want <= 0:
