@@ -17,7 +17,7 @@ One `vsup run` (batch on, its store in a folder of the run) serves every phase, 
              (default: a few around the instances' slots); the best lines/s is the baseline.
   batch      the same number of lines (fresh text) as a batch through the openai SDK
              (client.files.create, client.batches.create), nothing else running: lines/s from
-             batches.create to the status `completed` seen by polling (every 0.1 s). It starts
+             batches.create to the status `completed` seen by polling (every 0.02 s). It starts
              batch.quiet_after seconds (--quiet-after) after the loop's last request: an idle box,
              whose every slot batch lines may take (until then one stays free for a colleague).
   again      the loop at the best concurrency of `loop`, once more (fresh text), right after the
@@ -91,7 +91,7 @@ POOLING_ARGS = ["--runner", "pooling", "--convert", "embed"]
 TTFT_BAR = 1.5        # a chat's TTFT p50 beside a batch at most this many times its p50 alone
 THROUGHPUT_BAR = 0.9  # a batch alone at least this fraction of the best client loop's lines/s
 TERMINAL = {"completed", "failed", "expired", "cancelled"}
-POLL = 0.1            # seconds between two batches.retrieve
+POLL = 0.02           # seconds between two batches.retrieve (the batch's end is seen this late at most)
 WORDS = ("the a of to in on for with model server request token stream core node memory cache process "
          "thread worker engine queue batch prompt answer question river mountain city window garden music "
          "paper light water stone bird tree road and or but if then when while because so").split()

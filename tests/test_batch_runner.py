@@ -265,7 +265,7 @@ def test_refusal_names_the_status_and_the_message():
 
 
 async def test_work_done_in_steps_goes_on_without_waiting_for_the_poll(store):
-    ids = [f"q{i}" for i in range(2500)]  # finalize writes 1000 lines a step: three steps
+    ids = [f"q{i}" for i in range(4500)]  # finalize writes 2000 lines a step: three steps
     batch_id = submit(store, jsonl(ids))
     runner = Runner(store, Send(), lambda model: 500, lambda model: True, poll=300.0)
     runner.start()
@@ -273,8 +273,8 @@ async def test_work_done_in_steps_goes_on_without_waiting_for_the_poll(store):
         batch = await finished(store, batch_id, timeout=60.0)  # far less than the poll (300 s) a step
     finally:
         await runner.stop()
-    assert batch["status"] == "completed" and batch["request_counts"]["completed"] == 2500
-    assert len(output(store, batch["output_file_id"])) == 2500
+    assert batch["status"] == "completed" and batch["request_counts"]["completed"] == 4500
+    assert len(output(store, batch["output_file_id"])) == 4500
 
 
 async def test_a_freed_slot_wakes_the_runner_only_while_lines_wait_for_room(store):

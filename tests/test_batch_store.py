@@ -837,7 +837,7 @@ def test_finalize_in_steps_writes_the_same_files_as_at_once(tmp_path):
 
 
 def test_a_finalize_step_ends_after_its_bytes_too(store, monkeypatch):
-    monkeypatch.setattr(store_module, "STEP_BYTES", 3000)
+    monkeypatch.setattr(store_module, "FINAL_BYTES", 3000)
     batch_id = started(store, jsonl(6))
     big = json.dumps({"data": "e" * 1000}).encode()
     for c in store.claim(batch_id, 6):

@@ -61,8 +61,11 @@ from vsup.batch.status import TERMINAL, TIMESTAMP, BatchStateError, Status, chec
 MiB = 1 << 20
 GiB = 1 << 30
 PIECE = MiB           # a blob row's most bytes; content() yields pieces of this size
-STEP_BYTES = MiB      # validate() reads about this much input per call, finalize() writes (~0.1 s)
-STEP_LINES = 1000     # finalize() writes at most this many lines per call
+STEP_BYTES = MiB      # validate() reads about this much input per call (~0.1 s)
+# finalize() writes about this many bytes, at most this many lines, per call (~40 ms here: a 1,000-line
+# embeddings batch's 1.3 MB of results took two steps at 1 MiB, a round apart, before `completed`)
+FINAL_BYTES = 2 * MiB
+STEP_LINES = 2000
 DAY = 86400
 WINDOW = 24 * 3600    # completion_window "24h", the only one OpenAI offers
 
@@ -879,9 +882,9 @@ class Store:
         last, count, more = row["written"], 0, False
         start = writers[True].size + writers[False].size
         for line in cursor:
-            # a step ends after `step` lines or STEP_BYTES written (an embedding's answer is large),
+            # a step ends after `step` lines or FINAL_BYTES written (an embedding's answer is large),
             # and is the last when no line is left after them (not one more step with nothing to write)
-            if step is not None and (count >= step or writers[True].size + writers[False].size - start >= STEP_BYTES):
+            if step is not None and (count >= step or writers[True].size + writers[False].size - start >= FINAL_BYTES):
                 more = True
                 break
             ok = line["error"] is None and line["status_code"] is not None and 200 <= line["status_code"] < 300
