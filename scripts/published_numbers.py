@@ -598,7 +598,7 @@ def batch_line(link: str, file: str = "batch_bench.json") -> str:
             f"{k['output_results']:,} results for {k['custom_ids']:,} custom_ids, {k['duplicates']} twice, {k['missing']} missing"
             if k else "")
     turns = f" (medians of {len(f['turns'])} turns)" if f.get("turns") else ""
-    again = " (measured again right after the batch)" if "again" in f else ""
+    again = " measured again right after the batch" if "again" in f else ""
     return (f"{_batch_backend(f)}{turns}: a chat's TTFT p50 beside a batch {_against(r['ttft_p50_beside_over_alone'], 1.5, False)}× "
             f"its p50 alone (bar ≤ 1.5), a batch alone {_against(r['batch_over_best_loop'], 0.9, True)}× the lines/s of the best "
             f"client loop{again} (bar ≥ 0.9){kill}; "
@@ -674,8 +674,8 @@ def _turns(f: dict[str, Any]) -> str:
     rate = ", ".join(f"{t['ratios']['batch_over_best_loop']:.2f}×" for t in turns)
     if all("again" in t for t in turns):
         swept = ", ".join(f"{t['ratios']['batch_over_sweep_best']:.2f}×" for t in turns)
-        return (f"\n\n{len(turns)} turns, each against its own baselines (the chats alone just before its batch, the best "
-                f"loop measured again just after it): TTFT p50 beside / alone {ttft}; the batch / the best loop {rate} "
+        return (f"\n\n{len(turns)} turns, each against its own baselines (the chats alone at its start, the best loop "
+                f"measured again just after its batch): TTFT p50 beside / alone {ttft}; the batch / the best loop {rate} "
                 f"(against the sweep's best figure: {swept}). The bars take the median of each; the rows above are the "
                 "turn of the median throughput.")
     return (f"\n\n{len(turns)} turns, each against its own baselines (the chats alone and the loops just before its "
