@@ -337,30 +337,44 @@ def test_a_failing_write_inside_together_is_undone_alone(store):
     assert store.batch(batch_id, None)["request_counts"]["completed"] == 3
 
 
+class Freeing(Send):
+    """A sender that tells the runner a slot freed at each request's end, as the forwarder does."""
+
+    runner: Runner | None = None
+
+    async def __call__(self, endpoint: str, body: bytes, owner: str) -> tuple[int, bytes, str]:
+        try:
+            return await super().__call__(endpoint, body, owner)
+        finally:
+            assert self.runner is not None
+            asyncio.get_running_loop().call_soon(self.runner.slot_freed)
+
+
+async def sent_through_freed_slots(store: Store, count: int, delay: float, within: float) -> tuple[Runner, Freeing]:
+    """A runner with a room of 2 (rounds as far apart as the caller set MIN_ROUND), started: waits
+    until `count` lines went out (fails after `within` s) and returns it running, and its sender."""
+    send = Freeing(delay=delay)
+    runner = send.runner = Runner(store, send, lambda model: 2 - send.in_flight, lambda model: True, poll=10.0)
+    runner.start()
+    try:
+        deadline = asyncio.get_running_loop().time() + within
+        while sum(send.calls.values()) < count:
+            assert asyncio.get_running_loop().time() < deadline, f"only {sum(send.calls.values())} sent: a round was awaited"
+            await asyncio.sleep(0.01)
+    except BaseException:
+        await runner.stop()
+        raise
+    return runner, send
+
+
 async def test_a_freed_slot_sends_a_held_line_at_once_not_at_the_next_round(store, monkeypatch):
     # rounds 5 s apart: every line after the first round's two must go out through slot_freed(),
     # which the forwarder calls as each request ends, from the lines claimed ahead (PREFETCH)
     monkeypatch.setattr("vsup.batch.runner.MIN_ROUND", 5.0)
-    ids = [f"h{i}" for i in range(10)]
-    batch_id = submit(store, jsonl(ids))
+    batch_id = submit(store, jsonl([f"h{i}" for i in range(10)]))
     store.validate(batch_id, None)
-    runner: Runner
-
-    class Freeing(Send):
-        async def __call__(self, endpoint: str, body: bytes, owner: str) -> tuple[int, bytes, str]:
-            try:
-                return await super().__call__(endpoint, body, owner)
-            finally:
-                asyncio.get_running_loop().call_soon(runner.slot_freed)  # as the forwarder does at a request's end
-
-    send = Freeing(delay=0.01)
-    runner = Runner(store, send, lambda model: 2 - send.in_flight, lambda model: True, poll=10.0)
-    runner.start()
+    runner, send = await sent_through_freed_slots(store, 10, delay=0.01, within=2.0)
     try:
-        deadline = asyncio.get_running_loop().time() + 2.0
-        while sum(send.calls.values()) < 10:
-            assert asyncio.get_running_loop().time() < deadline, f"only {sum(send.calls.values())} sent: a round was awaited"
-            await asyncio.sleep(0.01)
         assert send.most <= 2  # the room was never exceeded
     finally:
         await runner.stop()
@@ -374,23 +388,8 @@ async def test_a_freed_slot_claims_more_lines_when_none_is_held(store, monkeypat
     ids = [f"k{i}" for i in range(40)]
     batch_id = submit(store, jsonl(ids))
     store.validate(batch_id, None)
-    runner: Runner
-
-    class Freeing(Send):
-        async def __call__(self, endpoint: str, body: bytes, owner: str) -> tuple[int, bytes, str]:
-            try:
-                return await super().__call__(endpoint, body, owner)
-            finally:
-                asyncio.get_running_loop().call_soon(runner.slot_freed)
-
-    send = Freeing(delay=0.005)
-    runner = Runner(store, send, lambda model: 2 - send.in_flight, lambda model: True, poll=10.0)
-    runner.start()
+    runner, send = await sent_through_freed_slots(store, 40, delay=0.005, within=3.0)
     try:
-        deadline = asyncio.get_running_loop().time() + 3.0
-        while sum(send.calls.values()) < 40:
-            assert asyncio.get_running_loop().time() < deadline, f"only {sum(send.calls.values())} sent: a round was awaited"
-            await asyncio.sleep(0.01)
         assert send.most <= 2 and sorted(send.calls) == sorted(ids) and set(send.calls.values()) == {1}
         while store.running()[0]["running"]:  # the last results land
             await asyncio.sleep(0.01)
