@@ -53,7 +53,7 @@ MIN_ROUND = 0.02
 # advantage on short lines). A wave of slots' worth, not a few: each claim is a transaction on the
 # event loop, which waits for the writer thread's while that one commits (py-spy, a fake engine
 # answering at once: at 8, 15 % of the loop's time went to that wait and batches ran ~4,100
-# lines/s; at 64, ~4,900; a real embeddings instance: 0.93–0.96× the loop's rate, from 0.84–0.98×).
+# lines/s; at 64, ~4,900, where a client loop runs ~6,000).
 # A kill -9 counts an attempt against the held lines too (recover() cannot tell them from sent ones).
 PREFETCH = 64
 # The most of a refusal's message a requeue keeps (the error file shows it when attempts run out).
